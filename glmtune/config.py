@@ -1,0 +1,183 @@
+"""Typed run configuration: one dataclass per Hydra config group, validated once.
+
+`python -m glmtune` composes `conf/` with Hydra and hands the plain dict to `parse_config`, which
+turns it into these dataclasses. Every unknown key, wrong type and bad value is collected into one
+`ConfigError`, so a user fixes a config in one pass instead of one error per run. Only
+`glmtune/__main__.py` imports Hydra; everything below it receives these objects.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class ConfigError(ValueError):
+    """Bad configuration or input: reported as one line, exit code 2, no traceback."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "glm4_tiny"  # preset name; the architecture facts of released models need no weights
+    path: Optional[str] = None  # checkpoint folder (config.json + weights); None = built-in tiny model
+    trust_remote_code: bool = False  # opt-in: run the folder's own modeling code instead of glmtune's
+
+
+@dataclass
+class DataConfig:
+    train_file: str = "data/samples/train.jsonl"
+    val_file: Optional[str] = None
+    max_length: int = 500  # tokens per example after truncation; the planner never changes a value set here
+
+
+@dataclass
+class LoraConfig:
+    r: int = 8
+    alpha: int = 32
+    dropout: float = 0.1
+    target_modules: list[str] = field(default_factory=lambda: ["query_key_value"])
+
+
+@dataclass
+class DistConfig:
+    strategy: str = "auto"  # auto: the plan decides; ddp: plain data parallel; zero3: DeepSpeed ZeRO-3
+    nnodes: int = 1
+    nproc_per_node: int = 1
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 40  # > 0 wins over num_epochs
+    num_epochs: float = 1.0
+    learning_rate: float = 5e-4
+    per_device_batch_size: int = 1  # micro-batch; global batch = this x grad_accum x world size
+    grad_accum: int = 1
+    eval_batch_size: int = 4
+    eval_steps: int = 0  # 0 = no evaluation during training
+    save_steps: int = 0  # 0 = save only at the end
+    logging_steps: int = 5
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    precision: str = "auto"  # auto | bf16 | fp16 | fp32
+    gradient_checkpointing: str = "auto"  # auto | on | off
+    use_reentrant: bool = True  # reentrant checkpointing works with ZeRO-3 and frozen params
+    seed: int = 42
+
+
+@dataclass
+class HwConfig:
+    name: str = "local"  # preset name; "local" = whatever device this process sees
+    memory_gib: Optional[float] = None  # per-device budget; None = the device's own memory
+    bf16: bool = True  # card supports bfloat16 (Ampere and newer)
+    interconnect: str = "pcie"  # pcie | nvlink | none
+    gpus_per_node: int = 1
+
+
+MODES = ("train", "plan", "probe")
+
+
+@dataclass
+class RunConfig:
+    mode: str = "train"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    hw: HwConfig = field(default_factory=HwConfig)
+
+
+_CHOICES = {
+    "mode": MODES,
+    "dist.strategy": ("auto", "ddp", "zero3"),
+    "train.precision": ("auto", "bf16", "fp16", "fp32"),
+    "train.gradient_checkpointing": ("auto", "on", "off"),
+    "hw.interconnect": ("pcie", "nvlink", "none"),
+}
+_POSITIVE = ("data.max_length", "lora.r", "lora.alpha", "dist.nnodes", "dist.nproc_per_node",
+             "train.per_device_batch_size", "train.grad_accum",
+             "train.eval_batch_size", "train.logging_steps", "hw.gpus_per_node")
+
+
+def parse_config(raw: dict[str, Any]) -> RunConfig:
+    """Build a RunConfig from a plain (resolved) dict, reporting every problem at once."""
+    problems: list[str] = []
+    cfg = _build(RunConfig, raw, "", problems)
+    if not problems:
+        problems += _check_values(cfg)
+    if problems:
+        raise ConfigError("invalid config: " + "; ".join(problems))
+    return cfg
+
+
+def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
+    where = prefix.rstrip(".") or "<root>"
+    if not isinstance(raw, dict):
+        problems.append(f"{where} must be a mapping, got {type(raw).__name__}")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in raw:
+        if key not in names:
+            problems.append(f"unknown key '{prefix}{key}' (valid keys under {where}: {', '.join(names)})")
+    kwargs = {}
+    for name in names:
+        if name not in raw:
+            continue
+        kwargs[name] = _coerce(hints[name], raw[name], prefix + name, problems)
+    return cls(**{k: v for k, v in kwargs.items() if v is not _BAD})
+
+
+_BAD = object()
+
+
+def _coerce(hint: Any, value: Any, key: str, problems: list[str]) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key + ".", problems)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        hint = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            problems.append(f"{key} must be a list, got {value!r}")
+            return _BAD
+        return [_coerce(args[0], v, f"{key}[{i}]", problems) for i, v in enumerate(value)]
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool) and (type(value) is not hint):
+        problems.append(f"{key} must be {hint.__name__}, got {value!r}")
+        return _BAD
+    return value
+
+
+def _get(cfg: RunConfig, dotted: str) -> Any:
+    obj: Any = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _check_values(cfg: RunConfig) -> list[str]:
+    problems = []
+    for key, allowed in _CHOICES.items():
+        if _get(cfg, key) not in allowed:
+            problems.append(f"{key}={_get(cfg, key)!r} is not one of {', '.join(allowed)}")
+    for key in _POSITIVE:
+        if _get(cfg, key) <= 0:
+            problems.append(f"{key} must be > 0, got {_get(cfg, key)}")
+    if not 0.0 <= cfg.lora.dropout < 1.0:
+        problems.append(f"lora.dropout must be in [0, 1), got {cfg.lora.dropout}")
+    if not cfg.lora.target_modules:
+        problems.append("lora.target_modules must name at least one module")
+    if cfg.hw.memory_gib is not None and cfg.hw.memory_gib <= 0:
+        problems.append(f"hw.memory_gib must be > 0, got {cfg.hw.memory_gib}")
+    if cfg.train.max_steps <= 0 and cfg.train.num_epochs <= 0:
+        problems.append("set train.max_steps > 0 or train.num_epochs > 0")
+    if cfg.train.learning_rate <= 0:
+        problems.append(f"train.learning_rate must be > 0, got {cfg.train.learning_rate}")
+    return problems

@@ -1,0 +1,184 @@
+"""GLM-4 / ChatGLM3 causal LM with the official module tree, as a transformers PreTrainedModel.
+
+    ChatGLMForConditionalGeneration
+      transformer: ChatGLMModel
+        embedding.word_embeddings        [padded_vocab, hidden]
+        rotary_pos_emb (inv_freq buffer, not saved; accepted and ignored when a checkpoint has it)
+        encoder.layers.N.{input_layernorm, self_attention.{query_key_value, dense},
+                          post_attention_layernorm, mlp.{dense_h_to_4h, dense_4h_to_h}}
+        encoder.final_layernorm
+        output_layer                     [padded_vocab, hidden], untied
+
+Works with HF `generate()` (legacy tuple KV cache holding the un-expanded KV groups: 2 heads, not 32),
+`gradient_checkpointing_enable()` (reentrant or not, via gradient_checkpointing_kwargs), PEFT and the Trainer.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .configuration import GLMConfig
+from .layers import Embedding, GLMBlock, GLMTransformer, RMSNorm, RotaryEmbedding
+
+
+def build_attention_mask(attention_mask: torch.Tensor | None, q_len: int, past_len: int) -> torch.Tensor | None:
+    """Boolean SDPA mask [B, 1, q, past+q] (True = attend), or None for the plain causal case.
+
+    None is returned when no pad can influence a real token: no padding, a single new token, or right
+    padding without a cache (causality already hides later pads). Query rows that are pads attend to
+    everything, so SDPA never sees an all-masked row (NaN); their outputs are never used.
+    """
+    total = past_len + q_len
+    if attention_mask is None or bool(attention_mask.all()):
+        if past_len == 0 or q_len == 1:
+            return None
+        keys = torch.ones(1, total, dtype=torch.bool, device=attention_mask.device if attention_mask is not None else None)
+    else:
+        keys = attention_mask.bool()
+        right_padded = bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all())
+        if past_len == 0 and right_padded:
+            return None
+    causal = torch.ones(q_len, total, dtype=torch.bool, device=keys.device).tril(diagonal=past_len)
+    mask = causal[None, None] & keys[:, None, None, -total:]
+    return mask | ~keys[:, None, -q_len:, None]
+
+
+class GLMPreTrainedModel(PreTrainedModel):
+    config_class = GLMConfig
+    base_model_prefix = "transformer"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["GLMBlock"]
+    _keys_to_ignore_on_load_unexpected = [r"rotary_pos_emb\.inv_freq"]
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # Only tiny random checkpoints and meta-device models are ever initialised here; real weights are loaded.
+        std = 0.02
+        if isinstance(module, nn.Linear):
+            module.weight.data.normal_(0.0, std)
+            if module.bias is not None:
+                module.bias.data.zero_()
+        elif isinstance(module, nn.Embedding):
+            module.weight.data.normal_(0.0, std)
+        elif isinstance(module, (RMSNorm, nn.LayerNorm)):
+            module.weight.data.fill_(1.0)
+
+
+class ChatGLMModel(GLMPreTrainedModel):
+    def __init__(self, config: GLMConfig):
+        super().__init__(config)
+        self.embedding = Embedding(config)
+        self.rotary_pos_emb = RotaryEmbedding(config)
+        self.encoder = GLMTransformer(config)
+        self.output_layer = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embedding.word_embeddings
+
+    def set_input_embeddings(self, value):
+        self.embedding.word_embeddings = value
+
+    def forward(self, input_ids=None, position_ids=None, attention_mask=None, past_key_values=None,
+                inputs_embeds=None, use_cache=False):
+        if inputs_embeds is None:
+            inputs_embeds = self.embedding(input_ids)
+        b, s = inputs_embeds.shape[:2]
+        past_len = past_key_values[0][0].shape[2] if past_key_values else 0
+        if position_ids is None:
+            position_ids = torch.arange(past_len, past_len + s, device=inputs_embeds.device).expand(b, s)
+        rope = self.rotary_pos_emb(position_ids, inputs_embeds.dtype)
+        mask = build_attention_mask(attention_mask, s, past_len)
+        return self.encoder(inputs_embeds, mask, rope, past_key_values, use_cache)
+
+
+class ChatGLMForConditionalGeneration(GLMPreTrainedModel):
+    def __init__(self, config: GLMConfig):
+        super().__init__(config)
+        self.transformer = ChatGLMModel(config)
+        # Tokens per chunk of the lower-memory loss; 0 = the reference loss (full fp32 logits, ~1.8 MB/token
+        # for the 151,552-token vocabulary). Set by the trainer from the plan; not part of config.json.
+        self.loss_chunk_tokens = 0
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.transformer.embedding.word_embeddings
+
+    def set_input_embeddings(self, value):
+        self.transformer.embedding.word_embeddings = value
+
+    def get_output_embeddings(self):
+        return self.transformer.output_layer
+
+    def set_output_embeddings(self, value):
+        self.transformer.output_layer = value
+
+    def forward(self, input_ids=None, position_ids=None, attention_mask=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, output_attentions=None,
+                output_hidden_states=None, return_dict=None, return_last_logit=False):
+        # A cache is only useful for generation; in training it would just hold K/V of every layer.
+        if use_cache is None:
+            use_cache = self.config.use_cache and not self.training
+        hidden, presents = self.transformer(input_ids, position_ids, attention_mask, past_key_values,
+                                            inputs_embeds, use_cache)
+        if return_last_logit:
+            hidden = hidden[:, -1:]
+        loss = logits = None
+        if labels is not None and self.loss_chunk_tokens > 0:
+            loss = self._chunked_loss(hidden, labels).to(hidden.dtype)
+        else:
+            logits = self.transformer.output_layer(hidden)
+            if labels is not None:
+                # The reference: fp32 logits, shift inside the model, mean over labelled tokens.
+                logits = logits.to(torch.float32)
+                shifted = logits[..., :-1, :].contiguous()
+                loss = F.cross_entropy(shifted.view(-1, shifted.size(-1)), labels[..., 1:].reshape(-1),
+                                       ignore_index=-100)
+                logits, loss = logits.to(hidden.dtype), loss.to(hidden.dtype)
+        return CausalLMOutputWithPast(loss=loss, logits=logits,
+                                      past_key_values=tuple(presents) if presents is not None else None)
+
+    def _chunked_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Same value as the reference loss, but fp32 logits exist for one chunk of tokens at a time:
+        each chunk's logits are recomputed in backward instead of being kept (peak ~chunk x vocab x 4 B x 3)."""
+        h = hidden[:, :-1].reshape(-1, hidden.size(-1))
+        y = labels[:, 1:].reshape(-1).to(h.device)
+        head = self.transformer.output_layer
+        ckpt = self.transformer.encoder._gradient_checkpointing_func
+        if ckpt is checkpoint:  # not configured by gradient_checkpointing_enable()
+            ckpt = partial(checkpoint, use_reentrant=False)
+
+        def chunk_sum(hs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(head(hs).to(torch.float32), ys, ignore_index=-100, reduction="sum")
+
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for start in range(0, h.size(0), self.loss_chunk_tokens):
+            hs, ys = h[start:start + self.loss_chunk_tokens], y[start:start + self.loss_chunk_tokens]
+            if bool((ys != -100).any()):
+                total = total + (ckpt(chunk_sum, hs, ys) if torch.is_grad_enabled() else chunk_sum(hs, ys))
+        return total / (y != -100).sum().clamp(min=1)
+
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
+                                      position_ids=None, use_cache=True, **kwargs):
+        if position_ids is None and attention_mask is not None:
+            # Left padding: real tokens count from 0, as the official tokenizer's position_ids do.
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        if past_key_values is not None:
+            input_ids = input_ids[:, -1:]
+            if position_ids is not None:
+                position_ids = position_ids[:, -1:]
+        return {"input_ids": input_ids, "past_key_values": past_key_values, "position_ids": position_ids,
+                "attention_mask": attention_mask, "use_cache": use_cache, "return_last_logit": True}
+
+    @staticmethod
+    def _reorder_cache(past_key_values, beam_idx):
+        return tuple((k.index_select(0, beam_idx.to(k.device)), v.index_select(0, beam_idx.to(v.device)))
+                     for k, v in past_key_values)
+
+
+__all__ = ["ChatGLMForConditionalGeneration", "ChatGLMModel", "GLMBlock", "GLMPreTrainedModel"]

@@ -1,0 +1,69 @@
+"""What a run leaves in its run dir besides the adapter: config, versions, and the console summary.
+
+Written by rank 0 only, and only after the inputs validated, so a run that stops on bad input never
+overwrites the files of an earlier run in the same folder.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from dataclasses import asdict
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from rich.console import Console
+from rich.tree import Tree
+
+from .config import RunConfig
+
+console = Console(stderr=False, highlight=False)
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def fail(message: str, code: int = 2) -> None:
+    """One line on stderr, no traceback: what is wrong and what to do."""
+    print(f"glmtune: error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def _version(package: str) -> str | None:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def write_run_files(run_dir: Path, config_yaml: str, overrides: list[str], model_dir: Path) -> str:
+    """.hydra/config.yaml, .hydra/overrides.yaml and versions.json; returns the config hash."""
+    config_hash = hashlib.sha256(config_yaml.encode()).hexdigest()[:16]
+    if rank() != 0:
+        return config_hash
+    hydra_dir = run_dir / ".hydra"
+    hydra_dir.mkdir(parents=True, exist_ok=True)
+    (hydra_dir / "config.yaml").write_text(config_yaml)
+    (hydra_dir / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides) or "[]\n")
+    versions = {name: _version(name) for name in ("torch", "transformers", "peft", "deepspeed", "glmtune")}
+    versions.update(model_path=str(model_dir), config_hash=config_hash)
+    (run_dir / "versions.json").write_text(json.dumps(versions, indent=2) + "\n")
+    return config_hash
+
+
+def print_config(run: RunConfig, run_dir: Path) -> None:
+    if rank() != 0:
+        return
+    tree = Tree(f"[bold]glmtune[/bold] mode={run.mode}  run dir: {run_dir}")
+    for group, values in asdict(run).items():
+        if isinstance(values, dict):
+            branch = tree.add(f"[cyan]{group}[/cyan]")
+            for key, value in values.items():
+                branch.add(f"{key}: {value}")
+    console.print(tree)

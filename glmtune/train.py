@@ -1,0 +1,111 @@
+"""The `train` config group: LoRA fine-tuning of glmtune's GLM model with the HF Trainer.
+
+    python -m glmtune                                    # tiny model, data/samples, CPU
+    python -m glmtune model=glm4_9b_chat model.path=/models/glm-4-9b-chat +hw=a100_40g
+
+The Trainer runs the loop; glmtune only decides what it is given: the plan's dtype, checkpointing,
+micro-batch and accumulation, an optimizer over the trainable (LoRA) parameters only, and where the
+adapter, metrics and TensorBoard logs go in the run dir.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from .config import RunConfig, TrainConfig
+from .lora import apply_lora, trainable_parameters
+from .models import enable_checkpointing, load_model
+from .plan import Choices
+
+_TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def training_args(cfg: TrainConfig, choices: Choices, run_dir: Path, has_eval: bool) -> TrainingArguments:
+    """Built before the model loads: under ZeRO-3 these arguments switch on deepspeed.zero.Init."""
+    evaluate = has_eval and cfg.eval_steps > 0
+    return TrainingArguments(
+        output_dir=str(run_dir / "checkpoints"),
+        max_steps=cfg.max_steps if cfg.max_steps > 0 else -1,
+        num_train_epochs=cfg.num_epochs,
+        learning_rate=cfg.learning_rate,
+        warmup_steps=cfg.warmup_steps,
+        weight_decay=cfg.weight_decay,
+        per_device_train_batch_size=choices.micro_batch_size,
+        per_device_eval_batch_size=choices.eval_batch_size,
+        gradient_accumulation_steps=choices.grad_accum,
+        bf16=choices.dtype == "bf16",
+        fp16=choices.dtype == "fp16",  # the Trainer adds dynamic loss scaling
+        # evaluation_strategy, not eval_strategy: transformers 4.40 predates the rename (4.41).
+        evaluation_strategy="steps" if evaluate else "no",
+        eval_steps=cfg.eval_steps if evaluate else None,
+        save_strategy="steps" if cfg.save_steps > 0 else "no",
+        save_steps=cfg.save_steps if cfg.save_steps > 0 else 500,
+        logging_strategy="steps",
+        logging_steps=cfg.logging_steps,
+        logging_dir=str(run_dir / "tensorboard"),
+        report_to=["tensorboard"],
+        seed=cfg.seed,
+        data_seed=cfg.seed,
+        remove_unused_columns=False,  # our examples are already model inputs
+        dataloader_num_workers=0,
+        disable_tqdm=False,
+        save_safetensors=True,
+    )
+
+
+def build_model(model_dir: Path, run: RunConfig, choices: Choices) -> torch.nn.Module:
+    transformers.set_seed(run.train.seed)  # LoRA's A matrices are random: same seed, same start
+    model = load_model(model_dir, dtype=_TORCH_DTYPE[choices.dtype], trust_remote_code=run.model.trust_remote_code)
+    model.config.use_cache = False
+    if hasattr(model, "loss_chunk_tokens"):
+        model.loss_chunk_tokens = choices.loss_chunk_tokens
+    model = apply_lora(model, run.lora)
+    if choices.gradient_checkpointing:
+        enable_checkpointing(model, use_reentrant=run.train.use_reentrant)
+        # Reentrant checkpointing only back-propagates into a block when its input requires grad; the
+        # embeddings are frozen, so make their output require it.
+        model.enable_input_require_grads()
+    return model
+
+
+class MetricsFile(TrainerCallback):
+    """Every log line of the Trainer, one JSON object per line, in run_dir/metrics.jsonl (rank 0)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs:
+            with self.path.open("a") as f:
+                f.write(json.dumps({"step": state.global_step, **logs}) + "\n")
+
+
+def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, train_set, val_set, collator) -> dict:
+    args = training_args(run.train, choices, run_dir, has_eval=bool(val_set))
+    model = build_model(model_dir, run, choices)
+    params = trainable_parameters(model)
+    # Only trainable parameters: an optimizer over frozen weights would allocate nothing useful, and an
+    # empty weight-decay group makes torch's LR scheduler fail under DeepSpeed.
+    optimizer = torch.optim.AdamW(params, lr=run.train.learning_rate, weight_decay=run.train.weight_decay)
+    trainer = Trainer(model=model, args=args, train_dataset=train_set, eval_dataset=val_set or None,
+                      data_collator=collator, optimizers=(optimizer, None),
+                      callbacks=[MetricsFile(run_dir / "metrics.jsonl")])
+    result = trainer.train()
+    metrics = {"train_loss": result.training_loss, "steps": result.global_step,
+               "trainable_parameters": sum(p.numel() for p in params),
+               "runtime_s": result.metrics.get("train_runtime")}
+    if val_set:
+        metrics["eval_loss"] = trainer.evaluate()["eval_loss"]
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    metrics["first_logged_loss"], metrics["last_logged_loss"] = (losses[0], losses[-1]) if losses else (math.nan,) * 2
+    adapter_dir = run_dir / "adapter"
+    if trainer.is_world_process_zero():
+        model.save_pretrained(str(adapter_dir))
+        (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    metrics["adapter_dir"] = str(adapter_dir)
+    return metrics
