@@ -15,8 +15,13 @@ from .data import DataCollator, build_datasets, format_stats, validate_files
 from .models import load_tokenizer
 from .models.presets import resolve_model_dir
 from .plan import default_choices
-from .rundir import console, fail, print_config, rank, world_size, write_run_files
+from .dist import rank, run_name, world_size
+from .rundir import console, fail, print_config, write_run_files
 from .train import train
+
+
+# Every rank of one launch must agree on the run dir; ${now:} alone would differ by a second.
+OmegaConf.register_new_resolver("glmtune_run", run_name, replace=True)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -35,7 +40,7 @@ def main(cfg: DictConfig) -> float:
     if rank() == 0:
         console.print(format_stats(stats))
     decisions = default_choices(run, world_size())
-    metrics = train(run, decisions.choices, run_dir, model_dir, train_set, val_set,
+    metrics, _ = train(run, decisions.choices, run_dir, model_dir, train_set, val_set,
                     DataCollator(tokenizer.pad_token_id))
     if rank() == 0:
         console.print(f"adapter saved to {metrics['adapter_dir']}  (train loss {metrics['train_loss']:.4f})")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 from dataclasses import asdict
 from importlib.metadata import PackageNotFoundError, version
@@ -17,16 +16,9 @@ from rich.console import Console
 from rich.tree import Tree
 
 from .config import RunConfig
+from .dist import rank
 
 console = Console(stderr=False, highlight=False)
-
-
-def rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
-def world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def fail(message: str, code: int = 2) -> None:

@@ -18,6 +18,7 @@ import transformers
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from .config import RunConfig, TrainConfig
+from .dist import deepspeed_config
 from .lora import apply_lora, trainable_parameters
 from .models import enable_checkpointing, load_model
 from .plan import Choices
@@ -55,6 +56,8 @@ def training_args(cfg: TrainConfig, choices: Choices, run_dir: Path, has_eval: b
         dataloader_num_workers=0,
         disable_tqdm=False,
         save_safetensors=True,
+        deepspeed=deepspeed_config(choices),
+        ddp_find_unused_parameters=False,  # every LoRA parameter gets a gradient each step
     )
 
 
@@ -85,7 +88,9 @@ class MetricsFile(TrainerCallback):
                 f.write(json.dumps({"step": state.global_step, **logs}) + "\n")
 
 
-def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, train_set, val_set, collator) -> dict:
+def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, train_set, val_set,
+          collator) -> tuple[dict, torch.nn.Module]:
+    """Fine-tune, save the adapter (rank 0) and return (metrics, the trained PEFT model)."""
     args = training_args(run.train, choices, run_dir, has_eval=bool(val_set))
     model = build_model(model_dir, run, choices)
     params = trainable_parameters(model)
@@ -104,8 +109,9 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     metrics["first_logged_loss"], metrics["last_logged_loss"] = (losses[0], losses[-1]) if losses else (math.nan,) * 2
     adapter_dir = run_dir / "adapter"
+    # Every rank calls it: under ZeRO-3 the adapter is gathered from all shards, then rank 0 writes it.
+    trainer.save_model(str(adapter_dir))
     if trainer.is_world_process_zero():
-        model.save_pretrained(str(adapter_dir))
         (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     metrics["adapter_dir"] = str(adapter_dir)
-    return metrics
+    return metrics, model

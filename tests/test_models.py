@@ -276,8 +276,10 @@ def test_remote_code_in_folder_is_never_imported(tmp_path):
     src = make_tiny_checkpoint(tmp_path / "tiny")
     (src / "modeling_chatglm.py").write_text("raise RuntimeError('remote code was imported')\n")
     (src / "tokenization_chatglm.py").write_text("raise RuntimeError('remote code was imported')\n")
+    (src / "configuration_chatglm.py").write_text("raise RuntimeError('remote code was imported')\n")
     cfg = (src / "config.json").read_text()
-    (src / "config.json").write_text(cfg.replace('"architectures"', '"auto_map": {"AutoModelForCausalLM": '
+    (src / "config.json").write_text(cfg.replace('"architectures"', '"auto_map": {"AutoConfig": '
+                                                 '"configuration_chatglm.ChatGLMConfig", "AutoModelForCausalLM": '
                                                  '"modeling_chatglm.ChatGLMForConditionalGeneration"}, "architectures"'))
     model = load_model(src)
     assert type(model) is ChatGLMForConditionalGeneration

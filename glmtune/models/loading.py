@@ -54,9 +54,11 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None, 
         # ZeRO-3 builds the model inside deepspeed.zero.Init, which low_cpu_mem_usage would bypass.
         low_cpu_mem_usage=not is_deepspeed_zero3_enabled(),
     )
-    if info["missing_keys"]:
-        raise ValueError(f"{path}: checkpoint lacks {len(info['missing_keys'])} weights, e.g. "
-                         f"{', '.join(info['missing_keys'][:3])} — is it a complete GLM-4/ChatGLM3 checkpoint?")
+    # With low_cpu_mem_usage, transformers 4.40 leaves a missing weight on the meta device without listing it.
+    missing = info["missing_keys"] or [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"{path}: checkpoint lacks {len(missing)} weights, e.g. "
+                         f"{', '.join(missing[:3])} — is it a complete GLM-4/ChatGLM3 checkpoint?")
     model.config.name_or_path = str(path)
     return model.to(device) if device is not None else model
 

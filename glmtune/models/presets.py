@@ -28,7 +28,8 @@ def ensure_tiny(family: str) -> Path:
     """Build the tiny checkpoint once; a changed architecture gets a new folder (hash in the name)."""
     from . import tokenization  # the tokenizer source is part of what the tiny checkpoint depends on
 
-    recipe = json.dumps([TINY_ARCH, _FAMILY[family], Path(tokenization.__file__).read_text()], sort_keys=True)
+    sources = [p.read_text() for p in sorted(Path(tokenization.__file__).parent.glob("tokenization*.py"))]
+    recipe = json.dumps([TINY_ARCH, _FAMILY[family], sources], sort_keys=True)
     target = cache_root() / f"tiny-{family}-{hashlib.sha256(recipe.encode()).hexdigest()[:10]}"
     if (target / "model.safetensors").is_file():
         return target

@@ -1,0 +1,71 @@
+"""Every file in conf/ composes and validates; `+hw=` precedence; unknown keys and wrong types are named."""
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from glmtune.config import ConfigError, RunConfig, parse_config
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+GROUPS = ["model", "data", "lora", "dist", "train"]
+
+
+def composed(overrides=()):
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def test_defaults_compose_and_validate():
+    run = parse_config(composed())
+    assert isinstance(run, RunConfig)
+    assert run.model.name == "glm4_tiny" and run.data.max_length == 500
+    assert (run.lora.r, run.lora.alpha, run.lora.dropout, run.lora.target_modules) == (8, 32, 0.1, ["query_key_value"])
+    assert run.train.learning_rate == 5e-4 and run.hw.name == "local"
+
+
+@pytest.mark.parametrize("group,option", [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))])
+def test_every_group_option_composes_and_validates(group, option):
+    run = parse_config(composed([f"{group}={option}"]))
+    assert run is not None
+
+
+@pytest.mark.parametrize("card", sorted(p.stem for p in (CONF / "hw").glob("*.yaml")))
+def test_every_hw_preset_composes_and_validates(card):
+    run = parse_config(composed([f"+hw={card}"]))
+    assert run.hw.name == card and run.hw.memory_gib > 0
+
+
+def test_hw_preset_beats_main_config_and_command_line_beats_both():
+    main = composed()
+    assert main["hw"]["memory_gib"] is None and main["hw"]["bf16"] is True
+    preset = composed(["+hw=v100_32g"])
+    assert preset["hw"]["memory_gib"] == 31.7 and preset["hw"]["bf16"] is False  # preset over conf/config.yaml
+    both = composed(["+hw=v100_32g", "hw.memory_gib=20"])
+    assert both["hw"]["memory_gib"] == 20 and both["hw"]["bf16"] is False  # command line over the preset
+    # order on the command line does not matter: key=value overrides are applied after the defaults list
+    assert composed(["hw.memory_gib=20", "+hw=v100_32g"])["hw"]["memory_gib"] == 20
+
+
+def test_budget_without_a_preset():
+    assert parse_config(composed(["hw.memory_gib=12.5"])).hw.memory_gib == 12.5
+
+
+def test_unknown_keys_and_wrong_types_are_all_named_in_one_message():
+    raw = composed(["+train.lrr=0.1", "+lora.rank=4", "train.max_steps=ten", "lora.dropout=2.0", "mode=fly"])
+    with pytest.raises(ConfigError) as err:
+        parse_config(raw)
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "unknown key 'train.lrr'" in msg and "learning_rate" in msg  # valid keys are listed
+    assert "unknown key 'lora.rank'" in msg and "target_modules" in msg
+    assert "train.max_steps must be int, got 'ten'" in msg
+
+
+def test_bad_values_are_all_named():
+    with pytest.raises(ConfigError) as err:
+        parse_config(composed(["lora.dropout=2.0", "mode=fly", "train.per_device_batch_size=0", "dist.strategy=fsdp"]))
+    msg = str(err.value)
+    for needle in ("lora.dropout", "mode='fly'", "train.per_device_batch_size", "dist.strategy='fsdp'"):
+        assert needle in msg

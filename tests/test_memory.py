@@ -1,0 +1,75 @@
+"""Estimator vs measured live tensor bytes on CPU (glmtune.memtrack), and the tracker vs known allocations."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glmtune.memory import RunShape, estimate
+from glmtune.memtrack import LiveTensorTracker, measure_lora_step
+from glmtune.models import GLMConfig
+from glmtune.models.loading import TINY_ARCH
+
+MB = 2**20
+ALL = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
+TINY = GLMConfig(**TINY_ARCH, padded_vocab_size=1024)
+# GLM-4-shaped, ~100M parameters (GQA 12 heads / 2 groups, SwiGLU, untied 32k head).
+MID = GLMConfig(num_layers=12, hidden_size=768, ffn_hidden_size=2048, kv_channels=64, num_attention_heads=12,
+                multi_query_attention=True, multi_query_group_num=2, padded_vocab_size=32000)
+
+
+def test_tracker_known_allocations():
+    base = torch.ones(MB // 4)  # 1 MiB alive at entry
+    with LiveTensorTracker(baseline=[base]) as t:
+        a = torch.empty(10 * MB, dtype=torch.uint8)
+        b = torch.zeros(5 * MB)  # 20 MiB
+        view = b[:10]  # shares b's storage: counted once
+        a.add_(1)  # in place: no new storage
+        assert t.current_bytes == 31 * MB
+        del a
+        assert t.current_bytes == 21 * MB
+        c = torch.empty(5 * MB, dtype=torch.uint8)
+        assert t.current_bytes == 26 * MB and t.peak_bytes == 31 * MB
+        del b
+        assert t.current_bytes == 26 * MB  # the view keeps the storage alive
+        del view, c
+        assert t.current_bytes == 1 * MB
+    assert t.baseline_bytes == MB and t.peak_new_bytes == 30 * MB
+
+
+def _check(arch, **kw):
+    shape = RunShape(device="cpu", **kw)
+    measured, _ = measure_lora_step(arch, shape)
+    predicted = estimate(arch, shape).peak_bytes
+    assert abs(predicted - measured) / measured < 0.05, (kw, predicted, measured)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("ckpt", [False, True])
+@pytest.mark.parametrize("seq,batch,targets,rank", [(64, 1, ("query_key_value",), 8), (256, 2, ALL, 16),
+                                                     (128, 1, ALL, 4)])
+def test_tiny_within_5_percent(dtype, ckpt, seq, batch, targets, rank):
+    _check(TINY, dtype=dtype, gradient_checkpointing=ckpt, seq_len=seq, micro_batch=batch,
+           lora_targets=targets, lora_r=rank)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(dtype="bf16", seq_len=128, micro_batch=1, gradient_checkpointing=False),
+    dict(dtype="bf16", seq_len=128, micro_batch=1, gradient_checkpointing=True, lora_targets=ALL),
+    dict(dtype="fp32", seq_len=64, micro_batch=2, lora_dropout=0.0, lora_targets=ALL),
+    # chunked loss: activations, not logits, dominate the peak
+    dict(dtype="fp32", seq_len=128, micro_batch=2, lora_targets=ALL, loss_chunk_tokens=64),
+])
+def test_100m_glm4_shaped_within_5_percent(kw):
+    assert sum(p.numel() for p in torch.nn.Module.parameters(_meta(MID))) >= 100_000_000
+    _check(MID, **kw)
+
+
+def _meta(arch):
+    from glmtune.models import build_meta_model
+    return build_meta_model(arch)
+
+
+def test_kv_cache_per_token_glm4():
+    from glmtune.models import released_config
+    est = estimate(released_config("glm4_9b_chat"), RunShape(eval_batch=1, eval_max_new_tokens=1, seq_len=0))
+    assert est.breakdown["eval KV cache"] == 40_960
