@@ -1,6 +1,7 @@
 """python -m glmtune [+hw=CARD] [group=option ...] [key=value ...]
 
-compose (Hydra) -> validate config and every data line -> plan -> train. See README.md for launches.
+compose (Hydra) -> validate the config and every data line -> plan -> train. See README.md for launches.
+Exit codes: 0 done, 2 bad config or input (one line, no traceback), 3 the plan does not fit the card.
 """
 from __future__ import annotations
 
@@ -11,37 +12,46 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from .config import ConfigError, parse_config
-from .data import DataCollator, build_datasets, format_stats, validate_files
-from .models import load_tokenizer
-from .models.presets import resolve_model_dir
-from .plan import default_choices
+from .data import DataCollator, build_datasets, format_stats, longest_length, validate_files
 from .dist import rank, run_name, world_size
+from .models import load_tokenizer
+from .models.presets import arch_config, resolve_model_dir
+from .plan import format_plan, make_plan
 from .rundir import console, fail, print_config, write_run_files
 from .train import train
-
 
 # Every rank of one launch must agree on the run dir; ${now:} alone would differ by a second.
 OmegaConf.register_new_resolver("glmtune_run", run_name, replace=True)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-def main(cfg: DictConfig) -> float:
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+def main(cfg: DictConfig) -> float | None:
+    run_dir, overrides = Path(HydraConfig.get().runtime.output_dir), list(HydraConfig.get().overrides.task)
     try:
         run = parse_config(OmegaConf.to_container(cfg, resolve=True))
-        validate_files(run.data)  # every line of every file, before any weights load
-        model_dir = resolve_model_dir(run.model)
-        tokenizer = load_tokenizer(model_dir)
-        train_set, val_set, stats = build_datasets(run.data, tokenizer)
+        arch = arch_config(run.model)  # config.json or built-in facts: no weights read
+        data = None
+        if run.mode == "train":
+            validate_files(run.data)  # every line of every file, before any weights load
+            model_dir = resolve_model_dir(run.model)
+            tokenizer = load_tokenizer(model_dir)
+            data = build_datasets(run.data, tokenizer)
     except (ConfigError, ValueError, OSError) as err:
         fail(str(err))
-    write_run_files(run_dir, OmegaConf.to_yaml(cfg), list(HydraConfig.get().overrides.task), model_dir)
+    world = world_size() if run.mode == "train" else run.dist.nnodes * run.dist.nproc_per_node
+    length_set = run.data.max_length != 500 or any(o.lstrip("+~").startswith("data.max_length=") for o in overrides)
+    plan = make_plan(run, arch, world, length_set, data_max_tokens=longest_length(data[2]) if data else None)
+    write_run_files(run_dir, OmegaConf.to_yaml(cfg), overrides, run.model.path or run.model.name, plan)
     print_config(run, run_dir)
     if rank() == 0:
-        console.print(format_stats(stats))
-    decisions = default_choices(run, world_size())
-    metrics, _ = train(run, decisions.choices, run_dir, model_dir, train_set, val_set,
-                    DataCollator(tokenizer.pad_token_id))
+        console.print(format_plan(plan))
+    if not plan.fits:
+        fail("the plan does not fit: " + "; ".join(plan.advice), code=3)
+    if run.mode == "plan":
+        return None
+    if rank() == 0:
+        console.print(format_stats(data[2]))
+    metrics, _ = train(run, plan.choices, run_dir, model_dir, data[0], data[1], DataCollator(tokenizer.pad_token_id))
     if rank() == 0:
         console.print(f"adapter saved to {metrics['adapter_dir']}  (train loss {metrics['train_loss']:.4f})")
     return metrics["train_loss"]

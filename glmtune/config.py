@@ -73,6 +73,7 @@ class HwConfig:
     bf16: bool = True  # card supports bfloat16 (Ampere and newer)
     interconnect: str = "pcie"  # pcie | nvlink | none
     gpus_per_node: int = 1
+    margin: float = 0.9  # fraction of memory_gib the plan may use; the rest absorbs estimator error
 
 
 MODES = ("train", "plan", "probe")
@@ -174,6 +175,8 @@ def _check_values(cfg: RunConfig) -> list[str]:
         problems.append(f"lora.dropout must be in [0, 1), got {cfg.lora.dropout}")
     if not cfg.lora.target_modules:
         problems.append("lora.target_modules must name at least one module")
+    if not 0.1 <= cfg.hw.margin <= 1.0:
+        problems.append(f"hw.margin must be in [0.1, 1.0], got {cfg.hw.margin}")
     if cfg.hw.memory_gib is not None and cfg.hw.memory_gib <= 0:
         problems.append(f"hw.memory_gib must be > 0, got {cfg.hw.memory_gib}")
     if cfg.train.max_steps <= 0 and cfg.train.num_epochs <= 0:

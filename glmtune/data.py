@@ -23,13 +23,13 @@ from typing import Any, Optional, Protocol
 import torch
 
 from .config import DataConfig
-from .data_validate import (ROLES, Conversation, DataError, read_conversations,  # noqa: F401 (re-exported)
-                            validate_files)
+# Re-exported so callers need one import: `from glmtune.data import DataError, validate_files, ...`.
+from .data_validate import Conversation, DataError, read_conversations, validate_files  # noqa: F401
 
 IGNORE_INDEX = -100  # label value the loss skips (torch cross_entropy's default ignore_index)
 
 
-class ChatTokenizer(Protocol):
+class MessageTokenizer(Protocol):
     """What encoding needs from glmtune.models.tokenization's tokenizers."""
 
     family: str
@@ -57,17 +57,17 @@ def process_message(message: dict[str, Any]) -> dict[str, Any]:
     return message
 
 
-def terminator_id(tokenizer: ChatTokenizer) -> int:
+def terminator_id(tokenizer: MessageTokenizer) -> int:
     """Token appended after the last message: what the model should emit after its final reply."""
     if tokenizer.family == "chatglm3":
         return tokenizer.eos_token_id
     return tokenizer.get_command("<|user|>")  # GLM-4 (and 4V): stops on <|user|>, like the official demo
 
 
-def encode_conversation(messages: list[dict[str, Any]], tokenizer: ChatTokenizer
+def encode_conversation(messages: list[dict[str, Any]], tokenizer: MessageTokenizer
                         ) -> tuple[list[int], list[int]]:
     """Untruncated (input_ids, labels) of one conversation; labels are -100 where no loss is taken."""
-    input_ids = tokenizer.prefix_ids()
+    input_ids = list(tokenizer.prefix_ids())  # a copy: it is extended below
     loss_mask = [False] * len(input_ids)
     for message in messages:
         message_ids = tokenizer.encode_message(process_message(message))
@@ -76,7 +76,7 @@ def encode_conversation(messages: list[dict[str, Any]], tokenizer: ChatTokenizer
     input_ids.append(terminator_id(tokenizer))
     # Shift right by one: the label at position i says whether token i is predicted from tokens < i
     # (after the model's own shift), so the turn's role token is context and the token after the reply a target.
-    loss_mask = [*loss_mask[1:], False, False]
+    loss_mask = [False, *loss_mask]
     labels = [token if supervised else IGNORE_INDEX for token, supervised in zip(input_ids, loss_mask)]
     return input_ids, labels
 
@@ -107,7 +107,7 @@ class DataStats:
     val: Optional[SplitStats] = None
 
 
-def encode_split(conversations: list[Conversation], tokenizer: ChatTokenizer, max_length: int
+def encode_split(conversations: list[Conversation], tokenizer: MessageTokenizer, max_length: int
                  ) -> tuple[list[dict[str, list[int]]], SplitStats]:
     """Encode, truncate to max_length (from the right) and drop examples left without targets."""
     examples: list[dict[str, list[int]]] = []
@@ -135,7 +135,7 @@ def encode_split(conversations: list[Conversation], tokenizer: ChatTokenizer, ma
     return examples, stats
 
 
-def build_datasets(cfg: DataConfig, tokenizer: ChatTokenizer
+def build_datasets(cfg: DataConfig, tokenizer: MessageTokenizer
                    ) -> tuple[list[dict[str, list[int]]], Optional[list[dict[str, list[int]]]], DataStats]:
     """(train examples, val examples or None, stats). Raises DataError on a bad file or an empty split."""
     train, train_stats = encode_split(read_conversations(cfg.train_file, "data.train_file"), tokenizer,
@@ -211,6 +211,8 @@ class DataCollator:
         input_ids, labels, attention_mask = [], [], []
         for feature in features:
             ids = list(feature["input_ids"])
+            if len(feature["labels"]) != len(ids):
+                raise ValueError(f"example has {len(ids)} input_ids but {len(feature['labels'])} labels")
             pad = length - len(ids)
             input_ids.append(ids + [self.pad_id] * pad)
             labels.append(list(feature["labels"]) + [IGNORE_INDEX] * pad)

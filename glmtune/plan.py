@@ -16,7 +16,6 @@ import torch
 from .config import RunConfig
 from .memory import GIB, IMAGE_TOKENS, RunShape, estimate, gpu_family
 
-MARGIN = 0.9  # fraction of the card the estimate may use; the rest absorbs estimator error
 DEFAULT_MAX_LENGTH = 500
 LOSS_CHUNK = 1024  # tokens per chunk of the lower-memory loss: 1024 x 151,552 x 12 B = 1.9 GB peak
 DEFAULT_EVAL_NEW_TOKENS = 512  # the GLM-4 demo's generation_config.max_new_tokens
@@ -130,8 +129,8 @@ def _budget(run: RunConfig, margin: float) -> int | None:
 
 
 def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
-              data_max_tokens: int | None = None, margin: float = MARGIN) -> Plan:
-    budget = _budget(run, margin)
+              data_max_tokens: int | None = None, margin: float | None = None) -> Plan:
+    budget = _budget(run, run.hw.margin if margin is None else margin)
     dtype, why_dtype = local_dtype(run)
     max_length = run.data.max_length if user_set_max_length else DEFAULT_MAX_LENGTH
     c = Choices(dtype=dtype, gradient_checkpointing=run.train.gradient_checkpointing == "on",

@@ -18,7 +18,8 @@ from rich.tree import Tree
 from .config import RunConfig
 from .dist import rank
 
-console = Console(stderr=False, highlight=False)
+# Logs and pipes get 120 columns instead of rich's 80, so paths and reasons stay on one line.
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 120, soft_wrap=True)
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -34,8 +35,8 @@ def _version(package: str) -> str | None:
         return None
 
 
-def write_run_files(run_dir: Path, config_yaml: str, overrides: list[str], model_dir: Path) -> str:
-    """.hydra/config.yaml, .hydra/overrides.yaml and versions.json; returns the config hash."""
+def write_run_files(run_dir: Path, config_yaml: str, overrides: list[str], model: str, plan) -> str:
+    """.hydra/config.yaml, .hydra/overrides.yaml, versions.json and plan.json; returns the config hash."""
     config_hash = hashlib.sha256(config_yaml.encode()).hexdigest()[:16]
     if rank() != 0:
         return config_hash
@@ -44,8 +45,9 @@ def write_run_files(run_dir: Path, config_yaml: str, overrides: list[str], model
     (hydra_dir / "config.yaml").write_text(config_yaml)
     (hydra_dir / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides) or "[]\n")
     versions = {name: _version(name) for name in ("torch", "transformers", "peft", "deepspeed", "glmtune")}
-    versions.update(model_path=str(model_dir), config_hash=config_hash)
+    versions.update(model_path=str(model), config_hash=config_hash)
     (run_dir / "versions.json").write_text(json.dumps(versions, indent=2) + "\n")
+    (run_dir / "plan.json").write_text(plan.to_json() + "\n")
     return config_hash
 
 

@@ -36,7 +36,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Variance in fp32 even for bf16 inputs; the product promotes to fp32 and is cast back, as the reference.
-        variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        # (float64 inputs, used by the tests, keep float64.)
+        variance = x.to(torch.promote_types(x.dtype, torch.float32)).pow(2).mean(-1, keepdim=True)
         return (self.weight * (x * torch.rsqrt(variance + self.eps))).to(x.dtype)
 
 

@@ -58,7 +58,7 @@ class GLMPreTrainedModel(PreTrainedModel):
 
     def _init_weights(self, module: nn.Module) -> None:
         # Only tiny random checkpoints and meta-device models are ever initialised here; real weights are loaded.
-        std = 0.02
+        std = getattr(self.config, "initializer_range", 0.02)
         if isinstance(module, nn.Linear):
             module.weight.data.normal_(0.0, std)
             if module.bias is not None:

@@ -1,0 +1,96 @@
+"""End-to-end training on the tiny model: the loss falls, the adapter reloads, the run dir is complete."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from peft import PeftModel
+
+from glmtune.config import DataConfig, LoraConfig, RunConfig, TrainConfig
+from glmtune.data import DataCollator, build_datasets
+from glmtune.models import load_model, load_tokenizer
+from glmtune.models.presets import ensure_tiny
+from glmtune.plan import default_choices
+from glmtune.train import train
+
+FIXED = [("What is the capital of France?", "The capital of France is Paris."),
+         ("你好，请介绍一下你自己。", "我是一个乐于助人的助手。"),
+         ("Add 2 and 3.", "2 + 3 = 5."),
+         ("Name a primary colour.", "Red is a primary colour.")]
+
+
+def write_fixed(path):
+    rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in FIXED]
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def test_finetune_drives_loss_far_down_and_adapter_reproduces_logits(tmp_path):
+    model_dir = ensure_tiny("glm4")
+    run = RunConfig(data=DataConfig(train_file=str(write_fixed(tmp_path / "fixed.jsonl")), val_file=None),
+                    lora=LoraConfig(target_modules=["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]),
+                    train=TrainConfig(max_steps=80, learning_rate=1e-2, per_device_batch_size=4, logging_steps=1))
+    tokenizer = load_tokenizer(model_dir)
+    train_set, _, _ = build_datasets(run.data, tokenizer)
+    choices = default_choices(run, world_size=1).choices
+    metrics, model = train(run, choices, tmp_path / "run", model_dir, train_set, None, DataCollator(tokenizer.pad_token_id))
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+              if "loss" in json.loads(line)]
+    # A random model starts near-uniform over the 1,280-token vocabulary: ln(1280) = 7.15 nats. Memorising four
+    # short replies with all-linear adapters reaches ~1.8 in 80 steps; a pipeline that does not learn (labels
+    # masked wrong, no gradient reaching the adapters, optimizer over the wrong parameters) stays above 5.
+    assert losses[0] > 0.8 * math.log(1280)
+    assert losses[-1] < 0.4 * losses[0], losses
+    assert metrics["trainable_parameters"] > 0
+
+    batch = DataCollator(tokenizer.pad_token_id)(train_set)
+    model.eval()
+    with torch.no_grad():
+        trained = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        reloaded = PeftModel.from_pretrained(load_model(model_dir), str(tmp_path / "run" / "adapter")).eval()
+        again = reloaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        base = load_model(model_dir).eval()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    torch.testing.assert_close(again, trained, rtol=1e-5, atol=1e-5)
+    assert (again - base).abs().max() > 1.0  # the adapter really changed the model
+
+
+def run_cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "glmtune", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_cli_train_writes_a_complete_run_dir(tmp_path, repo):
+    out = tmp_path / "run"
+    proc = run_cli(f"hydra.run.dir={out}", "train.max_steps=3", "train.logging_steps=1", cwd=repo)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"adapter saved to {out / 'adapter'}" in proc.stdout
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (out / "adapter").iterdir()}
+    config = (out / ".hydra" / "config.yaml").read_text()
+    assert "train_file: data/samples/train.jsonl" in config
+    versions = json.loads((out / "versions.json").read_text())
+    assert set(versions) >= {"torch", "transformers", "peft", "deepspeed", "glmtune", "model_path", "config_hash"}
+    assert versions["transformers"] == "4.40.2"
+    assert len((out / "metrics.jsonl").read_text().splitlines()) >= 3
+    assert list((out / "tensorboard").rglob("events.out.tfevents*"))
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["fits"] and plan["choices"]["max_length"] == 500
+    assert "examples" in proc.stdout and "p95" in proc.stdout  # dataset statistics before training
+
+
+def test_cli_plan_for_glm4_9b_on_a100_needs_no_weights(tmp_path, repo):
+    out = tmp_path / "plan"
+    proc = run_cli("mode=plan", "model=glm4_9b_chat", "+hw=a100_40g", f"hydra.run.dir={out}", cwd=repo)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["fits"] and plan["choices"]["zero_stage"] == 0 and plan["choices"]["dtype"] == "bf16"
+    assert plan["budget_bytes"] == int(39.4 * 2**30 * 0.9)
+    assert plan["breakdown"]["frozen weights"] == 9_399_951_360 * 2
+
+
+def test_cli_plan_that_cannot_fit_exits_3_with_advice(tmp_path, repo):
+    proc = run_cli("mode=plan", "model=glm4_9b_chat", "+hw=t4_16g", "data.max_length=131072",
+                   f"hydra.run.dir={tmp_path / 'p'}", cwd=repo)
+    assert proc.returncode == 3
+    assert "does not fit" in proc.stderr and "data.max_length=" in proc.stderr and "Traceback" not in proc.stderr
