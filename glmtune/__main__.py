@@ -1,7 +1,8 @@
 """python -m glmtune [+hw=CARD] [group=option ...] [key=value ...]
 
-compose (Hydra) -> validate the config and every data line -> plan -> train. See README.md for launches.
-Exit codes: 0 done, 2 bad config or input (one line, no traceback), 3 the plan does not fit the card.
+compose (Hydra) -> validate the config and every data line -> plan -> probe -> train. README.md: launches.
+Exit codes: 0 done; 2 bad config or input (one line, no traceback); 3 the plan or the probe says it does not
+fit the card; 4 out of memory during training; 5 NCCL error; 6 remote code / transformers version error.
 """
 from __future__ import annotations
 
@@ -9,16 +10,17 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from .config import ConfigError, parse_config
 from .data import DataCollator, build_datasets, format_stats, longest_length, validate_files
-from .dist import rank, run_name, world_size
+from .dist import export_slurm_env, rank, run_name, world_size
 from .models import load_tokenizer
 from .models.presets import arch_config, resolve_model_dir
-from .plan import format_plan, make_plan
-from .rundir import console, fail, print_config, write_run_files
-from .train import train
+from .plan import Choices, format_plan, make_plan
+from .rundir import console, fail, print_config, report_probe, write_run_files
+from .sweep import run_trial
 
 # Every rank of one launch must agree on the run dir; ${now:} alone would differ by a second.
 OmegaConf.register_new_resolver("glmtune_run", run_name, replace=True)
@@ -26,19 +28,28 @@ OmegaConf.register_new_resolver("glmtune_run", run_name, replace=True)
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
+    export_slurm_env()  # a SLURM task of the submitit launcher: RANK, WORLD_SIZE, ... from SLURM's variables
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN:  # a trial that fails or does not fit is recorded; the sweep goes on
+        return run_trial(lambda: execute(cfg), Path(hydra_cfg.sweep.dir), Path(hydra_cfg.runtime.output_dir),
+                         hydra_cfg.job.num, list(hydra_cfg.overrides.task))
+    return execute(cfg)
+
+
+def execute(cfg: DictConfig) -> float | None:
     run_dir, overrides = Path(HydraConfig.get().runtime.output_dir), list(HydraConfig.get().overrides.task)
     try:
         run = parse_config(OmegaConf.to_container(cfg, resolve=True))
         arch = arch_config(run.model)  # config.json or built-in facts: no weights read
         data = None
-        if run.mode == "train":
+        if run.mode != "plan":
             validate_files(run.data)  # every line of every file, before any weights load
             model_dir = resolve_model_dir(run.model)
             tokenizer = load_tokenizer(model_dir)
             data = build_datasets(run.data, tokenizer)
     except (ConfigError, ValueError, OSError) as err:
         fail(str(err))
-    world = world_size() if run.mode == "train" else run.dist.nnodes * run.dist.nproc_per_node
+    world = world_size() if run.mode != "plan" else run.dist.nnodes * run.dist.nproc_per_node
     length_set = run.data.max_length != 500 or any(o.lstrip("+~").startswith("data.max_length=") for o in overrides)
     plan = make_plan(run, arch, world, length_set, data_max_tokens=longest_length(data[2]) if data else None)
     write_run_files(run_dir, OmegaConf.to_yaml(cfg), overrides, run.model.path or run.model.name, plan)
@@ -49,9 +60,26 @@ def main(cfg: DictConfig) -> float | None:
         fail("the plan does not fit: " + "; ".join(plan.advice), code=3)
     if run.mode == "plan":
         return None
+    # The Trainer stack costs ~0.7 s of imports that mode=plan does not need.
+    from .diagnose import diagnosed, record_memory_history
+    from .probe import run_probe
+    from .train import train
+
     if rank() == 0:
         console.print(format_stats(data[2]))
-    metrics, _ = train(run, plan.choices, run_dir, model_dir, data[0], data[1], DataCollator(tokenizer.pad_token_id))
+    collator, choices = DataCollator(tokenizer.pad_token_id), plan.choices
+    if run.probe.enabled:
+        probe = run_probe(run, plan, arch, model_dir, longest_length(data[2]), tokenizer.vocab_size, collator,
+                          run_dir, world, evaluates=data[1] is not None)
+        report_probe(probe, run_dir)
+        if not probe.fits:
+            fail("the probe measured more than the budget on every rung: " + "; ".join(plan.advice), code=3)
+        choices = Choices(**probe.final)
+    if run.mode == "probe":
+        return None
+    record_memory_history()
+    with diagnosed(run_dir, plan.breakdown, choices.to_dict(), run.probe.enabled):
+        metrics, _ = train(run, choices, run_dir, model_dir, data[0], data[1], collator)
     if rank() == 0:
         console.print(f"adapter saved to {metrics['adapter_dir']}  (train loss {metrics['train_loss']:.4f})")
     return metrics["train_loss"]

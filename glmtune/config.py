@@ -76,6 +76,12 @@ class HwConfig:
     margin: float = 0.9  # fraction of memory_gib the plan may use; the rest absorbs estimator error
 
 
+@dataclass
+class ProbeConfig:
+    enabled: bool = True  # measure a few real steps before training and step the plan down if needed
+    steps: int = 2  # optimizer steps per attempt: the second one has Adam states, the steady-state peak
+
+
 MODES = ("train", "plan", "probe")
 
 
@@ -88,6 +94,7 @@ class RunConfig:
     dist: DistConfig = field(default_factory=DistConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     hw: HwConfig = field(default_factory=HwConfig)
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
 
 
 _CHOICES = {
@@ -99,7 +106,7 @@ _CHOICES = {
 }
 _POSITIVE = ("data.max_length", "lora.r", "lora.alpha", "dist.nnodes", "dist.nproc_per_node",
              "train.per_device_batch_size", "train.grad_accum",
-             "train.eval_batch_size", "train.logging_steps", "hw.gpus_per_node")
+             "train.eval_batch_size", "train.logging_steps", "hw.gpus_per_node", "probe.steps")
 
 
 def parse_config(raw: dict[str, Any]) -> RunConfig:

@@ -12,6 +12,12 @@ The shift makes `<|assistant|>` itself a non-target, while the token after each 
 `<|user|>`/`<|observation|>`, or the terminator) is a target, so the model learns to stop. The terminator
 is `<|user|>` for GLM-4 (the official choice since 2024-07, a generation stop token) and eos for ChatGLM3.
 Examples longer than `max_length` are cut from the right; one left without any target is dropped.
+
+GLM-4V: a user message with `"image"` is encoded as the official 4V tokenizer does,
+    <|user|> encode(metadata + "\n") <|begin_of_image|> <|endoftext|> <|end_of_image|> encode(content)
+and the example keeps the image's path; the model swaps the 3 placeholders for boi + N patches + eoi
+(N = 1,600 at 1120 px). max_length counts text tokens (the placeholders included); the N - 1 extra
+positions per image are reported separately (SplitStats.images, image_tokens).
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from typing import Any, Optional, Protocol
 import torch
 
 from .config import DataConfig
+from .models.vision import load_image, num_image_tokens
 # Re-exported so callers need one import: `from glmtune.data import DataError, validate_files, ...`.
 from .data_validate import Conversation, DataError, read_conversations, validate_files  # noqa: F401
 
@@ -39,6 +46,7 @@ class MessageTokenizer(Protocol):
     def prefix_ids(self) -> list[int]: ...
     def get_command(self, token: str) -> int: ...
     def encode_message(self, message: dict[str, Any]) -> list[int]: ...
+    def encode(self, text: str) -> list[int]: ...
 
 
 # --- encoding -------------------------------------------------------------------------------------------
@@ -70,7 +78,8 @@ def encode_conversation(messages: list[dict[str, Any]], tokenizer: MessageTokeni
     input_ids = list(tokenizer.prefix_ids())  # a copy: it is extended below
     loss_mask = [False] * len(input_ids)
     for message in messages:
-        message_ids = tokenizer.encode_message(process_message(message))
+        message_ids = (image_message_ids(message, tokenizer) if "image" in message
+                       else tokenizer.encode_message(process_message(message)))
         input_ids += message_ids
         loss_mask += [message["role"] == "assistant"] * len(message_ids)
     input_ids.append(terminator_id(tokenizer))
@@ -79,6 +88,13 @@ def encode_conversation(messages: list[dict[str, Any]], tokenizer: MessageTokeni
     loss_mask = [False, *loss_mask]
     labels = [token if supervised else IGNORE_INDEX for token, supervised in zip(input_ids, loss_mask)]
     return input_ids, labels
+
+
+def image_message_ids(message: dict[str, Any], tokenizer: MessageTokenizer) -> list[int]:
+    """The 4V tokenizer's build_single_message with the image prefix between role line and content."""
+    placeholders = [tokenizer.get_command(t) for t in ("<|begin_of_image|>", "<|endoftext|>", "<|end_of_image|>")]
+    return ([tokenizer.get_command("<|user|>")] + tokenizer.encode(f"{message.get('metadata') or ''}\n")
+            + placeholders + tokenizer.encode(message.get("content") or ""))
 
 
 # --- datasets and stats ---------------------------------------------------------------------------------
@@ -98,6 +114,8 @@ class SplitStats:
     tokens: int  # sum of kept lengths (tokens per epoch)
     target_tokens: int  # sum of labels != -100 over the kept examples
     dropped_lines: tuple[int, ...] = ()  # file line numbers of the dropped examples
+    images: int = 0  # kept examples with an image
+    image_tokens: int = 0  # embeddings the vision tower adds over the kept examples (N + 2 per image)
 
 
 @dataclass
@@ -107,15 +125,24 @@ class DataStats:
     val: Optional[SplitStats] = None
 
 
-def encode_split(conversations: list[Conversation], tokenizer: MessageTokenizer, max_length: int
-                 ) -> tuple[list[dict[str, list[int]]], SplitStats]:
-    """Encode, truncate to max_length (from the right) and drop examples left without targets."""
+def encode_split(conversations: list[Conversation], tokenizer: MessageTokenizer, max_length: int,
+                 vision_config: Optional[dict] = None, source: str = "data.train_file"
+                 ) -> tuple[list[dict[str, Any]], SplitStats]:
+    """Encode, truncate to max_length (from the right) and drop examples left without targets.
+
+    vision_config: the model's (GLM-4V); None = a text model, and an image in the data is a DataError."""
     examples: list[dict[str, list[int]]] = []
     lengths: list[int] = []
     untruncated: list[int] = []
     truncated = target_tokens = 0
     dropped_lines: list[int] = []
+    images = 0
+    per_image = num_image_tokens(vision_config) + 2 if vision_config else 0
     for conversation in conversations:
+        image = next((m["image"] for m in conversation.messages if "image" in m), None)
+        if image is not None and not vision_config:
+            raise DataError(f"{source}:{conversation.line}: has an \"image\" but this model has no vision tower "
+                            "— use model=glm4v_9b (or glm4v_tiny), or drop the image")
         input_ids, labels = encode_conversation(conversation.messages, tokenizer)
         untruncated.append(len(input_ids))
         was_cut = len(input_ids) > max_length
@@ -127,26 +154,30 @@ def encode_split(conversations: list[Conversation], tokenizer: MessageTokenizer,
         truncated += was_cut
         target_tokens += targets
         lengths.append(len(input_ids))
-        examples.append({"input_ids": input_ids, "labels": labels})
+        examples.append({"input_ids": input_ids, "labels": labels, **({"image": image} if image else {})})
+        images += image is not None
     stats = SplitStats(examples=len(conversations), kept=len(examples), dropped=len(dropped_lines),
                        truncated=truncated, p50=_percentile(lengths, 50), p95=_percentile(lengths, 95),
                        max=max(lengths, default=0), max_untruncated=max(untruncated, default=0),
-                       tokens=sum(lengths), target_tokens=target_tokens, dropped_lines=tuple(dropped_lines))
+                       tokens=sum(lengths), target_tokens=target_tokens, dropped_lines=tuple(dropped_lines),
+                       images=images, image_tokens=images * per_image)
     return examples, stats
 
 
-def build_datasets(cfg: DataConfig, tokenizer: MessageTokenizer
-                   ) -> tuple[list[dict[str, list[int]]], Optional[list[dict[str, list[int]]]], DataStats]:
-    """(train examples, val examples or None, stats). Raises DataError on a bad file or an empty split."""
+def build_datasets(cfg: DataConfig, tokenizer: MessageTokenizer, vision_config: Optional[dict] = None
+                   ) -> tuple[list[dict[str, Any]], Optional[list[dict[str, Any]]], DataStats]:
+    """(train examples, val examples or None, stats). Raises DataError on a bad file or an empty split.
+    vision_config: the model's (`arch.vision_config`), needed for data with images."""
     train, train_stats = encode_split(read_conversations(cfg.train_file, "data.train_file"), tokenizer,
-                                      cfg.max_length)
+                                      cfg.max_length, vision_config, cfg.train_file)
     if not train:
         raise DataError(f"{cfg.train_file}:{train_stats.dropped_lines[0]}: every example lost all its assistant "
                         f"tokens to truncation at data.max_length={cfg.max_length} (longest example "
                         f"{train_stats.max_untruncated} tokens) — raise data.max_length or shorten the prompts")
     val, val_stats = None, None
     if cfg.val_file is not None:
-        val, val_stats = encode_split(read_conversations(cfg.val_file, "data.val_file"), tokenizer, cfg.max_length)
+        val, val_stats = encode_split(read_conversations(cfg.val_file, "data.val_file"), tokenizer, cfg.max_length,
+                                      vision_config, cfg.val_file)
         if not val:
             raise DataError(f"{cfg.val_file}:{val_stats.dropped_lines[0]}: every validation example lost all its "
                             f"assistant tokens to truncation at data.max_length={cfg.max_length} — raise "
@@ -172,6 +203,10 @@ def format_stats(stats: DataStats) -> str:
     lines += ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
               for row in rows]
     for name, split in (("train", stats.train), ("val", stats.val)):
+        if split is not None and split.images:
+            each = split.image_tokens // split.images
+            lines.append(f"{name}: {split.images} example(s) with an image: {each} image embeddings each replace "
+                         f"3 placeholder tokens (+{split.images * (each - 3)} positions beyond the counts above)")
         if split is not None and split.dropped:
             shown = ", ".join(str(n) for n in split.dropped_lines[:10])
             lines.append(f"{name}: dropped (no target token left after truncation) lines {shown}"
@@ -196,15 +231,21 @@ class DataCollator:
     input_ids are padded with `pad_id`, labels with -100 (no loss on padding), and attention_mask is
     1 on real tokens, 0 on padding. `pad_to_multiple_of` rounds the padded length up (e.g. 8 for tensor
     cores); it never pads beyond what a multiple requires.
+    GLM-4V: examples with an "image" are loaded here (not at encoding: 15 MB of fp32 pixels per image at
+    1120 px) into `images` [n_img, 3, S, S], and `image_rows` lists which rows they belong to; text-only
+    rows need no placeholder image, the model runs the tower on the listed rows only. Batches without
+    any image carry neither key. `image_size` is the model's vision_config["image_size"].
     """
 
-    def __init__(self, pad_id: int, pad_to_multiple_of: Optional[int] = None) -> None:
+    def __init__(self, pad_id: int, pad_to_multiple_of: Optional[int] = None, image_size: Optional[int] = None
+                 ) -> None:
         if pad_to_multiple_of is not None and pad_to_multiple_of <= 0:
             raise ValueError(f"pad_to_multiple_of must be a positive integer, got {pad_to_multiple_of}")
         self.pad_id = pad_id
         self.pad_to_multiple_of = pad_to_multiple_of
+        self.image_size = image_size
 
-    def __call__(self, features: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         length = max(len(f["input_ids"]) for f in features)
         if self.pad_to_multiple_of:
             length = math.ceil(length / self.pad_to_multiple_of) * self.pad_to_multiple_of
@@ -217,6 +258,20 @@ class DataCollator:
             input_ids.append(ids + [self.pad_id] * pad)
             labels.append(list(feature["labels"]) + [IGNORE_INDEX] * pad)
             attention_mask.append([1] * len(ids) + [0] * pad)
-        return {"input_ids": torch.tensor(input_ids, dtype=torch.long),
-                "labels": torch.tensor(labels, dtype=torch.long),
-                "attention_mask": torch.tensor(attention_mask, dtype=torch.long)}
+        batch = {"input_ids": torch.tensor(input_ids, dtype=torch.long),
+                 "labels": torch.tensor(labels, dtype=torch.long),
+                 "attention_mask": torch.tensor(attention_mask, dtype=torch.long)}
+        rows = [i for i, f in enumerate(features) if f.get("image")]
+        if rows:
+            if self.image_size is None:
+                raise DataError("the data has images but the collator has no image_size — pass "
+                                "DataCollator(..., image_size=arch.vision_config['image_size'])")
+            batch["images"] = torch.stack([self._load(features[i]["image"]) for i in rows])
+            batch["image_rows"] = torch.tensor(rows, dtype=torch.long)
+        return batch
+
+    def _load(self, path: str) -> torch.Tensor:
+        try:
+            return load_image(path, self.image_size)
+        except (OSError, ValueError) as err:  # changed or damaged since validation
+            raise DataError(f"{path}: image cannot be read ({type(err).__name__}: {err}) — check the file") from None

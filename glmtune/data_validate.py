@@ -10,6 +10,8 @@ The format is the official GLM-4 fine-tune format, one JSON object per line:
     {"messages": [{"role": "system"|"user"|"assistant"|"observation", "content": "...",
                    "metadata": "..." (optional), "tools": [...] (system only)}, ...]}
 ChatGLM3's `conversations` key is accepted as an alias of `messages`.
+GLM-4V: the first user message may carry `"image": "<path>"` (one image per conversation, as the official
+script); a relative path is relative to the data file's folder. Every image must exist and open as an image.
 """
 from __future__ import annotations
 
@@ -74,6 +76,8 @@ def read_conversations(path: str | Path, key: str = "data.train_file") -> list[C
         if not text.strip():
             continue  # blank lines (and the newline at the end of the file) are allowed
         result = _parse_line(text, line_no)
+        if not isinstance(result, _Problem):
+            result = _resolve_image(result, Path(path).parent, line_no)
         if isinstance(result, _Problem):
             problems.append(result)
         else:
@@ -138,6 +142,13 @@ def _parse_line(text: str, line_no: int) -> list[dict[str, Any]] | _Problem:
         problem = _check_message(message, f"{key}[{index}]")
         if problem is not None:
             return _Problem(line_no, *problem)
+    with_image = [i for i, m in enumerate(messages) if "image" in m]
+    first_user = next(i for i, m in enumerate(messages) if m["role"] == "user") if with_image else None
+    if with_image and with_image != [first_user]:
+        late = next(i for i in with_image if i != first_user)
+        return _Problem(line_no, f"{key}[{late}] has an \"image\", but only the first user message may carry one "
+                        "(GLM-4V takes one image per conversation)",
+                        "move the image to the first user message, or split the conversation")
     if not any(m["role"] == "assistant" and m["content"] for m in messages):
         return _Problem(line_no, "no assistant message with non-empty content, so nothing would be trained",
                         "add the assistant reply the model should learn, or delete the line")
@@ -160,9 +171,38 @@ def _check_message(message: Any, where: str) -> tuple[str, str] | None:
     if "metadata" in message and not isinstance(message["metadata"], str):
         return (f"{where} ({role}) metadata is {_kind(message['metadata'])}, not a string",
                 'write metadata as text (e.g. the called function name) or drop the key')
+    if "image" in message and (role != "user" or not isinstance(message["image"], str) or not message["image"]):
+        what = (f"{where} ({role}) has an \"image\"; only a user message may carry one" if role != "user"
+                else f"{where} image is {_kind(message['image'])}, not a file path")
+        return what, 'write "image": "path/to/picture.jpg" on the first user message'
     if "tools" in message:
         return _check_tools(message["tools"], role, where)
     return None
+
+
+def _resolve_image(messages: list[dict[str, Any]], folder: Path, line_no: int) -> list[dict[str, Any]] | _Problem:
+    """Make a message's image path absolute (relative = to the data file's folder) and check that it opens.
+
+    Only the header is read here (Pillow opens lazily), so checking a large set costs one small read per image;
+    a file damaged further in fails later, in the collator, with the same file:line-free path message."""
+    for message in messages:
+        if "image" not in message:
+            continue
+        image = Path(message["image"]).expanduser()
+        image = image if image.is_absolute() else (folder / image).resolve()
+        try:
+            from PIL import Image
+
+            with Image.open(image):
+                pass
+        except FileNotFoundError:
+            return _Problem(line_no, f"image not found: {image}", "fix the path (relative paths are relative to "
+                                                                  "the data file's folder)")
+        except (OSError, ValueError) as err:  # PIL.UnidentifiedImageError is an OSError
+            return _Problem(line_no, f"image cannot be read: {image} ({type(err).__name__})",
+                            "check that the file is a PNG/JPEG/WebP image and is readable")
+        message["image"] = str(image)
+    return messages
 
 
 def _check_tools(tools: Any, role: str, where: str) -> tuple[str, str] | None:

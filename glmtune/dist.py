@@ -1,8 +1,14 @@
-"""The `dist` config group: data parallel or DeepSpeed ZeRO-3, from the plan.
+"""The `dist` config group: data parallel or DeepSpeed ZeRO-3, from the plan; who is rank 0.
 
     python -m glmtune dist=zero3 ...                                   # one process
-    torchrun --nproc_per_node 4 -m glmtune +hw=rtx4090_24g ...         # one node, 4 GPUs
-    scripts/torchrun_multinode.sh / scripts/deepspeed_launch.sh / conf/hydra/launcher/slurm.yaml
+    torchrun --standalone --nproc_per_node 4 -m glmtune +hw=rtx4090_24g ...   # one node, 4 GPUs
+    scripts/torchrun_multinode.sh        # several nodes: torchrun agents meeting at a c10d rendezvous
+    scripts/deepspeed_launch.sh          # several nodes: the deepspeed launcher (--no_local_rank, hostfile)
+    python -m glmtune -m hydra/launcher=slurm ...   # SLURM via hydra-submitit-launcher (conf/hydra/launcher)
+
+Every launch runs Hydra inside each rank. The ranks agree on one run dir (`run_name`), each logs to
+its own `rank<N>.log`, and only rank 0 writes shared files. Under SLURM no torchrun runs inside the
+job: srun starts one task per GPU and `export_slurm_env` turns SLURM's variables into torch's.
 
 The DeepSpeed config is generated, never hand-edited: ZeRO-3 with the bucket sizes the estimator
 counts, CPU offload of parameters / optimizer states when the plan says so, and 16-bit weight
@@ -12,7 +18,11 @@ fill the card, so glmtune offers stage 0 or 3 only.
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
+
+import torch
 
 from .plan import Choices
 
@@ -82,3 +92,41 @@ def run_name(now: str) -> str:
         if os.environ.get(var) and os.environ[var] != "none":
             return os.environ[var]
     return now
+
+
+def export_slurm_env() -> bool:
+    """Inside a SLURM task started by srun (the submitit launcher), set torch's env:// variables.
+
+    Does nothing under torchrun or deepspeed (RANK is already set) and for a single task. Returns whether
+    it exported. CUDA_VISIBLE_DEVICES is left alone: each task sees the node's GPUs and the Trainer picks
+    cuda:LOCAL_RANK, which a per-task mask would turn into a missing device.
+    """
+    if "RANK" in os.environ or "SLURM_JOB_ID" not in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) < 2:
+        return False
+    from submitit.helpers import TorchDistributedEnvironment  # the [slurm] extra; parses SLURM's node list
+
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    return True
+
+
+def adapter_fingerprint(model: torch.nn.Module) -> str:
+    """sha256 of every LoRA tensor (as fp32, by name): equal strings mean identical adapters.
+
+    Under ZeRO-3 each rank holds a shard, so the parameters are gathered first; that is a collective, so
+    every rank must call this. Names drop PEFT's adapter name (".default"), so an adapter loaded back with
+    `PeftModel.from_pretrained` (whose weights are frozen, hence selected by name) gives the fingerprint
+    of the model that was trained.
+    """
+    named = sorted((n.replace(".default.", "."), p) for n, p in model.named_parameters() if "lora_" in n)
+    sharded = [p for _, p in named if hasattr(p, "ds_id")]  # ZeRO-3 partitioned parameters
+    digest = hashlib.sha256()
+    gathered = contextlib.nullcontext()
+    if sharded:
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(sharded, modifier_rank=None)
+    with gathered:
+        for name, param in named:
+            digest.update(name.encode())
+            digest.update(param.detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()

@@ -1,6 +1,8 @@
 """The `lora` config group: PEFT LoRA adapters on glmtune's GLM model."""
 from __future__ import annotations
 
+import re
+
 import peft
 import torch
 
@@ -13,7 +15,7 @@ BLOCK_LINEARS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> peft.PeftModel:
     """Freeze the base model and add adapters whose weights (and so AdamW states) are fp32."""
     lora = peft.LoraConfig(task_type=peft.TaskType.CAUSAL_LM, r=cfg.r, lora_alpha=cfg.alpha,
-                           lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules))
+                           lora_dropout=cfg.dropout, target_modules=_targets(model, cfg))
     try:
         model = peft.get_peft_model(model, lora)
     except ValueError as err:
@@ -26,6 +28,16 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> peft.PeftModel:
     for param in trainable_parameters(model):
         param.data = param.data.float()
     return model
+
+
+def _targets(model: torch.nn.Module, cfg: LoraConfig) -> list[str] | str:
+    """GLM-4V: the names match inside the vision tower too (its attention.query_key_value/dense, the GLU's
+    dense_h_to_4h/dense_4h_to_h), which peft's suffix match would adapt. The tower stays frozen and
+    adapter-free, like the official freezeV=True, so a regex (peft full-matches a str) excludes it."""
+    names = list(cfg.target_modules)
+    if not any(".vision." in f"{n}." for n, _ in model.named_modules()):
+        return names
+    return rf"^(?!.*\.vision\.).*\.({'|'.join(map(re.escape, names))})$"
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:

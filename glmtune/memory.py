@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from .models import GLMConfig
 
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-IMAGE_TOKENS = 1599  # GLM-4V: 1,602 image embeddings replace 3 placeholder tokens per image
+IMAGE_TOKENS = 1599  # GLM-4V at 1120 px: 1,602 image embeddings replace 3 placeholder tokens per image
 VISION_LAYER_TOKENS = 6401  # ViT: 80x80 patches + CLS at 1120 px
 GIB = 2**30
 
@@ -107,6 +107,23 @@ def vision_params(arch: GLMConfig) -> int:
     return v["num_hidden_layers"] * layer + embed + proj
 
 
+def image_extra_tokens(arch: GLMConfig) -> int:
+    """Sequence growth per image: boi + N patches + eoi replace 3 placeholders (1,599 at 1120 px); 0 for text."""
+    v = arch.vision_config
+    return (v["image_size"] // v["patch_size"] // 2) ** 2 - 1 if v else 0
+
+
+def vision_working(arch: GLMConfig, images: int, e: int) -> int:
+    """Transient bytes of the frozen tower's forward for `images` images. Nothing is kept for backward (no
+    adapters in the tower, frozen weights, pixels need no grad), so only one ViT layer's tensors are live:
+    its input, QKV [T, 3w], attention/dense/norm outputs and fc1 + GELU outputs [T, i] at T = patches + CLS
+    per image (6,401), about 0.48 GB per image in bf16; plus the fp32 and bf16 pixels (15 MB + 7.5 MB)."""
+    v = arch.vision_config
+    tokens = images * ((v["image_size"] // v["patch_size"]) ** 2 + 1)
+    pixels = images * 3 * v["image_size"] ** 2 * (4 + e)
+    return tokens * e * (6 * v["hidden_size"] + 2 * v["intermediate_size"]) + pixels
+
+
 def frozen_params(arch: GLMConfig) -> int:
     h, v = arch.hidden_size, arch.padded_vocab_size
     return arch.num_layers * block_params(arch) + 2 * v * h + h * arch.post_layer_norm + vision_params(arch)
@@ -175,6 +192,16 @@ def loss_bytes(arch: GLMConfig, shape: RunShape, tokens: int) -> int:
     return (12 + (e if e != 4 and shape.micro_batch > 1 else 0)) * tokens * v
 
 
+def eval_loss_bytes(arch: GLMConfig, shape: RunShape, tokens: int) -> int:
+    """Loss head without grad: the 16-bit logits die when rebound to fp32, nothing is kept for backward.
+    Reference: fp32 logits + shifted copy + log_softmax = 12 B per token and vocab entry. Chunked: one
+    chunk's head output, its fp32 copy and log_softmax."""
+    v = arch.padded_vocab_size
+    if shape.loss_chunk_tokens > 0:
+        return (BYTES[shape.dtype] + 8) * min(tokens, shape.loss_chunk_tokens) * v
+    return 12 * tokens * v
+
+
 def estimate(arch: GLMConfig, shape: RunShape) -> Estimate:
     e = BYTES[shape.dtype]
     a = BYTES[shape.adapter_dtype or peft_adapter_dtype(shape.dtype)]
@@ -217,21 +244,22 @@ def estimate(arch: GLMConfig, shape: RunShape) -> Estimate:
     loss = loss_bytes(arch, shape, tokens) + e * tokens * h  # + the final hidden state held by forward()
     b["logits and loss"] = loss
     b["block backward working set"] = working
-    if shape.images_per_sample:  # frozen ViT, no adapters: nothing kept, one layer's working set
-        v = arch.vision_config
-        b["vision tower working set"] = (shape.micro_batch * VISION_LAYER_TOKENS * e
-                                         * (4 * v["hidden_size"] + 2 * v["intermediate_size"]))
+    if shape.images_per_sample and arch.vision_config:  # frozen ViT (weights in "frozen weights")
+        b["vision tower working set"] = vision_working(arch, shape.micro_batch * shape.images_per_sample, e)
 
     states = sum(v for k, v in b.items() if k.startswith(("frozen", "ZeRO", "LoRA")))
     phases = {
         "loss": states + kept + final_norm + loss,
         "backward": states + kept + recompute + working + e * tokens * h,
     }
+    if "vision tower working set" in b:  # runs before the first GLM block: only the model states coexist
+        phases["vision"] = states + b["vision tower working set"]
     # --- evaluation: loss forward without grad, and generation with a KV cache ---
     if shape.eval_batch:
         et = shape.eval_batch * shape.seq_len
-        eval_shape = RunShape(**{**shape.__dict__, "loss_chunk_tokens": shape.loss_chunk_tokens})
-        phases["eval"] = states + loss_bytes(arch, eval_shape, et) + block_working(arch, shape, et) + 2 * e * et * h
+        # Without grad nothing is kept between blocks: a block's working set is gone before the loss head runs.
+        phases["eval"] = (states + max(eval_loss_bytes(arch, shape, et), block_working(arch, shape, et))
+                          + 2 * e * et * h)
         if shape.eval_max_new_tokens:
             kv_per_token = L * arch.kv_groups * arch.kv_channels * 2 * e  # 40,960 B for GLM-4 bf16
             cache = kv_per_token * shape.eval_batch * (shape.seq_len + shape.eval_max_new_tokens)

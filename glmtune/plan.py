@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from .config import RunConfig
-from .memory import GIB, IMAGE_TOKENS, RunShape, estimate, gpu_family
+from .memory import GIB, RunShape, estimate, gpu_family, image_extra_tokens
 
 DEFAULT_MAX_LENGTH = 500
 LOSS_CHUNK = 1024  # tokens per chunk of the lower-memory loss: 1024 x 151,552 x 12 B = 1.9 GB peak
@@ -89,9 +89,9 @@ def default_choices(run: RunConfig, world_size: int) -> Decisions:
 
 def run_shape(run: RunConfig, arch, c: Choices, data_max_tokens: int | None = None) -> RunShape:
     seq = min(c.max_length, data_max_tokens) if data_max_tokens else c.max_length
-    images = 1 if arch.vision_config else 0
+    images = 1 if arch.vision_config else 0  # GLM-4V: one image per conversation, sized for the worst case
     on_gpu = run.hw.memory_gib is not None or torch.cuda.is_available()
-    return RunShape(dtype=c.dtype, micro_batch=c.micro_batch_size, seq_len=seq + IMAGE_TOKENS * images,
+    return RunShape(dtype=c.dtype, micro_batch=c.micro_batch_size, seq_len=seq + image_extra_tokens(arch) * images,
                     lora_r=run.lora.r, lora_targets=tuple(run.lora.target_modules), lora_dropout=run.lora.dropout,
                     gradient_checkpointing=c.gradient_checkpointing, loss_chunk_tokens=c.loss_chunk_tokens,
                     zero_stage=c.zero_stage, offload_params=c.offload_params, offload_optimizer=c.offload_optimizer,

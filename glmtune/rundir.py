@@ -61,3 +61,13 @@ def print_config(run: RunConfig, run_dir: Path) -> None:
             for key, value in values.items():
                 branch.add(f"{key}: {value}")
     console.print(tree)
+
+
+def report_probe(report, run_dir: Path) -> None:
+    """probe.json in the run dir and the predicted-vs-measured table on the console (rank 0)."""
+    if rank() != 0:
+        return
+    from .probe import format_probe
+
+    (run_dir / "probe.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    console.print(format_probe(report))

@@ -10,6 +10,7 @@ adapter, metrics and TensorBoard logs go in the run dir.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -18,20 +19,26 @@ import transformers
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from .config import RunConfig, TrainConfig
-from .dist import deepspeed_config
+from .dist import adapter_fingerprint, deepspeed_config
 from .lora import apply_lora, trainable_parameters
+from .memtimeline import MemoryTimeline
 from .models import enable_checkpointing, load_model
 from .plan import Choices
 
 _TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def training_args(cfg: TrainConfig, choices: Choices, run_dir: Path, has_eval: bool) -> TrainingArguments:
-    """Built before the model loads: under ZeRO-3 these arguments switch on deepspeed.zero.Init."""
-    evaluate = has_eval and cfg.eval_steps > 0
+def training_args(cfg: TrainConfig, choices: Choices, run_dir: Path, has_eval: bool,
+                  probe_steps: int = 0) -> TrainingArguments:
+    """Built before the model loads: under ZeRO-3 these arguments switch on deepspeed.zero.Init.
+
+    probe_steps > 0 gives the probe's arguments: the same engine, dtype and batch, but that many steps and
+    no logging, saving or evaluation."""
+    evaluate = has_eval and cfg.eval_steps > 0 and not probe_steps
+    quiet = probe_steps > 0
     return TrainingArguments(
-        output_dir=str(run_dir / "checkpoints"),
-        max_steps=cfg.max_steps if cfg.max_steps > 0 else -1,
+        output_dir=str(run_dir / ("probe" if quiet else "checkpoints")),
+        max_steps=probe_steps or (cfg.max_steps if cfg.max_steps > 0 else -1),
         num_train_epochs=cfg.num_epochs,
         learning_rate=cfg.learning_rate,
         warmup_steps=cfg.warmup_steps,
@@ -44,19 +51,25 @@ def training_args(cfg: TrainConfig, choices: Choices, run_dir: Path, has_eval: b
         # evaluation_strategy, not eval_strategy: transformers 4.40 predates the rename (4.41).
         evaluation_strategy="steps" if evaluate else "no",
         eval_steps=cfg.eval_steps if evaluate else None,
-        save_strategy="steps" if cfg.save_steps > 0 else "no",
+        save_strategy="steps" if cfg.save_steps > 0 and not quiet else "no",
         save_steps=cfg.save_steps if cfg.save_steps > 0 else 500,
-        logging_strategy="steps",
+        logging_strategy="no" if quiet else "steps",
         logging_steps=cfg.logging_steps,
         logging_dir=str(run_dir / "tensorboard"),
-        report_to=["tensorboard"],
+        report_to=[] if quiet else ["tensorboard"],
         seed=cfg.seed,
         data_seed=cfg.seed,
         remove_unused_columns=False,  # our examples are already model inputs
+        # Evaluation computes the loss only; otherwise the Trainer keeps every batch's full-vocabulary
+        # logits on the GPU until the end of evaluation (the classic "eval OOMs after training fits").
+        prediction_loss_only=True,
         dataloader_num_workers=0,
-        disable_tqdm=False,
+        disable_tqdm=quiet,
         save_safetensors=True,
         deepspeed=deepspeed_config(choices),
+        # Without a GPU, accelerate 1.x starts no gloo group unless told the run is CPU-only: every rank of
+        # a torchrun/deepspeed launch then believed it was rank 0 of 1 (same batches, every rank writing).
+        use_cpu=not torch.cuda.is_available(),
         ddp_find_unused_parameters=False,  # every LoRA parameter gets a gradient each step
     )
 
@@ -76,6 +89,29 @@ def build_model(model_dir: Path, run: RunConfig, choices: Choices) -> torch.nn.M
     return model
 
 
+def make_trainer(run: RunConfig, args: TrainingArguments, model, train_set, val_set, collator,
+                 callbacks=()) -> Trainer:
+    # args carries the learning rate and weight decay (train.learning_rate / train.weight_decay).
+    return LoraTrainer(model=model, args=args, train_dataset=train_set, eval_dataset=val_set or None,
+                       data_collator=collator, callbacks=list(callbacks))
+
+
+class LoraTrainer(Trainer):
+    """The HF Trainer with AdamW over the trainable (LoRA) parameters only.
+
+    Only trainable parameters: an optimizer over frozen weights would allocate nothing useful, and the
+    Trainer's default empty no-decay group makes torch's LR scheduler fail under DeepSpeed. This is an
+    override rather than Trainer(optimizers=...) because transformers 4.40 refuses a ready optimizer when
+    DeepSpeed is on; its DeepSpeed integration calls create_optimizer itself, so both paths share this one.
+    """
+
+    def create_optimizer(self) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            self.optimizer = torch.optim.AdamW(trainable_parameters(self.model), lr=self.args.learning_rate,
+                                               weight_decay=self.args.weight_decay)
+        return self.optimizer
+
+
 class MetricsFile(TrainerCallback):
     """Every log line of the Trainer, one JSON object per line, in run_dir/metrics.jsonl (rank 0)."""
 
@@ -93,16 +129,12 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
     """Fine-tune, save the adapter (rank 0) and return (metrics, the trained PEFT model)."""
     args = training_args(run.train, choices, run_dir, has_eval=bool(val_set))
     model = build_model(model_dir, run, choices)
-    params = trainable_parameters(model)
-    # Only trainable parameters: an optimizer over frozen weights would allocate nothing useful, and an
-    # empty weight-decay group makes torch's LR scheduler fail under DeepSpeed.
-    optimizer = torch.optim.AdamW(params, lr=run.train.learning_rate, weight_decay=run.train.weight_decay)
-    trainer = Trainer(model=model, args=args, train_dataset=train_set, eval_dataset=val_set or None,
-                      data_collator=collator, optimizers=(optimizer, None),
-                      callbacks=[MetricsFile(run_dir / "metrics.jsonl")])
+    trainer = make_trainer(run, args, model, train_set, val_set, collator,
+                           callbacks=[MetricsFile(run_dir / "metrics.jsonl"), MemoryTimeline(run_dir)])
     result = trainer.train()
     metrics = {"train_loss": result.training_loss, "steps": result.global_step,
-               "trainable_parameters": sum(p.numel() for p in params),
+               # ds_numel: under ZeRO-3 a parameter's local tensor is an empty placeholder
+               "trainable_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in trainable_parameters(model)),
                "runtime_s": result.metrics.get("train_runtime")}
     if val_set:
         metrics["eval_loss"] = trainer.evaluate()["eval_loss"]
@@ -111,6 +143,11 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
     adapter_dir = run_dir / "adapter"
     # Every rank calls it: under ZeRO-3 the adapter is gathered from all shards, then rank 0 writes it.
     trainer.save_model(str(adapter_dir))
+    # Each rank hashes its own view of the adapter (gathered under ZeRO-3) into its rank log: ranks that
+    # drifted apart, or a saved adapter that is not the trained one, show up as different fingerprints.
+    metrics["adapter_sha256"] = adapter_fingerprint(model)
+    logging.getLogger(__name__).info("adapter fingerprint %s (rank %d of %d)", metrics["adapter_sha256"],
+                                     trainer.args.process_index, trainer.args.world_size)
     if trainer.is_world_process_zero():
         (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     metrics["adapter_dir"] = str(adapter_dir)

@@ -106,6 +106,12 @@ TINY_ARCH = dict(num_layers=2, hidden_size=64, ffn_hidden_size=172, kv_channels=
 _FAMILY = {
     "glm4": dict(rope_ratio=500.0, layernorm_epsilon=1.5625e-07, seq_length=8192),
     "chatglm3": dict(rope_ratio=1.0, layernorm_epsilon=1e-05, seq_length=8192),
+    # glm-4v-9b has no rope_ratio (default 1). The tower keeps the real structure (post-norm ViT, conv 2x2,
+    # GLU) at 56 px: 4x4 patches of 14 px -> conv -> 2x2 = 4 image tokens, 6 embeddings with boi/eoi.
+    "glm4v": dict(rope_ratio=1.0, layernorm_epsilon=1.5625e-07, seq_length=8192, vision_config=dict(
+        dropout_prob=0.0, hidden_act="gelu", in_channels=3, num_hidden_layers=2, hidden_size=32, patch_size=14,
+        num_heads=4, intermediate_size=64, layer_norm_eps=1e-06, num_positions=17, image_size=56,
+        scaling_factor=8)),
 }
 
 
@@ -125,6 +131,8 @@ def make_tiny_checkpoint(out_dir: str | os.PathLike, family: str = "glm4", seed:
     config = GLMConfig(**{**TINY_ARCH, **_FAMILY[family], **arch},
                        padded_vocab_size=-(-vocab // 64) * 64,  # padded like the real vocabularies
                        eos_token_id=list(tok.stop_token_ids), pad_token_id=tok.pad_token_id,
+                       **(dict(boi_token_id=tok.get_command("<|begin_of_image|>"),
+                               eoi_token_id=tok.get_command("<|end_of_image|>")) if family == "glm4v" else {}),
                        torch_dtype="float32", architectures=["ChatGLMForConditionalGeneration"])
     torch.manual_seed(seed)
     model = ChatGLMForConditionalGeneration(config)

@@ -8,6 +8,7 @@
                           post_attention_layernorm, mlp.{dense_h_to_4h, dense_4h_to_h}}
         encoder.final_layernorm
         output_layer                     [padded_vocab, hidden], untied
+        vision                           GLM-4V only (config.vision_config): EVA2-CLIP + GLU, see vision.py
 
 Works with HF `generate()` (legacy tuple KV cache holding the un-expanded KV groups: 2 heads, not 32),
 `gradient_checkpointing_enable()` (reentrant or not, via gradient_checkpointing_kwargs), PEFT and the Trainer.
@@ -25,6 +26,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration import GLMConfig
 from .layers import Embedding, GLMBlock, GLMTransformer, RMSNorm, RotaryEmbedding
+from .vision import EVA2CLIPModel, splice_images
 
 
 def build_attention_mask(attention_mask: torch.Tensor | None, q_len: int, past_len: int) -> torch.Tensor | None:
@@ -53,7 +55,8 @@ class GLMPreTrainedModel(PreTrainedModel):
     config_class = GLMConfig
     base_model_prefix = "transformer"
     supports_gradient_checkpointing = True
-    _no_split_modules = ["GLMBlock"]
+    # The vision tower is listed too: split over GPUs it breaks (GLM-4 issues #200, #350).
+    _no_split_modules = ["GLMBlock", "EVA2CLIPModel"]
     _keys_to_ignore_on_load_unexpected = [r"rotary_pos_emb\.inv_freq"]
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -76,6 +79,7 @@ class ChatGLMModel(GLMPreTrainedModel):
         self.rotary_pos_emb = RotaryEmbedding(config)
         self.encoder = GLMTransformer(config)
         self.output_layer = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
+        self.vision = EVA2CLIPModel(config) if config.vision_config else None
         self.post_init()
 
     def get_input_embeddings(self):
@@ -84,8 +88,26 @@ class ChatGLMModel(GLMPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embedding.word_embeddings = value
 
+    def merge_images(self, input_ids, inputs_embeds, position_ids, attention_mask, labels, images, image_rows):
+        """Run the vision tower on `images` (one per row listed in `image_rows`; all rows when None) and
+        splice its output into the embeddings. Returns (inputs_embeds, position_ids, attention_mask, labels)."""
+        if inputs_embeds is None:
+            inputs_embeds = self.embedding(input_ids)
+        b, s = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(s, device=inputs_embeds.device).expand(b, s)
+        if image_rows is None:
+            image_rows = torch.arange(b)
+        tower_dtype = self.vision.conv.weight.dtype
+        features = self.vision(images.to(self.vision.conv.weight.device, tower_dtype))
+        return splice_images(inputs_embeds, input_ids, position_ids, attention_mask, labels, features, image_rows,
+                             self.config.boi_token_id, self.config.eoi_token_id)
+
     def forward(self, input_ids=None, position_ids=None, attention_mask=None, past_key_values=None,
-                inputs_embeds=None, use_cache=False):
+                inputs_embeds=None, use_cache=False, images=None, image_rows=None):
+        if images is not None and self.vision is not None and not past_key_values and len(images):
+            inputs_embeds, position_ids, attention_mask, _ = self.merge_images(
+                input_ids, inputs_embeds, position_ids, attention_mask, None, images, image_rows)
         if inputs_embeds is None:
             inputs_embeds = self.embedding(input_ids)
         b, s = inputs_embeds.shape[:2]
@@ -120,10 +142,15 @@ class ChatGLMForConditionalGeneration(GLMPreTrainedModel):
 
     def forward(self, input_ids=None, position_ids=None, attention_mask=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, output_attentions=None,
-                output_hidden_states=None, return_dict=None, return_last_logit=False):
+                output_hidden_states=None, return_dict=None, return_last_logit=False, images=None, image_rows=None):
         # A cache is only useful for generation; in training it would just hold K/V of every layer.
         if use_cache is None:
             use_cache = self.config.use_cache and not self.training
+        if images is not None and self.transformer.vision is not None and not past_key_values and len(images):
+            # GLM-4V: 3 placeholder ids become boi + N patches + eoi; labels grow with -100 over the patches.
+            inputs_embeds, position_ids, attention_mask, labels = self.transformer.merge_images(
+                input_ids, inputs_embeds, position_ids, attention_mask, labels, images, image_rows)
+            images = None
         hidden, presents = self.transformer(input_ids, position_ids, attention_mask, past_key_values,
                                             inputs_embeds, use_cache)
         if return_last_logit:

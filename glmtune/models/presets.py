@@ -16,7 +16,7 @@ from ..config import ConfigError, ModelConfig
 from .configuration import RELEASED, GLMConfig, released_config
 from .loading import _FAMILY, TINY_ARCH, load_config, make_tiny_checkpoint
 
-TINY = {"glm4_tiny": "glm4", "chatglm3_tiny": "chatglm3"}
+TINY = {"glm4_tiny": "glm4", "chatglm3_tiny": "chatglm3", "glm4v_tiny": "glm4v"}
 KNOWN = sorted([*RELEASED, *TINY])
 
 
