@@ -46,7 +46,7 @@ def execute(cfg: DictConfig) -> float | None:
             validate_files(run.data)  # every line of every file, before any weights load
             model_dir = resolve_model_dir(run.model)
             tokenizer = load_tokenizer(model_dir)
-            data = build_datasets(run.data, tokenizer)
+            data = build_datasets(run.data, tokenizer, arch.vision_config)
     except (ConfigError, ValueError, OSError) as err:
         fail(str(err))
     world = world_size() if run.mode != "plan" else run.dist.nnodes * run.dist.nproc_per_node
@@ -67,7 +67,8 @@ def execute(cfg: DictConfig) -> float | None:
 
     if rank() == 0:
         console.print(format_stats(data[2]))
-    collator, choices = DataCollator(tokenizer.pad_token_id), plan.choices
+    collator = DataCollator(tokenizer.pad_token_id, image_size=(arch.vision_config or {}).get("image_size"))
+    choices = plan.choices
     if run.probe.enabled:
         probe = run_probe(run, plan, arch, model_dir, longest_length(data[2]), tokenizer.vocab_size, collator,
                           run_dir, world, evaluates=data[1] is not None)

@@ -95,17 +95,23 @@ def run_name(now: str) -> str:
 
 
 def export_slurm_env() -> bool:
-    """Inside a SLURM task started by srun (the submitit launcher), set torch's env:// variables.
+    """Inside a task that srun started (the submitit launcher, or `srun python -m glmtune` in an sbatch
+    script), set torch's env:// variables from SLURM's, as submitit's TorchDistributedEnvironment does.
 
     Does nothing under torchrun or deepspeed (RANK is already set) and for a single task. Returns whether
     it exported. CUDA_VISIBLE_DEVICES is left alone: each task sees the node's GPUs and the Trainer picks
-    cuda:LOCAL_RANK, which a per-task mask would turn into a missing device.
+    cuda:LOCAL_RANK, which a one-GPU mask per task would turn into a missing device.
     """
-    if "RANK" in os.environ or "SLURM_JOB_ID" not in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) < 2:
+    env = os.environ
+    if "RANK" in env or "SLURM_JOB_ID" not in env or int(env.get("SLURM_NTASKS", "1")) < 2:
         return False
-    from submitit.helpers import TorchDistributedEnvironment  # the [slurm] extra; parses SLURM's node list
+    from submitit.slurm.slurm import SlurmJobEnvironment  # the [slurm] extra; parses "gpu[07-08],cpu3"
 
-    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    tasks, nodes = int(env["SLURM_NTASKS"]), int(env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", "1")))
+    env.update(RANK=env["SLURM_PROCID"], LOCAL_RANK=env["SLURM_LOCALID"], WORLD_SIZE=str(tasks),
+               LOCAL_WORLD_SIZE=str(tasks // nodes), MASTER_ADDR=SlurmJobEnvironment().hostnames[0],
+               # the same port on every task without talking: derived from the job id (submitit's rule)
+               MASTER_PORT=env.get("MASTER_PORT") or str(20000 + int(env["SLURM_JOB_ID"]) % 40000))
     return True
 
 

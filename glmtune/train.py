@@ -28,6 +28,20 @@ from .plan import Choices
 _TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+def _single_process_env() -> None:
+    """DeepSpeed needs a process group even for one process; without a launcher's variables it falls back
+    to MPI discovery (mpi4py). Give a lone process the env a 1-process torchrun would."""
+    import os
+    import socket
+
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
 def training_args(cfg: TrainConfig, choices: Choices, run_dir: Path, has_eval: bool,
                   probe_steps: int = 0) -> TrainingArguments:
     """Built before the model loads: under ZeRO-3 these arguments switch on deepspeed.zero.Init.
@@ -35,6 +49,8 @@ def training_args(cfg: TrainConfig, choices: Choices, run_dir: Path, has_eval: b
     probe_steps > 0 gives the probe's arguments: the same engine, dtype and batch, but that many steps and
     no logging, saving or evaluation."""
     evaluate = has_eval and cfg.eval_steps > 0 and not probe_steps
+    if choices.zero_stage == 3:
+        _single_process_env()
     quiet = probe_steps > 0
     return TrainingArguments(
         output_dir=str(run_dir / ("probe" if quiet else "checkpoints")),

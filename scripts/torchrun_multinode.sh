@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Several nodes: run this once on every node, with the same NNODES, MASTER_ADDR, MASTER_PORT and RUN_ID.
+#   node 0:  NNODES=2 NODE_RANK=0 NPROC=8 MASTER_ADDR=node0 RUN_ID=lora-r16 scripts/torchrun_multinode.sh +hw=a100_80g ...
+#   node 1:  NNODES=2 NODE_RANK=1 NPROC=8 MASTER_ADDR=node0 RUN_ID=lora-r16 scripts/torchrun_multinode.sh +hw=a100_80g ...
+# The agents meet at a c10d rendezvous on MASTER_ADDR:MASTER_PORT. --rdzv_id becomes TORCHELASTIC_RUN_ID in
+# every worker, which names the run dir (outputs/$RUN_ID): give each launch its own id (inside SLURM,
+# $SLURM_JOB_ID). The run dir must be on a filesystem all nodes share, or only node 0's copy is complete.
+set -euo pipefail
+: "${NNODES:?set NNODES}" "${MASTER_ADDR:?set MASTER_ADDR (node 0 host name or address)}"
+: "${RUN_ID:?set RUN_ID, the same on every node (it names the run dir)}"
+exec torchrun --nnodes "$NNODES" --node_rank "${NODE_RANK:-0}" --nproc_per_node "${NPROC:-1}" \
+    --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}" --rdzv_id "$RUN_ID" \
+    -m glmtune "$@"

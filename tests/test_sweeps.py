@@ -1,0 +1,113 @@
+"""Sweeps: a multirun records every trial (failed ones too) and writes a summary; optuna and SLURM presets."""
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+
+HAS_OPTUNA = importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is not None
+HAS_SUBMITIT = importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None
+
+
+def multirun(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "glmtune", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "2"})
+
+
+def trials(sweep_dir):
+    return [json.loads(line) for line in (sweep_dir / "trials.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_grid_sweep_records_a_failed_trial_and_finishes_the_others(tmp_path, repo):
+    proc = multirun("-m", "lora.target_modules=[query_key_value],[no_such_layer],[dense]", "train.max_steps=2",
+                    "probe.enabled=false", f"hydra.sweep.dir={tmp_path}", cwd=repo)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = sorted(trials(tmp_path), key=lambda r: r["num"])
+    assert [r["status"] for r in rows] == ["ok", "failed", "ok"]
+    assert "no_such_layer" in rows[1]["error"] and math.isnan(rows[1]["metric"])
+    for row in (rows[0], rows[2]):
+        assert row["fits"] and row["planned_peak_bytes"] > 0 and row["train_loss"] > 0
+        assert (tmp_path / str(row["num"]) / "adapter" / "adapter_model.safetensors").exists()
+    summary = (tmp_path / "summary.md").read_text()
+    assert "3 trials, 1 failed" in summary and summary.count("| ok |") == 2 and "| failed |" in summary
+    assert "lora.target_modules=[dense]" in summary and "best: trial" in summary
+
+
+def test_plan_sweep_records_a_trial_that_does_not_fit(tmp_path, repo):
+    proc = multirun("-m", "mode=plan", "model=glm4_9b_chat", "+hw=t4_16g", "data.max_length=512,131072",
+                    f"hydra.sweep.dir={tmp_path}", cwd=repo)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = sorted(trials(tmp_path), key=lambda r: r["num"])
+    assert [r["status"] for r in rows] == ["ok", "does not fit"] and rows[1]["exit_code"] == 3
+    assert rows[1]["fits"] is False and "data.max_length=" in rows[1]["error"]  # the plan's advice
+    assert "| does not fit | no |" in (tmp_path / "summary.md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_OPTUNA, reason="hydra-optuna-sweeper not installed (pip install -e '.[sweep]')")
+def test_optuna_preset_runs_trials_and_summarises(tmp_path, repo):
+    proc = multirun("+hparams_search=lora_optuna", "hydra.sweeper.n_trials=2", "train.max_steps=2",
+                    "probe.enabled=false", f"hydra.sweep.dir={tmp_path}", cwd=repo)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = trials(tmp_path)
+    assert len(rows) == 2 and all(r["status"] == "ok" and r["metric"] > 0 for r in rows)
+    assert all(any(o.startswith("lora.r=") for o in r["overrides"]) for r in rows)  # optuna chose them
+    assert "Best parameters" in proc.stdout + proc.stderr or (tmp_path / "optimization_results.yaml").exists()
+
+
+@pytest.mark.skipif(not HAS_SUBMITIT, reason="hydra-submitit-launcher not installed (pip install -e '.[slurm]')")
+def test_slurm_preset_submission(tmp_path, repo, monkeypatch):
+    import submitit
+
+    with initialize_config_dir(version_base="1.3", config_dir=str(repo / "conf")):
+        cfg = compose("config", return_hydra_config=True, overrides=[
+            "hydra/launcher=slurm", "hydra.launcher.nodes=2", "hydra.launcher.gpus_per_node=4",
+            "hydra.launcher.partition=gpu", f"hydra.sweep.dir={tmp_path}"])
+    HydraConfig.instance().set_config(cfg)
+    launcher = instantiate(cfg.hydra.launcher)
+    launcher.config = cfg
+    submitted = {}
+
+    def capture(executor, fn, *job_args):  # stands in for sbatch: keep what would be submitted
+        submitted.update(executor=executor, fn=fn, job_args=job_args)
+        return []
+
+    monkeypatch.setattr(submitit.AutoExecutor, "map_array", capture)
+    # No SLURM here: submitit looks for srun before it builds a SLURM executor.
+    monkeypatch.setattr(submitit.SlurmExecutor, "affinity", classmethod(lambda cls: 1))
+    launcher.launch([["lora.r=8"], ["lora.r=16"]], initial_job_idx=0)
+    params = submitted["executor"]._executor.parameters
+    assert params["nodes"] == 2 and params["ntasks_per_node"] == 4 and params["gpus_per_node"] == 4
+    assert params["partition"] == "gpu" and params["time"] == 240
+    assert submitted["job_args"][0] == (["lora.r=8"], ["lora.r=16"])  # one array task per trial
+    script = submitted["executor"]._executor._make_submission_file_text("python -m glmtune", "0")
+    for flag in ("--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4", "--partition=gpu", "--time=240"):
+        assert f"#SBATCH {flag}" in script, script
+    assert "srun" in script and "torchrun" not in script
+
+
+@pytest.mark.skipif(not HAS_SUBMITIT, reason="hydra-submitit-launcher not installed (pip install -e '.[slurm]')")
+def test_slurm_task_exports_the_torch_distributed_env(repo):
+    # Task 5 of 8 (2 nodes x 4), as srun starts it: SLURM's variables only, no RANK.
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1",
+             "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[07-08]"}
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES")}
+    code = ("import json, os; from glmtune.dist import export_slurm_env; done = export_slurm_env(); "
+            "print(json.dumps([done, {k: os.environ.get(k) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', "
+            "'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT', 'CUDA_VISIBLE_DEVICES')}]))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=repo, env={**clean, **slurm}, capture_output=True,
+                         text=True, check=True).stdout
+    done, exported = json.loads(out)
+    assert done and exported == {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
+                                 "MASTER_ADDR": "gpu07", "MASTER_PORT": "24242", "CUDA_VISIBLE_DEVICES": None}
+    # Under torchrun (RANK already set) it leaves the environment alone.
+    out = subprocess.run([sys.executable, "-c", code], cwd=repo, env={**clean, **slurm, "RANK": "0"},
+                         capture_output=True, text=True, check=True).stdout
+    assert json.loads(out)[0] is False
