@@ -70,7 +70,7 @@ def execute(cfg: DictConfig) -> float | None:
     collator = DataCollator(tokenizer.pad_token_id, image_size=(arch.vision_config or {}).get("image_size"))
     choices = plan.choices
     if run.probe.enabled:
-        probe = run_probe(run, plan, arch, model_dir, longest_length(data[2]), tokenizer.vocab_size, collator,
+        probe = run_probe(run, plan, arch, model_dir, longest_length(data[2]), tokenizer, collator,
                           run_dir, world, evaluates=data[1] is not None)
         report_probe(probe, run_dir)
         if not probe.fits:

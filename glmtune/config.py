@@ -97,6 +97,9 @@ class RunConfig:
     probe: ProbeConfig = field(default_factory=ProbeConfig)
 
 
+# Linear layers of the GLM-4 / ChatGLM3 language model, by their official names (the estimator knows each).
+LORA_TARGETS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "output_layer")
+
 _CHOICES = {
     "mode": MODES,
     "dist.strategy": ("auto", "ddp", "zero3"),
@@ -182,6 +185,10 @@ def _check_values(cfg: RunConfig) -> list[str]:
         problems.append(f"lora.dropout must be in [0, 1), got {cfg.lora.dropout}")
     if not cfg.lora.target_modules:
         problems.append("lora.target_modules must name at least one module")
+    unknown = [t for t in cfg.lora.target_modules if t not in LORA_TARGETS]
+    if unknown:
+        problems.append(f"lora.target_modules has {', '.join(map(repr, unknown))}; GLM layers that take LoRA: "
+                        f"{', '.join(LORA_TARGETS)}")
     if not 0.1 <= cfg.hw.margin <= 1.0:
         problems.append(f"hw.margin must be in [0.1, 1.0], got {cfg.hw.margin}")
     if cfg.hw.memory_gib is not None and cfg.hw.memory_gib <= 0:

@@ -64,11 +64,32 @@ class ProbeReport:
         return asdict(self)
 
 
-def worst_case_examples(count: int, length: int, vocab_size: int, seed: int) -> list[dict]:
-    """`count` examples of exactly `length` random tokens, each one a target."""
+def worst_case_examples(count: int, length: int, tokenizer, seed: int, image: Path | None = None) -> list[dict]:
+    """`count` examples of exactly `length` random text tokens (no special ones), each one a target.
+    With `image` (GLM-4V), every example carries it: its 3 placeholders right after [gMASK]<sop> become the
+    tower's embeddings, so the sequence is as long as the longest image example can be."""
     gen = torch.Generator().manual_seed(seed)
-    rows = torch.randint(0, vocab_size, (count, length), generator=gen).tolist()
-    return [{"input_ids": row, "labels": row} for row in rows]
+    plain = tokenizer.vocab_size - len(tokenizer.specials)  # specials are numbered after the plain tokens
+    rows = torch.randint(0, plain, (count, length), generator=gen).tolist()
+    if image is None:
+        return [{"input_ids": row, "labels": row} for row in rows]
+    marks = [tokenizer.get_command(t) for t in ("<|begin_of_image|>", "<|endoftext|>", "<|end_of_image|>")]
+    out = []
+    for row in rows:
+        row[2:5] = marks
+        out.append({"input_ids": row, "labels": row[:2] + [-100] * 3 + row[5:], "image": str(image)})
+    return out
+
+
+def _probe_image(size: int, folder: Path) -> Path:
+    """A noise image of the tower's input size; pixel values do not change the tower's memory."""
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "probe_image.png"
+    pixels = np.random.default_rng(0).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path)
+    return path
 
 
 def emulate_card(memory_gib: float | None) -> bool:
@@ -165,17 +186,18 @@ def _restore_rng(state: tuple) -> None:
     np.random.set_state(state[3])
 
 
-def run_probe(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, vocab_size: int, collator,
+def run_probe(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, tokenizer, collator,
               run_dir: Path, world_size: int, evaluates: bool) -> ProbeReport:
     start, rng = time.perf_counter(), _rng_state()
     emulated = emulate_card(run.hw.memory_gib)
+    image = _probe_image(arch.vision_config["image_size"], run_dir / "probe") if arch.vision_config else None
     choices, attempts = plan.choices, []
     while True:
         length = min(choices.max_length, longest)
         count = choices.micro_batch_size * choices.grad_accum * run.probe.steps * world_size
-        examples = worst_case_examples(count, length, vocab_size, run.train.seed)
-        eval_examples = (worst_case_examples(choices.eval_batch_size * world_size, length, vocab_size, run.train.seed)
-                         if evaluates else None)
+        examples = worst_case_examples(count, length, tokenizer, run.train.seed, image)
+        eval_examples = (worst_case_examples(choices.eval_batch_size * world_size, length, tokenizer,
+                                             run.train.seed, image) if evaluates else None)
         shape = run_shape(run, arch, choices, longest)
         if not torch.cuda.is_available():  # CPU: compare tensor terms only (no CUDA context, no allocator)
             shape = replace(shape, device="cpu", gpu_family=None)

@@ -69,3 +69,8 @@ def test_bad_values_are_all_named():
     msg = str(err.value)
     for needle in ("lora.dropout", "mode='fly'", "train.per_device_batch_size", "dist.strategy='fsdp'"):
         assert needle in msg
+
+
+def test_unknown_lora_target_is_a_config_error_naming_the_valid_layers():
+    with pytest.raises(ConfigError, match="'no_such_layer'.*query_key_value, dense, dense_h_to_4h"):
+        parse_config(composed(["lora.target_modules=[query_key_value,no_such_layer]"]))

@@ -63,7 +63,7 @@ def test_budget_below_the_measured_peak_steps_down_and_records_attempts(tmp_path
     plan = make_plan(run, arch, 1, user_set_max_length=False, data_max_tokens=longest_length(stats))
     assert plan.budget_bytes is None and plan.choices.micro_batch_size == 4
     collator = DataCollator(tok.pad_token_id)
-    args = (arch, model_dir, longest_length(stats), tok.vocab_size, collator, tmp_path, 1)
+    args = (arch, model_dir, longest_length(stats), tok, collator, tmp_path, 1)
     free = run_probe(run, plan, *args, evaluates=False)
     first_peak = free.measured_peak_bytes
     budget = int(first_peak * 0.8)
@@ -158,3 +158,12 @@ def test_unrecognised_errors_propagate_unchanged(tmp_path, tiny_inputs):
         with diagnosed(tmp_path, {}, choices.to_dict(), probe_enabled=True):
             train(run, choices, tmp_path, model_dir, train_set, None,
                   FailingCollator(tok.pad_token_id, KeyError("not a memory problem")))
+
+
+def test_probe_on_the_tiny_vision_model_includes_the_image(tmp_path, repo):
+    out = tmp_path / "v"
+    proc = run_cli("mode=probe", "model=glm4v_tiny", "data=samples_vision", f"hydra.run.dir={out}", cwd=repo)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "probe.json").read_text())
+    assert (out / "probe" / "probe_image.png").is_file()
+    assert report["fits"] and report["predicted_peak_bytes"] == pytest.approx(report["measured_peak_bytes"], rel=0.05)
