@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import socket
 from pathlib import Path
 
 import torch
@@ -31,9 +33,6 @@ _TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.flo
 def _single_process_env() -> None:
     """DeepSpeed needs a process group even for one process; without a launcher's variables it falls back
     to MPI discovery (mpi4py). Give a lone process the env a 1-process torchrun would."""
-    import os
-    import socket
-
     if "RANK" in os.environ:
         return
     with socket.socket() as s:
@@ -105,9 +104,8 @@ def build_model(model_dir: Path, run: RunConfig, choices: Choices) -> torch.nn.M
     return model
 
 
-def make_trainer(run: RunConfig, args: TrainingArguments, model, train_set, val_set, collator,
-                 callbacks=()) -> Trainer:
-    # args carries the learning rate and weight decay (train.learning_rate / train.weight_decay).
+def make_trainer(args: TrainingArguments, model, train_set, val_set, collator, callbacks=()) -> Trainer:
+    """The Trainer for the run and for the probe; args carries train.learning_rate and train.weight_decay."""
     return LoraTrainer(model=model, args=args, train_dataset=train_set, eval_dataset=val_set or None,
                        data_collator=collator, callbacks=list(callbacks))
 
@@ -145,7 +143,7 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
     """Fine-tune, save the adapter (rank 0) and return (metrics, the trained PEFT model)."""
     args = training_args(run.train, choices, run_dir, has_eval=bool(val_set))
     model = build_model(model_dir, run, choices)
-    trainer = make_trainer(run, args, model, train_set, val_set, collator,
+    trainer = make_trainer(args, model, train_set, val_set, collator,
                            callbacks=[MetricsFile(run_dir / "metrics.jsonl"), MemoryTimeline(run_dir)])
     result = trainer.train()
     metrics = {"train_loss": result.training_loss, "steps": result.global_step,
