@@ -42,12 +42,20 @@ def execute(cfg: DictConfig) -> float | None:
         run = parse_config(OmegaConf.to_container(cfg, resolve=True))
         arch = arch_config(run.model)  # config.json or built-in facts: no weights read
         data = None
-        if run.mode != "plan":
+        if run.mode in ("train", "probe"):
             validate_files(run.data)  # every line of every file, before any weights load
+        if run.mode != "plan":
             model_dir = resolve_model_dir(run.model)
             tokenizer = load_tokenizer(model_dir)
+        if run.mode == "infer":
+            from .infer import run_infer  # checks the prompts file before loading the weights
+
+            result = run_infer(run.infer, run.model, run.hw.memory_gib, model_dir, tokenizer, run_dir)
+            console.print(result)
+            return None
+        if data is None and run.mode != "plan":
             data = build_datasets(run.data, tokenizer, arch.vision_config)
-    except (ConfigError, ValueError, OSError) as err:
+    except (ConfigError, ValueError, OSError) as err:  # bad input, or a device map that cannot place a tensor
         fail(str(err))
     world = world_size() if run.mode != "plan" else run.dist.nnodes * run.dist.nproc_per_node
     length_set = run.data.max_length != 500 or any(o.lstrip("+~").startswith("data.max_length=") for o in overrides)

@@ -82,7 +82,18 @@ class ProbeConfig:
     steps: int = 2  # optimizer steps per attempt: the second one has Adam states, the steady-state peak
 
 
-MODES = ("train", "plan", "probe")
+@dataclass
+class InferConfig:
+    prompts_file: Optional[str] = None  # JSONL of {"messages": [...]}, each ending on the user turn to answer
+    adapter: Optional[str] = None  # a run's adapter folder; None = the base model alone
+    output_file: Optional[str] = None  # None = <run dir>/predictions.jsonl
+    max_new_tokens: int = 256
+    batch_size: int = 4
+    gpus: int = 0  # 0 = every visible GPU (CPU when there is none); N = split the model over the first N
+    merge_to: Optional[str] = None  # also write base + adapter merged, in the official checkpoint layout
+
+
+MODES = ("train", "plan", "probe", "infer")
 
 
 @dataclass
@@ -95,6 +106,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     hw: HwConfig = field(default_factory=HwConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
+    infer: InferConfig = field(default_factory=InferConfig)
 
 
 # Linear layers of the GLM-4 / ChatGLM3 language model, by their official names (the estimator knows each).
@@ -109,7 +121,8 @@ _CHOICES = {
 }
 _POSITIVE = ("data.max_length", "lora.r", "lora.alpha", "dist.nnodes", "dist.nproc_per_node",
              "train.per_device_batch_size", "train.grad_accum",
-             "train.eval_batch_size", "train.logging_steps", "hw.gpus_per_node", "probe.steps")
+             "train.eval_batch_size", "train.logging_steps", "hw.gpus_per_node", "probe.steps",
+             "infer.max_new_tokens", "infer.batch_size")
 
 
 def parse_config(raw: dict[str, Any]) -> RunConfig:
@@ -193,6 +206,10 @@ def _check_values(cfg: RunConfig) -> list[str]:
         problems.append(f"hw.margin must be in [0.1, 1.0], got {cfg.hw.margin}")
     if cfg.hw.memory_gib is not None and cfg.hw.memory_gib <= 0:
         problems.append(f"hw.memory_gib must be > 0, got {cfg.hw.memory_gib}")
+    if cfg.mode == "infer" and not (cfg.infer.prompts_file or cfg.infer.merge_to):
+        problems.append("mode=infer needs infer.prompts_file=<jsonl> (and/or infer.merge_to=<folder>)")
+    if cfg.infer.gpus < 0:
+        problems.append(f"infer.gpus must be >= 0, got {cfg.infer.gpus}")
     if cfg.train.max_steps <= 0 and cfg.train.num_epochs <= 0:
         problems.append("set train.max_steps > 0 or train.num_epochs > 0")
     if cfg.train.learning_rate <= 0:

@@ -51,10 +51,11 @@ def validate_files(cfg: DataConfig) -> None:
         read_conversations(cfg.val_file, "data.val_file")
 
 
-def read_conversations(path: str | Path, key: str = "data.train_file") -> list[Conversation]:
+def read_conversations(path: str | Path, key: str = "data.train_file", prompts: bool = False) -> list[Conversation]:
     """All conversations of a JSONL file, or DataError naming the first bad line and counting the others.
 
-    `key` is the config key that named the file, so the message can say what to change.
+    `key` is the config key that named the file, so the message can say what to change. `prompts=True`
+    reads generation prompts: they end on a user or observation turn instead of containing a reply.
     """
     shown = str(path)  # as the user wrote it in the config, which is what they will recognise
     raw = _read_bytes(Path(path), shown, key)
@@ -75,7 +76,7 @@ def read_conversations(path: str | Path, key: str = "data.train_file") -> list[C
             continue
         if not text.strip():
             continue  # blank lines (and the newline at the end of the file) are allowed
-        result = _parse_line(text, line_no)
+        result = _parse_line(text, line_no, prompts)
         if not isinstance(result, _Problem):
             result = _resolve_image(result, Path(path).parent, line_no)
         if isinstance(result, _Problem):
@@ -116,7 +117,7 @@ def _one_line(shown: str, problems: list[_Problem]) -> str:
     return message
 
 
-def _parse_line(text: str, line_no: int) -> list[dict[str, Any]] | _Problem:
+def _parse_line(text: str, line_no: int, prompts: bool = False) -> list[dict[str, Any]] | _Problem:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as err:
@@ -149,7 +150,11 @@ def _parse_line(text: str, line_no: int) -> list[dict[str, Any]] | _Problem:
         return _Problem(line_no, f"{key}[{late}] has an \"image\", but only the first user message may carry one "
                         "(GLM-4V takes one image per conversation)",
                         "move the image to the first user message, or split the conversation")
-    if not any(m["role"] == "assistant" and m["content"] for m in messages):
+    if prompts:
+        if messages[-1]["role"] not in ("user", "observation"):
+            return _Problem(line_no, f"the prompt ends on a \"{messages[-1]['role']}\" message",
+                            "end each prompt on the user (or observation) turn the model should answer")
+    elif not any(m["role"] == "assistant" and m["content"] for m in messages):
         return _Problem(line_no, "no assistant message with non-empty content, so nothing would be trained",
                         "add the assistant reply the model should learn, or delete the line")
     return messages

@@ -100,8 +100,10 @@ class ChatGLMModel(GLMPreTrainedModel):
             image_rows = torch.arange(b)
         tower_dtype = self.vision.conv.weight.dtype
         features = self.vision(images.to(self.vision.conv.weight.device, tower_dtype))
+        # A batch whose every row ends on a real token is left-padded (generation): pad text rows on the left.
+        pad_left = attention_mask is None or bool(attention_mask[:, -1].all())
         return splice_images(inputs_embeds, input_ids, position_ids, attention_mask, labels, features, image_rows,
-                             self.config.boi_token_id, self.config.eoi_token_id)
+                             self.config.boi_token_id, self.config.eoi_token_id, pad_left)
 
     def forward(self, input_ids=None, position_ids=None, attention_mask=None, past_key_values=None,
                 inputs_embeds=None, use_cache=False, images=None, image_rows=None):
@@ -126,6 +128,7 @@ class ChatGLMForConditionalGeneration(GLMPreTrainedModel):
         # Tokens per chunk of the lower-memory loss; 0 = the reference loss (full fp32 logits, ~1.8 MB/token
         # for the 151,552-token vocabulary). Set by the trainer from the plan; not part of config.json.
         self.loss_chunk_tokens = 0
+        self._image_layout = None  # generation with images: (prompt length, image rows, prompt ids)
         self.post_init()
 
     def get_input_embeddings(self):
@@ -191,16 +194,42 @@ class ChatGLMForConditionalGeneration(GLMPreTrainedModel):
         return total / (y != -100).sum().clamp(min=1)
 
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
-                                      position_ids=None, use_cache=True, **kwargs):
-        if position_ids is None and attention_mask is not None:
-            # Left padding: real tokens count from 0, as the official tokenizer's position_ids do.
+                                      position_ids=None, use_cache=True, images=None, image_rows=None, **kwargs):
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if position_ids is None:
+            # Left padding: real tokens count from 0, as the official tokenizer's position_ids do. Image
+            # patches share one position, so text positions never count them.
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        if past_key_values is not None:
-            input_ids = input_ids[:, -1:]
-            if position_ids is not None:
-                position_ids = position_ids[:, -1:]
-        return {"input_ids": input_ids, "past_key_values": past_key_values, "position_ids": position_ids,
-                "attention_mask": attention_mask, "use_cache": use_cache, "return_last_logit": True}
+        inputs = {"use_cache": use_cache, "return_last_logit": True}
+        if past_key_values is None:
+            self._image_layout = None
+            if images is not None and len(images):
+                rows = image_rows if image_rows is not None else torch.arange(input_ids.shape[0])
+                self._image_layout = (input_ids.shape[1], rows.tolist(), input_ids)
+                inputs.update(images=images, image_rows=image_rows)
+        else:
+            input_ids, position_ids = input_ids[:, -1:], position_ids[:, -1:]
+            if self._image_layout is not None:  # the cache holds the spliced prompt: widen the mask to match
+                attention_mask = self._spliced_mask(attention_mask, past_key_values[0][0].shape[2] + 1)
+        return {**inputs, "input_ids": input_ids, "past_key_values": past_key_values,
+                "position_ids": position_ids, "attention_mask": attention_mask}
+
+    def _spliced_mask(self, mask: torch.Tensor, width: int) -> torch.Tensor:
+        """The text mask laid out as vision.splice_images laid out the left-padded prompt: N-1 more ones
+        after boi in image rows, N-1 zeros in front of the other rows; generated tokens follow."""
+        _, rows, prompt_ids = self._image_layout
+        grow = width - mask.shape[1]
+        boi = self.config.boi_token_id
+        out = []
+        for r in range(mask.shape[0]):
+            m = mask[r]
+            if r in rows:
+                at = int((prompt_ids[r] == boi).nonzero()[0]) + 1
+                out.append(torch.cat([m[:at], m.new_ones(grow), m[at:]]))
+            else:
+                out.append(torch.cat([m.new_zeros(grow), m]))
+        return torch.stack(out)
 
     @staticmethod
     def _reorder_cache(past_key_values, beam_idx):

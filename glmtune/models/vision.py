@@ -141,13 +141,14 @@ class EVA2CLIPModel(nn.Module):
 
 def splice_images(embeds: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
                   attention_mask: torch.Tensor | None, labels: torch.Tensor | None, features: torch.Tensor,
-                  image_rows: torch.Tensor, boi_id: int, eoi_id: int):
+                  image_rows: torch.Tensor, boi_id: int, eoi_id: int, pad_left: bool = False):
     """Replace `boi <|endoftext|> eoi` in rows `image_rows` with the tower's boi + N patches + eoi.
 
     As the official ChatGLMModel.forward: all N patches share the position id after boi (eoi and the rest
-    keep theirs), their labels are -100 and their attention mask 1. Rows without an image are right-padded
-    by N - 1 positions (mask 0, label -100, the pad row's last embedding) so the batch stays rectangular;
-    a right pad is invisible to real tokens under the causal mask.
+    keep theirs), their labels are -100 and their attention mask 1. Rows without an image are padded by
+    N - 1 positions (mask 0, label -100) so the batch stays rectangular: on the right for training batches
+    (a right pad is invisible to real tokens under the causal mask), on the left with `pad_left` for
+    left-padded generation batches, whose last position must stay the last real token.
     Returns (embeds, position_ids, attention_mask, labels), each [B, S + N - 1, ...].
     """
     b, s = input_ids.shape
@@ -174,6 +175,12 @@ def splice_images(embeds: torch.Tensor, input_ids: torch.Tensor, position_ids: t
             m = torch.cat([m[:boi + 1], m.new_ones(n), m[eoi:]])
             if lab is not None:
                 lab = torch.cat([lab[:boi + 1], lab.new_full((n,), IGNORE_INDEX), lab[eoi:]])
+        elif pad_left:
+            e = torch.cat([e[:1].expand(grow, -1), e])
+            p = torch.cat([p.new_zeros(grow), p])
+            m = torch.cat([m.new_zeros(grow), m])
+            if lab is not None:
+                lab = torch.cat([lab.new_full((grow,), IGNORE_INDEX), lab])
         else:
             e = torch.cat([e, e[-1:].expand(grow, -1)])
             p = torch.cat([p, p[-1:] + torch.arange(1, grow + 1, device=p.device)])
