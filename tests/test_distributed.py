@@ -140,3 +140,22 @@ def test_deepspeed_launcher_on_localhost(tmp_path, repo):
     assert set(prints) == {0, 1} and prints[0] == prints[1]
     assert adapter_fingerprint(PeftModel.from_pretrained(load_model(ensure_tiny("glm4")), str(out / "adapter"))) \
         == prints[0]
+
+
+@pytest.mark.slow
+def test_probe_under_zero3_on_two_ranks_then_training(tmp_path, repo):
+    """The probe runs unchanged under ZeRO-3 with 2 ranks: one peak per rank, the maximum reported, and the
+    run that follows (a second DeepSpeed engine in the same processes) trains and agrees across ranks."""
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "glmtune",
+         "dist=zero3", "data.val_file=null", "train.max_steps=3", f"hydra.run.dir={out}"],
+        cwd=repo, env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "probe.json").read_text())
+    assert len(report["per_rank"]) == 2 and all(p > 0 for p in report["per_rank"])
+    assert report["measured_peak_bytes"] == max(report["per_rank"])
+    assert report["final"]["zero_stage"] == 3 and report["final"]["world_size"] == 2
+    assert report["predicted_peak_bytes"] == pytest.approx(report["measured_peak_bytes"], rel=0.05)
+    prints = fingerprints(out)
+    assert set(prints) == {0, 1} and prints[0] == prints[1]
