@@ -6,6 +6,7 @@ fit the card; 4 out of memory during training; 5 NCCL error; 6 remote code / tra
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import hydra
@@ -13,7 +14,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from .config import ConfigError, parse_config
+from .config import ConfigError, check_override_keys, parse_config
 from .data import DataCollator, build_datasets, format_stats, longest_length, validate_files
 from .dist import export_slurm_env, rank, run_name, world_size
 from .models import load_tokenizer
@@ -95,4 +96,8 @@ def execute(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    try:
+        check_override_keys(sys.argv[1:])
+    except ConfigError as err:
+        fail(str(err))
     main()

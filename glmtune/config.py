@@ -136,6 +136,36 @@ def parse_config(raw: dict[str, Any]) -> RunConfig:
     return cfg
 
 
+GROUPS = ("model", "data", "lora", "dist", "train", "hw", "hparams_search")
+
+
+def check_override_keys(argv: list[str]) -> None:
+    """Reject command-line `key=value` overrides whose key the schema does not have, before Hydra sees them.
+
+    Hydra's own message for `train.lrr=1` is a multi-line error with exit code 1 that names no valid key;
+    this one names every unknown key and the valid keys beside it, as parse_config does for YAML."""
+    problems = []
+    for arg in argv:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key = arg.split("=", 1)[0].lstrip("+~")
+        if key.startswith(("hydra.", "hydra/")) or key in GROUPS or key == "hydra":
+            continue
+        cls, parts = RunConfig, key.split(".")
+        for i, part in enumerate(parts):
+            names = [f.name for f in dataclasses.fields(cls)]
+            if part not in names:
+                where = ".".join(parts[:i]) or "<root>"
+                problems.append(f"unknown key '{key}' (valid keys under {where}: {', '.join(names)})")
+                break
+            hint = typing.get_type_hints(cls)[part]
+            if not dataclasses.is_dataclass(hint):
+                break
+            cls = hint
+    if problems:
+        raise ConfigError("invalid command line: " + "; ".join(problems))
+
+
 def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
     where = prefix.rstrip(".") or "<root>"
     if not isinstance(raw, dict):

@@ -74,3 +74,18 @@ def test_bad_values_are_all_named():
 def test_unknown_lora_target_is_a_config_error_naming_the_valid_layers():
     with pytest.raises(ConfigError, match="'no_such_layer'.*query_key_value, dense, dense_h_to_4h"):
         parse_config(composed(["lora.target_modules=[query_key_value,no_such_layer]"]))
+
+
+def test_command_line_typo_exits_2_naming_the_valid_keys(tmp_path, repo):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "glmtune", "train.lrr=1", "+lora.rank=4", "+hw=a100_40g",
+                           "hw.memory_gib=30", f"hydra.run.dir={tmp_path / 'r'}"],
+                          cwd=repo, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    line = proc.stderr.strip()
+    assert "\n" not in line
+    assert "unknown key 'train.lrr'" in line and "learning_rate" in line
+    assert "unknown key 'lora.rank'" in line and "target_modules" in line
+    assert "hw.memory_gib" not in line and not (tmp_path / "r").exists()  # stopped before Hydra made the run dir
