@@ -6,10 +6,7 @@ import re
 import peft
 import torch
 
-from .config import ConfigError, LoraConfig
-
-# Linear layers of a GLM block, by their official names.
-BLOCK_LINEARS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
+from .config import LORA_TARGETS, ConfigError, LoraConfig
 
 
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> peft.PeftModel:
@@ -22,7 +19,7 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> peft.PeftModel:
         if "not found" not in str(err):
             raise
         raise ConfigError(f"lora.target_modules={list(cfg.target_modules)} matches no layer of the model — "
-                          f"GLM blocks have {', '.join(BLOCK_LINEARS)} (and output_layer)") from None
+                          f"GLM models have {', '.join(LORA_TARGETS)}") from None
     # peft 0.11 creates adapters in the base weights' dtype; bf16 adapters and bf16 Adam moments lose small
     # updates, so keep them fp32 (the estimator counts 4 B per adapter weight, 16 B with grad and moments).
     for param in trainable_parameters(model):
