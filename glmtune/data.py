@@ -78,8 +78,7 @@ def encode_conversation(messages: list[dict[str, Any]], tokenizer: MessageTokeni
     input_ids = list(tokenizer.prefix_ids())  # a copy: it is extended below
     loss_mask = [False] * len(input_ids)
     for message in messages:
-        message_ids = (image_message_ids(message, tokenizer) if "image" in message
-                       else tokenizer.encode_message(process_message(message)))
+        message_ids = encode_one(message, tokenizer)
         input_ids += message_ids
         loss_mask += [message["role"] == "assistant"] * len(message_ids)
     input_ids.append(terminator_id(tokenizer))
@@ -90,9 +89,20 @@ def encode_conversation(messages: list[dict[str, Any]], tokenizer: MessageTokeni
     return input_ids, labels
 
 
+def encode_one(message: dict[str, Any], tokenizer: MessageTokenizer) -> list[int]:
+    """One message as training and inference both render it (official template, 4V image prefix)."""
+    if "image" in message:
+        return image_message_ids(message, tokenizer)
+    return tokenizer.encode_message(process_message(message))
+
+
+# The 3 ids the model swaps for the vision tower's boi + patches + eoi.
+IMAGE_PLACEHOLDERS = ("<|begin_of_image|>", "<|endoftext|>", "<|end_of_image|>")
+
+
 def image_message_ids(message: dict[str, Any], tokenizer: MessageTokenizer) -> list[int]:
     """The 4V tokenizer's build_single_message with the image prefix between role line and content."""
-    placeholders = [tokenizer.get_command(t) for t in ("<|begin_of_image|>", "<|endoftext|>", "<|end_of_image|>")]
+    placeholders = [tokenizer.get_command(t) for t in IMAGE_PLACEHOLDERS]
     return ([tokenizer.get_command("<|user|>")] + tokenizer.encode(f"{message.get('metadata') or ''}\n")
             + placeholders + tokenizer.encode(message.get("content") or ""))
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from .config import InferConfig, ModelConfig
-from .data import image_message_ids
+from .data import encode_one
 from .data_validate import read_conversations
 from .devicemap import GIB, bytes_per_device, device_map
 from .models import load_model
@@ -72,13 +72,9 @@ def place(model, gpus: int, memory_gib: float | None):
 
 def encode_prompt(messages: list[dict], tokenizer) -> tuple[list[int], str | None]:
     ids = list(tokenizer.prefix_ids())
-    image = None
     for message in messages:
-        if "image" in message:
-            image = message["image"]
-            ids += image_message_ids(message, tokenizer)
-        else:
-            ids += tokenizer.encode_message(message)
+        ids += encode_one(message, tokenizer)
+    image = next((m["image"] for m in messages if "image" in m), None)
     return ids + [tokenizer.get_command("<|assistant|>")], image
 
 

@@ -4,7 +4,7 @@
 starts from the fastest configuration and walks down `step_down`'s ladder (smaller micro-batch with
 more accumulation, checkpointing, chunked loss, ZeRO-3, offload) until the estimate fits under
 budget = hw.memory_gib x margin. Without a budget (no preset, no GPU) everything fits and the plan
-still reports the estimate. `default_choices` is the budget-free fallback used before planning.
+still reports the estimate.
 """
 from __future__ import annotations
 
@@ -40,12 +40,6 @@ class Choices:
 
 
 @dataclass
-class Decisions:
-    choices: Choices
-    reasons: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
 class Plan:
     fits: bool
     budget_bytes: int | None
@@ -72,19 +66,6 @@ def local_dtype(run: RunConfig) -> tuple[str, str]:
     if run.hw.bf16 and (run.hw.memory_gib is not None or torch.cuda.is_bf16_supported()):
         return "bf16", "the card supports bfloat16: half the memory of fp32, no loss scaling needed"
     return "fp16", "no bfloat16 on this card: fp16 with dynamic loss scaling"
-
-
-def default_choices(run: RunConfig, world_size: int) -> Decisions:
-    dtype, why_dtype = local_dtype(run)
-    ckpt = run.train.gradient_checkpointing == "on"
-    zero = 3 if run.dist.strategy == "zero3" else 0
-    choices = Choices(dtype=dtype, gradient_checkpointing=ckpt, zero_stage=zero, offload_params=False,
-                      offload_optimizer=False, micro_batch_size=run.train.per_device_batch_size,
-                      grad_accum=run.train.grad_accum, max_length=run.data.max_length, world_size=world_size,
-                      eval_batch_size=run.train.eval_batch_size)
-    return Decisions(choices, {"dtype": why_dtype,
-                               "gradient_checkpointing": f"train.gradient_checkpointing={run.train.gradient_checkpointing}",
-                               "zero_stage": f"dist.strategy={run.dist.strategy}"})
 
 
 def run_shape(run: RunConfig, arch, c: Choices, data_max_tokens: int | None = None) -> RunShape:

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as torch_dist
 
 from .config import RunConfig
+from .data import IMAGE_PLACEHOLDERS
 from .diagnose import classify
 from .memory import GIB, estimate
 from .memtrack import LiveTensorTracker
@@ -73,7 +74,7 @@ def worst_case_examples(count: int, length: int, tokenizer, seed: int, image: Pa
     rows = torch.randint(0, plain, (count, length), generator=gen).tolist()
     if image is None:
         return [{"input_ids": row, "labels": row} for row in rows]
-    marks = [tokenizer.get_command(t) for t in ("<|begin_of_image|>", "<|endoftext|>", "<|end_of_image|>")]
+    marks = [tokenizer.get_command(t) for t in IMAGE_PLACEHOLDERS]
     out = []
     for row in rows:
         row[2:5] = marks

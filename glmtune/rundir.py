@@ -19,12 +19,13 @@ from .config import RunConfig
 from .dist import rank
 
 # Logs and pipes get 120 columns instead of rich's 80, so paths and reasons stay on one line.
+ERROR_PREFIX = "glmtune: error: "  # the sweep summary picks a failed trial's reason out of stderr by it
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 120, soft_wrap=True)
 
 
 def fail(message: str, code: int = 2) -> None:
     """One line on stderr, no traceback: what is wrong and what to do."""
-    print(f"glmtune: error: {message}", file=sys.stderr)
+    print(f"{ERROR_PREFIX}{message}", file=sys.stderr)
     sys.exit(code)
 
 

@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from .dist import rank
+from .rundir import ERROR_PREFIX
 
 GIB = 2**30
-ERROR_PREFIX = "glmtune: error: "
 
 
 class _Tee(io.TextIOBase):

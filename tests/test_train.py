@@ -10,9 +10,9 @@ from peft import PeftModel
 
 from glmtune.config import DataConfig, LoraConfig, RunConfig, TrainConfig
 from glmtune.data import DataCollator, build_datasets
-from glmtune.models import load_model, load_tokenizer
+from glmtune.models import load_config, load_model, load_tokenizer
 from glmtune.models.presets import ensure_tiny
-from glmtune.plan import default_choices
+from glmtune.plan import make_plan
 from glmtune.train import train
 
 FIXED = [("What is the capital of France?", "The capital of France is Paris."),
@@ -34,7 +34,7 @@ def test_finetune_drives_loss_far_down_and_adapter_reproduces_logits(tmp_path):
                     train=TrainConfig(max_steps=80, learning_rate=1e-2, per_device_batch_size=4, logging_steps=1))
     tokenizer = load_tokenizer(model_dir)
     train_set, _, _ = build_datasets(run.data, tokenizer)
-    choices = default_choices(run, world_size=1).choices
+    choices = make_plan(run, load_config(model_dir), 1, user_set_max_length=False).choices
     metrics, model = train(run, choices, tmp_path / "run", model_dir, train_set, None, DataCollator(tokenizer.pad_token_id))
     losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
               if "loss" in json.loads(line)]

@@ -18,7 +18,7 @@ from glmtune.memory import frozen_params, image_extra_tokens, vision_params
 from glmtune.models import build_meta_model, load_config, load_model, load_tokenizer, released_config
 from glmtune.models.presets import ensure_tiny
 from glmtune.models.vision import CLIP_MEAN, CLIP_STD, load_image, num_image_tokens
-from glmtune.plan import default_choices, make_plan
+from glmtune.plan import make_plan
 from glmtune.train import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -159,8 +159,8 @@ def test_image_and_text_samples_train_together_and_adapter_reloads(tiny, tmp_pat
     collator = DataCollator(tok.pad_token_id, image_size=config.vision_config["image_size"])
     batch = collator(train_set[3:7])  # 1 image row among text rows: one batch mixes both
     assert batch["image_rows"].tolist() == [0, 3] and n_emb == num_image_tokens(config.vision_config) + 2
-    metrics, model = train(run, default_choices(run, 1).choices, tmp_path / "run", model_dir, train_set, None,
-                           collator)
+    choices = make_plan(run, config, 1, user_set_max_length=False).choices
+    metrics, model = train(run, choices, tmp_path / "run", model_dir, train_set, None, collator)
     losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
               if "loss" in json.loads(line)]
     assert losses[0] > 0.8 * math.log(1280) and losses[-1] < 0.5 * losses[0], losses
