@@ -1,8 +1,8 @@
 """Estimator accuracy: predicted vs measured peak of one steady-state LoRA training step.
 
-    python bench/memory_accuracy.py          # CPU: live tensor bytes via glmtune.memtrack
+    python bench/memory_accuracy.py          # CPU: live tensor bytes via glmtune.probe.track
 
-On CPU the measurement is glmtune.memtrack.LiveTensorTracker (tensor bytes incl. weights, adapters,
+On CPU the measurement is glmtune.probe.track.LiveTensorTracker (tensor bytes incl. weights, adapters,
 Adam states and the batch); the estimator runs with device="cpu" (no CUDA context/workspace/NCCL/slack
 terms). On a GPU the CUDA terms are uncalibrated; calibrating them is still to do.
 Also prints the prediction for the GLM-4 finetune demo's LoRA settings (published 21,531 MiB).
@@ -12,8 +12,8 @@ from __future__ import annotations
 import itertools
 import time
 
-from glmtune.memory import RunShape, estimate
-from glmtune.memtrack import measure_lora_step
+from glmtune.plan.estimate import RunShape, estimate
+from glmtune.probe.track import measure_lora_step
 from glmtune.models import GLMConfig, released_config
 from glmtune.models.loading import TINY_ARCH
 

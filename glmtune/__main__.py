@@ -15,11 +15,11 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from .config import ConfigError, check_override_keys, parse_config
-from .data import DataCollator, build_datasets, format_stats, longest_length, validate_files
-from .dist import export_slurm_env, rank, run_name, world_size
+from .data.pipeline import DataCollator, build_datasets, format_stats, longest_length, validate_files
+from .launch import export_slurm_env, rank, run_name, world_size
 from .models import load_tokenizer
 from .models.presets import arch_config, resolve_model_dir
-from .plan import Choices, format_plan, make_plan
+from .plan.planner import Choices, format_plan, make_plan
 from .rundir import console, fail, print_config, report_probe, write_run_files
 from .sweep import run_trial
 
@@ -49,7 +49,7 @@ def execute(cfg: DictConfig) -> float | None:
             model_dir = resolve_model_dir(run.model)
             tokenizer = load_tokenizer(model_dir)
         if run.mode == "infer":
-            from .infer import run_infer  # checks the prompts file before loading the weights
+            from .infer.generate import run_infer  # checks the prompts file before loading the weights
 
             result = run_infer(run.infer, run.model, run.hw.memory_gib, model_dir, tokenizer, run_dir)
             console.print(result)
@@ -60,7 +60,7 @@ def execute(cfg: DictConfig) -> float | None:
         fail(str(err))
     world = world_size() if run.mode != "plan" else run.dist.nnodes * run.dist.nproc_per_node
     length_set = run.data.max_length != 500 or any(o.lstrip("+~").startswith("data.max_length=") for o in overrides)
-    plan = make_plan(run, arch, world, length_set, data_max_tokens=longest_length(data[2]) if data else None)
+    plan = make_plan(run, arch, world, length_set, data_max_tokens=longest_length(data.stats) if data else None)
     write_run_files(run_dir, OmegaConf.to_yaml(cfg), overrides, run.model.path or run.model.name, plan)
     print_config(run, run_dir)
     if rank() == 0:
@@ -70,17 +70,17 @@ def execute(cfg: DictConfig) -> float | None:
     if run.mode == "plan":
         return None
     # The Trainer stack costs ~0.7 s of imports that mode=plan does not need.
-    from .diagnose import diagnosed, record_memory_history
-    from .probe import run_probe
-    from .train import train
+    from .probe.diagnose import diagnosed, record_memory_history
+    from .probe.probe import run_probe
+    from .train.trainer import train
 
     if rank() == 0:
-        console.print(format_stats(data[2]))
+        console.print(format_stats(data.stats))
     collator = DataCollator(tokenizer.pad_token_id, image_size=(arch.vision_config or {}).get("image_size"))
     choices = plan.choices
     if run.probe.enabled:
-        probe = run_probe(run, plan, arch, model_dir, longest_length(data[2]), tokenizer, collator,
-                          run_dir, world, evaluates=data[1] is not None)
+        probe = run_probe(run, plan, arch, model_dir, longest_length(data.stats), tokenizer, collator,
+                          run_dir, world, evaluates=data.val is not None)
         report_probe(probe, run_dir)
         if not probe.fits:
             fail("the probe measured more than the budget on every rung: " + "; ".join(plan.advice), code=3)
@@ -89,7 +89,7 @@ def execute(cfg: DictConfig) -> float | None:
         return None
     record_memory_history()
     with diagnosed(run_dir, plan.breakdown, choices.to_dict(), run.probe.enabled):
-        metrics, _ = train(run, choices, run_dir, model_dir, data[0], data[1], collator)
+        metrics, _ = train(run, choices, run_dir, model_dir, data.train, data.val, collator)
     if rank() == 0:
         console.print(f"adapter saved to {metrics['adapter_dir']}  (train loss {metrics['train_loss']:.4f})")
     return metrics["train_loss"]

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.tree import Tree
 
 from .config import RunConfig
-from .dist import rank
+from .launch import rank
 
 # Logs and pipes get 120 columns instead of rich's 80, so paths and reasons stay on one line.
 ERROR_PREFIX = "glmtune: error: "  # the sweep summary picks a failed trial's reason out of stderr by it
@@ -68,7 +68,7 @@ def report_probe(report, run_dir: Path) -> None:
     """probe.json in the run dir and the predicted-vs-measured table on the console (rank 0)."""
     if rank() != 0:
         return
-    from .probe import format_probe
+    from .probe.probe import format_probe
 
     (run_dir / "probe.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     console.print(format_probe(report))

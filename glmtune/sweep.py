@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Callable, TextIO
 
-from .dist import rank
+from .launch import rank
 from .rundir import ERROR_PREFIX
 
 GIB = 2**30

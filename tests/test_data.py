@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from glmtune.config import DataConfig
-from glmtune.data import (DataCollator, DataError, build_datasets, encode_conversation, format_stats,
+from glmtune.data.pipeline import (DataCollator, DataError, build_datasets, encode_conversation, format_stats,
                           longest_length, process_message, read_conversations)
-from glmtune.models.tokenization import load_tokenizer, write_tiny_tokenizer
+from glmtune.models.tokenizer_files import load_tokenizer, write_tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 X = -100  # no loss at this position

@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional
 import pytest
 
 from glmtune.config import ConfigError, DataConfig
-from glmtune.data_validate import DataError, read_conversations, validate_files
+from glmtune.data.validate import DataError, read_conversations, validate_files
 
 REPO = Path(__file__).resolve().parents[1]
 GOOD = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from glmtune.devicemap import GIB, bytes_per_device, check_complete, device_map, units
+from glmtune.infer.devicemap import GIB, bytes_per_device, check_complete, device_map, units
 from glmtune.models import build_meta_model, released_config
 
 

@@ -1,6 +1,6 @@
 """Distributed launches on CPU (gloo): torchrun ZeRO-3, two torchrun agents on loopback, the deepspeed launcher.
 
-Each rank logs `adapter fingerprint <sha256>` (glmtune.dist.adapter_fingerprint: its own view of every LoRA
+Each rank logs `adapter fingerprint <sha256>` (glmtune.train.zero3.adapter_fingerprint: its own view of every LoRA
 tensor, gathered under ZeRO-3) to its rank<N>.log. Equal fingerprints across ranks, and equal to the saved
 adapter reloaded here in one process, are the evidence that ranks agree and the saved adapter is the whole one.
 """
@@ -17,11 +17,11 @@ import torch
 from peft import PeftModel
 
 from glmtune.config import DataConfig
-from glmtune.data import DataCollator, build_datasets
-from glmtune.dist import adapter_fingerprint, deepspeed_config
+from glmtune.data.pipeline import DataCollator, build_datasets
+from glmtune.train.zero3 import adapter_fingerprint, deepspeed_config
 from glmtune.models import load_model, load_tokenizer
 from glmtune.models.presets import ensure_tiny
-from glmtune.plan import Choices
+from glmtune.plan.planner import Choices
 
 from test_train import write_fixed
 

@@ -8,7 +8,7 @@ from peft import PeftModel
 from safetensors import safe_open
 
 from glmtune.config import InferConfig
-from glmtune.infer import generate
+from glmtune.infer.generate import generate
 from glmtune.models import load_model, load_tokenizer
 from glmtune.models.presets import ensure_tiny
 

@@ -1,11 +1,11 @@
-"""Estimator vs measured live tensor bytes on CPU (glmtune.memtrack), and the tracker vs known allocations."""
+"""Estimator vs measured live tensor bytes on CPU (glmtune.probe.track), and the tracker vs known allocations."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from glmtune.memory import RunShape, estimate
-from glmtune.memtrack import LiveTensorTracker, measure_lora_step
+from glmtune.plan.estimate import RunShape, estimate
+from glmtune.probe.track import LiveTensorTracker, measure_lora_step
 from glmtune.models import GLMConfig
 from glmtune.models.loading import TINY_ARCH
 

@@ -10,7 +10,7 @@ import yaml
 
 from glmtune.config import DataConfig, DistConfig, HwConfig, RunConfig, TrainConfig
 from glmtune.models import released_config
-from glmtune.plan import make_plan, step_down
+from glmtune.plan.planner import make_plan, step_down
 
 HW = Path(__file__).resolve().parents[1] / "conf" / "hw"
 

@@ -9,15 +9,15 @@ import torch
 from safetensors.torch import load_file
 
 from glmtune.config import DataConfig, RunConfig, TrainConfig
-from glmtune.data import DataCollator, build_datasets, longest_length
-from glmtune.diagnose import EXIT, diagnosed
-from glmtune.memory import estimate
-from glmtune.memtrack import measure_lora_step
+from glmtune.data.pipeline import DataCollator, build_datasets, longest_length
+from glmtune.probe.diagnose import EXIT, diagnosed
+from glmtune.plan.estimate import estimate
+from glmtune.probe.track import measure_lora_step
 from glmtune.models import load_config, load_tokenizer
 from glmtune.models.presets import ensure_tiny
-from glmtune.plan import make_plan, run_shape
-from glmtune.probe import run_probe
-from glmtune.train import train
+from glmtune.plan.planner import make_plan, run_shape
+from glmtune.probe.probe import run_probe
+from glmtune.train.trainer import train
 
 
 def run_cli(*args, cwd):
@@ -39,7 +39,7 @@ def test_probe_json_measured_peak_matches_an_independent_measurement(tmp_path, r
     arch = load_config(ensure_tiny("glm4"))
     run = RunConfig(train=TrainConfig(per_device_batch_size=2))
     final = report["final"]
-    from glmtune.plan import Choices
+    from glmtune.plan.planner import Choices
     shape = replace(run_shape(run, arch, Choices(**final), data_max_tokens=500), device="cpu", gpu_family=None)
     independent, _ = measure_lora_step(arch, shape)
     assert report["measured_peak_bytes"] == pytest.approx(independent, rel=0.05)

@@ -9,7 +9,7 @@ import pytest
 import regex
 from sentencepiece import sentencepiece_model_pb2
 
-from glmtune.models.tokenization import TINY_CORPUS, load_tokenizer, write_tiny_tokenizer
+from glmtune.models.tokenizer_files import TINY_CORPUS, load_tokenizer, write_tiny_tokenizer
 from glmtune.models.tokenization_chatglm3 import ChatGLM3Tokenizer, tiny_chatglm3_tokenizer
 from glmtune.models.tokenization_glm4 import GLM4Tokenizer, tiny_glm4_tokenizer
 

@@ -9,11 +9,11 @@ import torch
 from peft import PeftModel
 
 from glmtune.config import DataConfig, LoraConfig, RunConfig, TrainConfig
-from glmtune.data import DataCollator, build_datasets
+from glmtune.data.pipeline import DataCollator, build_datasets
 from glmtune.models import load_config, load_model, load_tokenizer
 from glmtune.models.presets import ensure_tiny
-from glmtune.plan import make_plan
-from glmtune.train import train
+from glmtune.plan.planner import make_plan
+from glmtune.train.trainer import train
 
 FIXED = [("What is the capital of France?", "The capital of France is Paris."),
          ("你好，请介绍一下你自己。", "我是一个乐于助人的助手。"),

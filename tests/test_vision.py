@@ -12,14 +12,14 @@ import yaml
 from peft import PeftModel
 
 from glmtune.config import DataConfig, HwConfig, LoraConfig, RunConfig, TrainConfig
-from glmtune.data import DataCollator, DataError, build_datasets, encode_conversation
-from glmtune.lora import _targets, apply_lora
-from glmtune.memory import frozen_params, image_extra_tokens, vision_params
+from glmtune.data.pipeline import DataCollator, DataError, build_datasets, encode_conversation
+from glmtune.train.lora import _targets, apply_lora
+from glmtune.plan.estimate import frozen_params, image_extra_tokens, vision_params
 from glmtune.models import build_meta_model, load_config, load_model, load_tokenizer, released_config
 from glmtune.models.presets import ensure_tiny
 from glmtune.models.vision import CLIP_MEAN, CLIP_STD, load_image, num_image_tokens
-from glmtune.plan import make_plan
-from glmtune.train import train
+from glmtune.plan.planner import make_plan
+from glmtune.train.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = REPO / "data" / "samples_vision"

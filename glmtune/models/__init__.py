@@ -6,7 +6,7 @@ from .modeling_glm4 import ChatGLMForConditionalGeneration, ChatGLMModel
 
 def load_tokenizer(path):
     """Tokenizer of a checkpoint folder (GLM-4 tiktoken or ChatGLM3 SentencePiece), without remote code."""
-    from .tokenization import load_tokenizer as _load
+    from .tokenizer_files import load_tokenizer as _load
 
     return _load(path)
 

@@ -120,7 +120,7 @@ def make_tiny_checkpoint(out_dir: str | os.PathLike, family: str = "glm4", seed:
 
     `arch` overrides TINY_ARCH (e.g. hidden_size=768, num_layers=12 for a ~100M-parameter model).
     """
-    from .tokenization import load_tokenizer, write_tiny_tokenizer
+    from .tokenizer_files import load_tokenizer, write_tiny_tokenizer
 
     if family not in _FAMILY:
         raise ValueError(f"unknown family {family!r}; use one of {', '.join(_FAMILY)}")

@@ -26,9 +26,9 @@ def cache_root() -> Path:
 
 def ensure_tiny(family: str) -> Path:
     """Build the tiny checkpoint once; a changed architecture gets a new folder (hash in the name)."""
-    from . import tokenization  # the tokenizer source is part of what the tiny checkpoint depends on
-
-    sources = [p.read_text() for p in sorted(Path(tokenization.__file__).parent.glob("tokenization*.py"))]
+    # The tokenizer sources (tokenization*.py, and tokenizer_files.py with the tiny corpus) are part of what the
+    # tiny checkpoint depends on.
+    sources = [p.read_text() for p in sorted(Path(__file__).parent.glob("tokeni*.py"))]
     recipe = json.dumps([TINY_ARCH, _FAMILY[family], sources], sort_keys=True)
     target = cache_root() / f"tiny-{family}-{hashlib.sha256(recipe.encode()).hexdigest()[:10]}"
     if (target / "model.safetensors").is_file():

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
-from .config import InferConfig, ModelConfig
-from .data import encode_one
-from .data_validate import read_conversations
+from ..config import InferConfig, ModelConfig
+from ..data.pipeline import encode_one
+from ..data.validate import read_conversations
 from .devicemap import GIB, bytes_per_device, device_map
-from .models import load_model
-from .models.vision import load_image
+from ..models import load_model
+from ..models.vision import load_image
 
 RESERVE = 2 * GIB  # per GPU, kept free for activations and the KV cache of a batch
 

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .config import ConfigError, DataConfig
+from ..config import ConfigError, DataConfig
 
 ROLES = ("system", "user", "assistant", "observation")
 MESSAGE_KEYS = ("messages", "conversations")  # GLM-4 name first, then the ChatGLM3 alias

@@ -84,12 +84,12 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tens
 
 def measure_lora_step(arch, shape, seed: int = 0) -> tuple[int, int]:
     """Peak live tensor bytes (incl. weights, adapters, Adam states, batch) of one steady-state LoRA step on
-    CPU, built as glmtune/train.py's build_model does. Step 1 creates Adam states untracked; step 2 is
+    CPU, built as glmtune/train/trainer.py's build_model does. Step 1 creates Adam states untracked; step 2 is
     measured. Returns (peak_bytes, baseline_bytes). `arch` is a GLMConfig, `shape` a memory.RunShape."""
-    from .config import LoraConfig
-    from .lora import apply_lora, trainable_parameters
-    from .memory import BYTES
-    from .models import ChatGLMForConditionalGeneration, enable_checkpointing
+    from ..config import LoraConfig
+    from ..train.lora import apply_lora, trainable_parameters
+    from ..plan.estimate import BYTES
+    from ..models import ChatGLMForConditionalGeneration, enable_checkpointing
 
     dtype = {2: torch.bfloat16, 4: torch.float32}[BYTES[shape.dtype]]
     torch.manual_seed(seed)

@@ -1,6 +1,6 @@
 """Run decisions: dtype, checkpointing, ZeRO stage, offload, micro-batch, accumulation, max length.
 
-`Choices` is what the trainer applies. `make_plan` fills it from the memory estimator (memory.py): it
+`Choices` is what the trainer applies. `make_plan` fills it from the memory estimator (estimate.py): it
 starts from the fastest configuration and walks down `step_down`'s ladder (smaller micro-batch with
 more accumulation, checkpointing, chunked loss, ZeRO-3, offload) until the estimate fits under
 budget = hw.memory_gib x margin. Without a budget (no preset, no GPU) everything fits and the plan
@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from .config import RunConfig
-from .memory import GIB, RunShape, estimate, gpu_family, image_extra_tokens
+from ..config import RunConfig
+from .estimate import GIB, RunShape, estimate, gpu_family, image_extra_tokens
 
 DEFAULT_MAX_LENGTH = 500
 LOSS_CHUNK = 1024  # tokens per chunk of the lower-memory loss: 1024 x 151,552 x 12 B = 1.9 GB peak

@@ -114,7 +114,7 @@ def check_complete(model: nn.Module, mapping: dict[str, int | str]) -> None:
         shown = ", ".join(groups[:12]) + (f", … ({len(groups)} entries)" if len(groups) > 12 else "")
         shown += f" ({len(missing)} tensors)"
         raise ValueError(f"device map gives no device for: {shown} — map their modules (e.g. "
-                         "transformer.rotary_pos_emb for the inv_freq buffer) or use glmtune.devicemap.device_map")
+                         "transformer.rotary_pos_emb for the inv_freq buffer) or use glmtune.infer.devicemap.device_map")
 
 
 def bytes_per_device(model: nn.Module, mapping: dict[str, int], dtype: torch.dtype | None = None) -> dict[int, int]:

@@ -24,14 +24,14 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, NamedTuple, Optional, Protocol
 
 import torch
 
-from .config import DataConfig
-from .models.vision import load_image, num_image_tokens
+from ..config import DataConfig
+from ..models.vision import load_image, num_image_tokens
 # Re-exported so callers need one import: `from glmtune.data import DataError, validate_files, ...`.
-from .data_validate import Conversation, DataError, read_conversations, validate_files  # noqa: F401
+from .validate import Conversation, DataError, read_conversations, validate_files  # noqa: F401
 
 IGNORE_INDEX = -100  # label value the loss skips (torch cross_entropy's default ignore_index)
 
@@ -174,9 +174,14 @@ def encode_split(conversations: list[Conversation], tokenizer: MessageTokenizer,
     return examples, stats
 
 
-def build_datasets(cfg: DataConfig, tokenizer: MessageTokenizer, vision_config: Optional[dict] = None
-                   ) -> tuple[list[dict[str, Any]], Optional[list[dict[str, Any]]], DataStats]:
-    """(train examples, val examples or None, stats). Raises DataError on a bad file or an empty split.
+class Datasets(NamedTuple):
+    train: list[dict[str, Any]]
+    val: Optional[list[dict[str, Any]]]  # None without data.val_file
+    stats: DataStats
+
+
+def build_datasets(cfg: DataConfig, tokenizer: MessageTokenizer, vision_config: Optional[dict] = None) -> Datasets:
+    """Encoded train and val examples with their stats. Raises DataError on a bad file or an empty split.
     vision_config: the model's (`arch.vision_config`), needed for data with images."""
     train, train_stats = encode_split(read_conversations(cfg.train_file, "data.train_file"), tokenizer,
                                       cfg.max_length, vision_config, cfg.train_file)
@@ -192,7 +197,7 @@ def build_datasets(cfg: DataConfig, tokenizer: MessageTokenizer, vision_config: 
             raise DataError(f"{cfg.val_file}:{val_stats.dropped_lines[0]}: every validation example lost all its "
                             f"assistant tokens to truncation at data.max_length={cfg.max_length} — raise "
                             "data.max_length or set data.val_file=null")
-    return train, val, DataStats(max_length=cfg.max_length, train=train_stats, val=val_stats)
+    return Datasets(train, val, DataStats(max_length=cfg.max_length, train=train_stats, val=val_stats))
 
 
 def longest_length(stats: DataStats) -> int:

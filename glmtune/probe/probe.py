@@ -7,7 +7,7 @@ An estimate is a promise; the probe keeps it. It builds the model exactly as the
 ZeRO stage, dtype, checkpointing, LoRA), runs `probe.steps` optimizer steps through the same HF Trainer
 on synthetic examples of micro-batch x the longest kept length (every token a target, so the loss head
 is at its largest), and reads the peak: reserved bytes on a GPU (what the card must hold), live tensor
-bytes on CPU (memtrack.LiveTensorTracker, the estimator benchmark's method). Over budget, or an
+bytes on CPU (probe/track.py LiveTensorTracker, the estimator benchmark's method). Over budget, or an
 out-of-memory error inside the probe, moves one rung down the planner's ladder and probes again. All
 ranks exchange their peaks and take the same decision from the maximum.
 
@@ -27,13 +27,13 @@ import numpy as np
 import torch
 import torch.distributed as torch_dist
 
-from .config import RunConfig
-from .data import IMAGE_PLACEHOLDERS
+from ..config import RunConfig
+from ..data.pipeline import IMAGE_PLACEHOLDERS
 from .diagnose import classify
-from .memory import GIB, estimate
-from .memtrack import LiveTensorTracker
-from .plan import Choices, Plan, run_shape, step_down
-from .train import build_model, make_trainer, training_args
+from ..plan.estimate import GIB, estimate
+from .track import LiveTensorTracker
+from ..plan.planner import Choices, Plan, run_shape, step_down
+from ..train.trainer import build_model, make_trainer, training_args
 
 
 @dataclass
@@ -223,7 +223,7 @@ def run_probe(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, t
     last = attempts[-1]
     return ProbeReport(device=_device_name(), emulated=emulated,
                        method="torch.cuda max_memory_reserved" if torch.cuda.is_available()
-                       else "live tensor bytes (memtrack.LiveTensorTracker)",
+                       else "live tensor bytes (probe/track.py LiveTensorTracker)",
                        budget_bytes=plan.budget_bytes, predicted_peak_bytes=last.predicted_peak_bytes,
                        measured_peak_bytes=last.measured_peak_bytes, per_rank=last.per_rank, attempts=attempts,
                        final=choices.to_dict(), fits=last.outcome == "fits",

@@ -12,33 +12,21 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import socket
 from pathlib import Path
 
 import torch
 import transformers
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from .config import RunConfig, TrainConfig
-from .dist import adapter_fingerprint, deepspeed_config
+from ..config import RunConfig, TrainConfig
+from ..launch import single_process_env
+from .zero3 import adapter_fingerprint, deepspeed_config
 from .lora import apply_lora, trainable_parameters
-from .memtimeline import MemoryTimeline
-from .models import enable_checkpointing, load_model
-from .plan import Choices
+from .timeline import MemoryTimeline
+from ..models import enable_checkpointing, load_model
+from ..plan.planner import Choices
 
 _TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def _single_process_env() -> None:
-    """DeepSpeed needs a process group even for one process; without a launcher's variables it falls back
-    to MPI discovery (mpi4py). Give a lone process the env a 1-process torchrun would."""
-    if "RANK" in os.environ:
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
 def training_args(cfg: TrainConfig, choices: Choices, run_dir: Path, has_eval: bool,
@@ -49,7 +37,7 @@ def training_args(cfg: TrainConfig, choices: Choices, run_dir: Path, has_eval: b
     no logging, saving or evaluation."""
     evaluate = has_eval and cfg.eval_steps > 0 and not probe_steps
     if choices.zero_stage == 3:
-        _single_process_env()
+        single_process_env()
     quiet = probe_steps > 0
     return TrainingArguments(
         output_dir=str(run_dir / ("probe" if quiet else "checkpoints")),

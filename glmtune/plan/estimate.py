@@ -19,12 +19,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .models import GLMConfig
+from ..models import GLMConfig
 
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 IMAGE_TOKENS = 1599  # GLM-4V at 1120 px: 1,602 image embeddings replace 3 placeholder tokens per image
 VISION_LAYER_TOKENS = 6401  # ViT: 80x80 patches + CLS at 1120 px
 GIB = 2**30
+
+# ZeRO-3 buffer sizes in elements. The prefetch bucket and the largest gathered layer are what ZeRO-3
+# adds to a card's peak; the estimator counts them with these same numbers.
+PREFETCH_BUCKET = 50_000_000  # 100 MB in bf16: a few projections of a 4096-wide block ahead
+REDUCE_BUCKET = 50_000_000  # LoRA gradients are tiny; this bounds the all-reduce buffer
+PERSISTENCE_THRESHOLD = 100_000  # parameters smaller than this (norms, biases) stay gathered
+MAX_LIVE_PARAMETERS = 1_000_000_000
 
 # Per GPU family, bytes. UNCALIBRATED: from public reports (memory-facts §3.5), not measured by glmtune.
 CUDA_CONTEXT = {"volta": 800 << 20, "turing": 700 << 20, "ampere": 600 << 20, "ada": 600 << 20,
@@ -45,13 +52,13 @@ def gpu_family(hw_name: str) -> str | None:
 
 
 def peft_adapter_dtype(dtype: str) -> str:
-    """glmtune.lora.apply_lora always keeps adapters in fp32, whatever the base dtype and peft version."""
+    """glmtune.train.lora.apply_lora always keeps adapters in fp32, whatever the base dtype and peft version."""
     return "fp32"
 
 
 @dataclass(frozen=True)
 class RunShape:
-    """What the estimator needs to know about a run (built by `plan.run_shape` from RunConfig + Choices)."""
+    """What the estimator needs to know about a run (built by `planner.run_shape` from RunConfig + Choices)."""
     dtype: str = "bf16"
     micro_batch: int = 1
     seq_len: int = 500  # padded tokens per sample incl. image tokens
@@ -213,7 +220,6 @@ def estimate(arch: GLMConfig, shape: RunShape) -> Estimate:
     # --- model states ---
     frozen = frozen_params(arch)
     if shape.zero_stage == 3:
-        from .dist import MAX_LIVE_PARAMETERS, PREFETCH_BUCKET  # lazy: dist imports plan imports this
         largest = max(block_params(arch), arch.padded_vocab_size * h)
         gathered = min(MAX_LIVE_PARAMETERS, largest + PREFETCH_BUCKET) * e
         b["frozen weights (ZeRO-3 shard)"] = 0 if shape.offload_params else frozen * e // n

@@ -6,7 +6,7 @@ import re
 import peft
 import torch
 
-from .config import LORA_TARGETS, ConfigError, LoraConfig
+from ..config import LORA_TARGETS, ConfigError, LoraConfig
 
 
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> peft.PeftModel:
