@@ -4,7 +4,7 @@
 
 On CPU the measurement is glmtune.probe.track.LiveTensorTracker (tensor bytes incl. weights, adapters,
 Adam states and the batch); the estimator runs with device="cpu" (no CUDA context/workspace/NCCL/slack
-terms). On a GPU the CUDA terms are uncalibrated; calibrating them is still to do.
+terms). The GPU constants are measured by bench/gpu_memory.py (bench/RESULTS.md, section 0).
 Also prints the prediction for the GLM-4 finetune demo's LoRA settings (published 21,531 MiB).
 """
 from __future__ import annotations

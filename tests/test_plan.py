@@ -51,9 +51,15 @@ def test_v100_picks_fp16():
 
 
 def test_cannot_fit_gives_advice():
-    plan = make_plan(run_on("t4_16g", 131072), released_config("glm4_9b_chat"), 1, user_set_max_length=True)
+    plan = make_plan(run_on("rtx4090_24g", 131072), released_config("glm4_9b_chat"), 1, user_set_max_length=True)
     assert not plan.fits and plan.choices.max_length == 131072
     assert any("data.max_length=" in a for a in plan.advice) and any("+hw=" in a for a in plan.advice)
+
+
+def test_no_length_is_advised_when_the_weights_alone_do_not_fit():
+    """17.5 GiB of bf16 weights on a 16 GB T4: no data.max_length can fit, so none is suggested."""
+    plan = make_plan(run_on("t4_16g", 131072), released_config("glm4_9b_chat"), 1, user_set_max_length=True)
+    assert not plan.fits and not any("data.max_length=" in a for a in plan.advice)
 
 
 def test_forced_choices_respected():
@@ -73,3 +79,42 @@ def test_step_down_keeps_global_batch():
         assert c.micro_batch_size * c.grad_accum == 8
         seen += 1
     assert seen >= 3
+
+
+def test_glm4_8k_on_one_4090_fits_without_parameter_offload():
+    """The H100-measured rungs: 8K tokens on a 24 GB card need checkpointing, a 256-token loss chunk and the
+    checkpointed inputs in CPU memory, not ZeRO-3 (measured on the H100: 20.76 GiB for this configuration)."""
+    plan = make_plan(run_on("rtx4090_24g", 8192), released_config("glm4_9b_chat"), 1, user_set_max_length=True)
+    c = plan.choices
+    assert plan.fits and c.zero_stage == 0 and not c.offload_params
+    assert c.gradient_checkpointing and c.loss_chunk_tokens == 256 and c.offload_checkpoints
+    assert plan.peak_bytes <= plan.budget_bytes
+
+
+def test_eval_batch_shrinks_before_training_pays():
+    """Evaluation at 4 x 8K tokens does not fit a 24 GB card; halving the eval batch costs training nothing, so
+    it must happen before any training rung that a run without evaluation would not take."""
+    arch = released_config("glm4_9b_chat")
+    without = make_plan(run_on("rtx4090_24g", 8192), arch, 1, user_set_max_length=True)
+    run = run_on("rtx4090_24g", 8192)
+    run.data.val_file = "val.jsonl"
+    with_eval = make_plan(run, arch, 1, user_set_max_length=True)
+    assert with_eval.fits and with_eval.choices.eval_batch_size < 4
+    same = ("gradient_checkpointing", "loss_chunk_tokens", "offload_checkpoints", "zero_stage", "micro_batch_size")
+    assert all(getattr(with_eval.choices, k) == getattr(without.choices, k) for k in same)
+
+
+def test_ladder_cheapest_first_and_never_offloads_parameters():
+    run = run_on("t4_16g", 8192, per_device_batch_size=2)
+    c = make_plan(run, released_config("glm4_9b_chat"), 1, user_set_max_length=True).choices
+    from dataclasses import replace
+
+    c = replace(c, micro_batch_size=2, grad_accum=1, gradient_checkpointing=False, loss_chunk_tokens=0,
+                offload_checkpoints=False, zero_stage=0)
+    seen = []
+    while (c := step_down(c, run, released_config("glm4_9b_chat"), 2)) is not None:
+        seen.append((c.micro_batch_size, c.loss_chunk_tokens, c.gradient_checkpointing, c.offload_checkpoints,
+                     c.zero_stage))
+        assert not c.offload_params
+    assert seen == [(1, 0, False, False, 0), (1, 1024, False, False, 0), (1, 1024, True, False, 0),
+                    (1, 256, True, False, 0), (1, 256, True, True, 0), (1, 256, True, True, 3)]

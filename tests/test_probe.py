@@ -1,5 +1,6 @@
 """The probe on CPU: measured peak, step-down under a budget, no effect on the run, failure diagnosis."""
 import json
+from pathlib import Path
 import subprocess
 import sys
 from dataclasses import replace
@@ -167,3 +168,37 @@ def test_probe_on_the_tiny_vision_model_includes_the_image(tmp_path, repo):
     report = json.loads((out / "probe.json").read_text())
     assert (out / "probe" / "probe_image.png").is_file()
     assert report["fits"] and report["predicted_peak_bytes"] == pytest.approx(report["measured_peak_bytes"], rel=0.05)
+
+
+def test_probe_shortfall_names_measurement_and_what_would_fit():
+    """Exit 3 after the probe: the line says what was measured against which budget and lists overrides
+    (it used to end on an empty 'every rung: ')."""
+    import yaml
+
+    from glmtune.config import HwConfig
+    from glmtune.models import released_config
+    from glmtune.plan.planner import Choices
+    from glmtune.probe.probe import Attempt, ProbeReport, probe_shortfall
+
+    run = RunConfig(hw=HwConfig(**yaml.safe_load((Path(__file__).parents[1] / "conf/hw/rtx4090_24g.yaml").read_text())),
+                    data=DataConfig(max_length=65536))
+    final = Choices(dtype="bf16", gradient_checkpointing=True, zero_stage=0, offload_params=False,
+                    offload_optimizer=False, micro_batch_size=1, grad_accum=1, max_length=65536, world_size=1,
+                    eval_batch_size=1, loss_chunk_tokens=256, offload_checkpoints=True)
+    measured, budget = 30 * 2**30, int(23.6 * 0.9 * 2**30)
+    attempt = Attempt(final.to_dict(), "over budget", 19 * 2**30, measured, [measured], 1.0)
+    report = ProbeReport("gpu", True, "test", budget, attempt.predicted_peak_bytes, measured, [measured],
+                         [attempt], final.to_dict(), False, 1.0)
+    line = probe_shortfall(report, run, released_config("glm4_9b_chat"), 1, 65536)
+    assert "measured 30.00 GiB" in line and "budget 21.24 GiB" in line
+    assert "data.max_length=" in line and not line.rstrip().endswith(":")
+
+
+def test_memory_timeline_records_plan_and_budget(tmp_path):
+    from glmtune.train.timeline import save_timeline
+
+    steps = [{"step": i, "allocated": 1 << 30, "reserved": 2 << 30, "peak_process": 3 << 30} for i in (1, 2, 3)]
+    png = save_timeline(steps, tmp_path, planned_bytes=4 << 30, budget_bytes=5 << 30)
+    saved = json.loads((tmp_path / "memory_timeline.json").read_text())
+    assert png.stat().st_size > 0 and saved["planned_bytes"] == 4 << 30 and saved["budget_bytes"] == 5 << 30
+    assert [s["step"] for s in saved["steps"]] == [1, 2, 3]

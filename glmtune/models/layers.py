@@ -16,6 +16,8 @@ Differences from the reference that change no result:
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -54,17 +56,20 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.dim = config.kv_channels // 2
         self.base = 10000.0 * config.rope_ratio
-        # Kept for device placement and checkpoint compatibility only (the reference uses it for dtype and
-        # device too); the frequencies are recomputed in fp32 on every call so a bf16 cast cannot degrade them.
-        self.register_buffer("inv_freq", self._theta(torch.device("cpu")), persistent=False)
+        # Kept for checkpoint compatibility only (merged checkpoints carry it, as the official ones do). It is
+        # created on whatever device the model is built on (a `torch.device` context, meta, DeepSpeed's
+        # zero.Init) and never read in forward: the frequencies are recomputed in fp32 on the positions'
+        # device, so a bf16 cast cannot degrade them and a buffer left on another device cannot break a step
+        # (it stayed on the CPU under ZeRO-3 on a GPU: "Expected all tensors to be on the same device").
+        self.register_buffer("inv_freq", self._theta(None), persistent=False)
 
-    def _theta(self, device: torch.device) -> torch.Tensor:
+    def _theta(self, device: torch.device | None) -> torch.Tensor:
         exponent = torch.arange(0, self.dim, 2, dtype=torch.float32, device=device) / self.dim
         return 1.0 / (self.base ** exponent)
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """position_ids [B, S] -> [B, S, dim/2, 2] with (cos, sin) in the last axis."""
-        angles = position_ids[..., None].to(torch.float32) * self._theta(self.inv_freq.device)
+        angles = position_ids[..., None].to(torch.float32) * self._theta(position_ids.device)
         cache = torch.stack([torch.cos(angles), torch.sin(angles)], dim=-1)
         return cache.to(dtype) if dtype in (torch.float16, torch.bfloat16) else cache
 
@@ -152,17 +157,25 @@ class GLMTransformer(nn.Module):
         # Set by PreTrainedModel.gradient_checkpointing_enable() through _set_gradient_checkpointing.
         self.gradient_checkpointing = False
         self._gradient_checkpointing_func = checkpoint
+        # Set by the trainer from the plan: the inputs that reentrant checkpointing keeps for every block
+        # (tokens x hidden x 2 B each: 2.5 GiB for 40 blocks at 8K) wait in pinned CPU memory until backward.
+        self.offload_checkpoints = False
 
     def forward(self, hidden, mask, rope, kv_caches, use_cache):
         presents = [] if use_cache else None
-        for i, layer in enumerate(self.layers):
-            cache = kv_caches[i] if kv_caches is not None else None
-            if self.gradient_checkpointing and self.training:
-                hidden, present = self._gradient_checkpointing_func(layer.__call__, hidden, mask, rope, cache, use_cache)
-            else:
-                hidden, present = layer(hidden, mask, rope, cache, use_cache)
-            if use_cache:
-                presents.append(present)
+        ckpt = self.gradient_checkpointing and self.training
+        offload = (torch.autograd.graph.save_on_cpu(pin_memory=hidden.is_cuda)
+                   if ckpt and self.offload_checkpoints and torch.is_grad_enabled() else contextlib.nullcontext())
+        with offload:
+            for i, layer in enumerate(self.layers):
+                cache = kv_caches[i] if kv_caches is not None else None
+                if ckpt:
+                    hidden, present = self._gradient_checkpointing_func(layer.__call__, hidden, mask, rope, cache,
+                                                                        use_cache)
+                else:
+                    hidden, present = layer(hidden, mask, rope, cache, use_cache)
+                if use_cache:
+                    presents.append(present)
         if self.final_layernorm is not None:
             hidden = self.final_layernorm(hidden)
         return hidden, presents

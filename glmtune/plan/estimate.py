@@ -32,15 +32,23 @@ PREFETCH_BUCKET = 50_000_000  # 100 MB in bf16: a few projections of a 4096-wide
 REDUCE_BUCKET = 50_000_000  # LoRA gradients are tiny; this bounds the all-reduce buffer
 PERSISTENCE_THRESHOLD = 100_000  # parameters smaller than this (norms, biases) stay gathered
 MAX_LIVE_PARAMETERS = 1_000_000_000
+MAX_REUSE_DISTANCE = 1_000_000_000
 
-# Per GPU family, bytes. UNCALIBRATED: from public reports (memory-facts §3.5), not measured by glmtune.
-CUDA_CONTEXT = {"volta": 800 << 20, "turing": 700 << 20, "ampere": 600 << 20, "ada": 600 << 20,
-                "hopper": 700 << 20}
-CUBLAS_WORKSPACE = 8_519_680  # 2 x 4 MiB + 8 x 16 KiB, the `:4096:2:16:8` default
+# Outside the tensors, per GPU, bytes. Measured on an NVIDIA H100 80GB HBM3 (driver 580.159, torch 2.11 + CUDA
+# 13.0, 2026-11-23, bench/gpu_memory.py): what NVML reports for the process beyond the allocator's reserve
+# after real training steps (the CUDA context plus the lazily loaded kernel modules) was 758 MiB in every
+# non-ZeRO row, and DeepSpeed's NCCL communicator added 566 MiB, even on one GPU. Other families are not
+# measured: they take the H100 figure (context size follows the CUDA version more than the chip).
+CUDA_CONTEXT = {"hopper": 758 << 20}
+CUDA_CONTEXT_DEFAULT = 758 << 20
+CUBLAS_WORKSPACE = 8_519_680  # 2 x 4 MiB + 8 x 16 KiB, the `:4096:2:16:8` default (inside torch's allocator)
 CUBLASLT_WORKSPACE = {"hopper": 32 << 20}  # 4 MiB elsewhere (pytorch#120925)
-NCCL_PER_GPU = 512 << 20  # ~0.5 GB per communicator (Fujii et al. web estimator)
-ALLOCATOR_SLACK = 0.05  # caching-allocator rounding/fragmentation, fraction of tensor bytes
-
+NCCL_PER_GPU = 566 << 20
+# The caching allocator's reserve over its allocated peak, with expandable segments (glmtune's default):
+# 0.09-0.81 GiB over 15 rows, about half the largest single transient tensor plus a floor; the default
+# allocator reserved up to 21 % more (5.4 GiB at evaluation) and is not modelled.
+RESERVE_FLOOR = 256 << 20
+RESERVE_PER_LARGEST = 0.55
 
 def gpu_family(hw_name: str) -> str | None:
     """GPU family from a conf/hw preset name; None = CPU / unknown (no CUDA overhead terms)."""
@@ -68,6 +76,10 @@ class RunShape:
     adapter_dtype: str | None = None  # None = peft_adapter_dtype(dtype)
     gradient_checkpointing: bool = False
     loss_chunk_tokens: int = 0
+    offload_checkpoints: bool = False  # checkpointed block inputs wait in pinned CPU memory
+    # Mixed precision as the Trainer runs it (bf16/fp16 autocast; DeepSpeed's bf16 engine makes the adapters
+    # bf16): LoRA's matmuls save their inputs in the compute dtype, not the fp32 of the adapters.
+    autocast: bool = False
     zero_stage: int = 0
     offload_params: bool = False
     offload_optimizer: bool = False
@@ -145,9 +157,12 @@ def lora_params(arch: GLMConfig, shape: RunShape) -> int:
 
 def _lora_saved(tokens: int, d_in: int, shape: RunShape, a: int) -> int:
     """Bytes a LoRA branch keeps: lora_A's input (dropped-out copy, or the input itself), the dropout
-    mask (bool on CUDA, a full-dtype noise tensor on CPU) and lora_A's [tokens, r] output."""
+    mask (bool on CUDA, a full-dtype noise tensor on CPU) and lora_A's [tokens, r] output. peft casts the
+    input to the adapters' dtype before dropout; under autocast the matmul then saves a compute-dtype copy
+    (measured on an H100: all four targets at 512 tokens keep 0.98 GiB less than fp32 inputs would)."""
     mask = 0 if shape.lora_dropout == 0 else (a if shape.device == "cpu" else 1)
-    return tokens * d_in * (a + mask) + tokens * shape.lora_r * a
+    saved = BYTES[shape.dtype] if shape.autocast else a
+    return tokens * d_in * (saved + mask) + tokens * shape.lora_r * saved
 
 
 def block_saved(arch: GLMConfig, shape: RunShape, tokens: int, input_requires_grad: bool) -> int:
@@ -183,9 +198,11 @@ def block_saved(arch: GLMConfig, shape: RunShape, tokens: int, input_requires_gr
 
 def block_working(arch: GLMConfig, shape: RunShape, tokens: int) -> int:
     """Transient bytes on top of the saved ones while one block runs backward (or forward without grad):
-    the SwiGLU gradients ([tokens, 2f] for the fused h_to_4h plus two [tokens, f]) and a few [tokens, h]."""
+    the SwiGLU gradients (the fused [tokens, 2f] and one [tokens, f] at a time) and two [tokens, h].
+    Fitted on an H100 at 8K-32K tokens with checkpointing (bench/RESULTS.md): 4f + 3h over-counted ~50 KB per
+    token, the SwiGLU input's storage being freed before the fused gradient is built."""
     e = BYTES[shape.dtype]
-    return e * tokens * (4 * arch.ffn_hidden_size + 3 * arch.hidden_size)
+    return e * tokens * (3 * arch.ffn_hidden_size + 2 * arch.hidden_size)
 
 
 def loss_bytes(arch: GLMConfig, shape: RunShape, tokens: int) -> int:
@@ -221,8 +238,12 @@ def estimate(arch: GLMConfig, shape: RunShape) -> Estimate:
     frozen = frozen_params(arch)
     if shape.zero_stage == 3:
         largest = max(block_params(arch), arch.padded_vocab_size * h)
-        gathered = min(MAX_LIVE_PARAMETERS, largest + PREFETCH_BUCKET) * e
-        b["frozen weights (ZeRO-3 shard)"] = 0 if shape.offload_params else frozen * e // n
+        # One rank's partition is the whole parameter: nothing is gathered on top (measured, one H100).
+        gathered = min(MAX_LIVE_PARAMETERS, largest + PREFETCH_BUCKET) * e if n > 1 else 0
+        # Parameter offload did not keep the weights off the card: on an H100 with DeepSpeed 0.19.8 (reentrant
+        # checkpointing, 4K tokens) 17.7 GiB were allocated for 17.5 GiB of weights. Counted as measured, so
+        # no plan relies on it; the planner no longer offers it.
+        b["frozen weights (ZeRO-3 shard)"] = frozen * e if shape.offload_params else frozen * e // n
         b["ZeRO-3 gathered params + prefetch"] = gathered
     else:
         b["frozen weights"] = frozen * e
@@ -230,6 +251,7 @@ def estimate(arch: GLMConfig, shape: RunShape) -> Estimate:
     if shape.zero_stage == 3:  # DeepSpeed: 16-bit params/grads + fp32 master, Adam m, v, grads, sharded
         b["LoRA weights+grads"] = p_lora * (2 * e) // n
         b["LoRA optimizer (fp32 master, Adam m+v)"] = 0 if shape.offload_optimizer else p_lora * 16 // n
+        b["ZeRO-3 gradient reduce bucket"] = min(REDUCE_BUCKET, p_lora) * e
     else:
         b["LoRA weights"] = p_lora * a
         b["LoRA grads"] = p_lora * a * (2 if shape.world_size > 1 else 1)  # + DDP bucket copy
@@ -238,8 +260,12 @@ def estimate(arch: GLMConfig, shape: RunShape) -> Estimate:
     # --- activations ---
     ckpt = shape.gradient_checkpointing
     if ckpt:  # reentrant: inputs kept per block; input_require_grads makes every block's input need grad
-        kept = L * e * tokens * h
-        recompute = block_saved(arch, shape, tokens, True)
+        # Offloaded, they live in pinned host memory; the one being recomputed is back on the card, counted
+        # by block_saved's input term.
+        kept = 0 if shape.offload_checkpoints else L * e * tokens * h
+        # The recomputed block's input is its kept checkpoint input (the same storage) unless it came back
+        # from the CPU as a new tensor.
+        recompute = block_saved(arch, shape, tokens, True) - (0 if shape.offload_checkpoints else e * tokens * h)
     else:
         kept = block_saved(arch, shape, tokens, False) + (L - 1) * block_saved(arch, shape, tokens, True)
         recompute = 0
@@ -274,12 +300,27 @@ def estimate(arch: GLMConfig, shape: RunShape) -> Estimate:
     tensor_peak = max(phases.values())
     phase = max(phases, key=phases.get)
 
-    # --- outside the tensors: UNCALIBRATED per-family constants ---
+    # --- outside the tensors (bytes a GPU process needs beyond its live tensors) ---
     fam = shape.gpu_family
+    overhead = {}
     if shape.device != "cpu" and fam is not None:
-        b["CUDA context (uncalibrated)"] = CUDA_CONTEXT.get(fam, 600 << 20)
-        b["cuBLAS/cuBLASLt workspaces (uncalibrated)"] = CUBLAS_WORKSPACE + CUBLASLT_WORKSPACE.get(fam, 4 << 20)
-        b["NCCL buffers (uncalibrated)"] = NCCL_PER_GPU if shape.world_size > 1 else 0
-        b["allocator slack (uncalibrated)"] = int(ALLOCATOR_SLACK * tensor_peak)
-    overhead = sum(v for k, v in b.items() if "uncalibrated" in k)
-    return Estimate(b, tensor_peak + overhead, phase, phases)
+        measured = "measured" if fam in CUDA_CONTEXT else "H100 figure"
+        overhead[f"CUDA context and kernels ({measured})"] = CUDA_CONTEXT.get(fam, CUDA_CONTEXT_DEFAULT)
+        overhead["cuBLAS/cuBLASLt workspaces"] = CUBLAS_WORKSPACE + CUBLASLT_WORKSPACE.get(fam, 4 << 20)
+        if shape.zero_stage == 3 or shape.world_size > 1:
+            overhead["NCCL communicator"] = NCCL_PER_GPU
+        overhead["allocator reserve"] = RESERVE_FLOOR + int(RESERVE_PER_LARGEST * largest_transient(arch, shape))
+    b.update(overhead)
+    return Estimate(b, tensor_peak + sum(overhead.values()), phase, phases)
+
+
+def largest_transient(arch: GLMConfig, shape: RunShape) -> int:
+    """The largest single tensor a step allocates and frees: fp32 logits (of a chunk, or of the whole
+    micro-batch), the fused SwiGLU output, or the evaluation batch's logits. The allocator's reserve beyond
+    its allocated peak grows with it (a freed block of this size is rarely the exact size asked next)."""
+    tokens, v = shape.micro_batch * shape.seq_len, arch.padded_vocab_size
+    chunk = shape.loss_chunk_tokens or tokens
+    sizes = [4 * min(tokens, chunk) * v, BYTES[shape.dtype] * tokens * 2 * arch.ffn_hidden_size]
+    if shape.eval_batch:
+        sizes.append(4 * min(shape.eval_batch * shape.seq_len, chunk) * v)
+    return max(sizes)

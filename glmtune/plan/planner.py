@@ -18,6 +18,7 @@ from .estimate import GIB, RunShape, estimate, gpu_family, image_extra_tokens
 
 DEFAULT_MAX_LENGTH = 500
 LOSS_CHUNK = 1024  # tokens per chunk of the lower-memory loss: 1024 x 151,552 x 12 B = 1.9 GB peak
+LOSS_CHUNK_SMALL = 256  # the next rung: 0.47 GB; the head matmul per chunk is still 256 x 4096 x 151,552
 DEFAULT_EVAL_NEW_TOKENS = 512  # the GLM-4 demo's generation_config.max_new_tokens
 
 
@@ -34,6 +35,7 @@ class Choices:
     world_size: int
     eval_batch_size: int
     loss_chunk_tokens: int = 0  # 0 = reference loss; >0 = chunked loss, fp32 logits for this many tokens at a time
+    offload_checkpoints: bool = False  # checkpointed block inputs kept in pinned CPU memory instead of on the GPU
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -51,7 +53,8 @@ class Plan:
 
     def to_json(self) -> str:
         keys = ("dtype", "gradient_checkpointing", "zero_stage", "offload_params", "offload_optimizer",
-                "micro_batch_size", "grad_accum", "max_length", "world_size")
+                "micro_batch_size", "grad_accum", "max_length", "world_size", "loss_chunk_tokens",
+                "offload_checkpoints")
         return json.dumps({"fits": self.fits, "budget_bytes": self.budget_bytes, "peak_bytes": self.peak_bytes,
                            "breakdown": self.breakdown, "choices": {k: getattr(self.choices, k) for k in keys},
                            "reasons": self.reasons, "advice": self.advice}, indent=2)
@@ -75,6 +78,7 @@ def run_shape(run: RunConfig, arch, c: Choices, data_max_tokens: int | None = No
     return RunShape(dtype=c.dtype, micro_batch=c.micro_batch_size, seq_len=seq + image_extra_tokens(arch) * images,
                     lora_r=run.lora.r, lora_targets=tuple(run.lora.target_modules), lora_dropout=run.lora.dropout,
                     gradient_checkpointing=c.gradient_checkpointing, loss_chunk_tokens=c.loss_chunk_tokens,
+                    offload_checkpoints=c.offload_checkpoints, autocast=c.dtype != "fp32",
                     zero_stage=c.zero_stage, offload_params=c.offload_params, offload_optimizer=c.offload_optimizer,
                     world_size=c.world_size, images_per_sample=images,
                     eval_batch=c.eval_batch_size if run.data.val_file else 0,
@@ -84,20 +88,29 @@ def run_shape(run: RunConfig, arch, c: Choices, data_max_tokens: int | None = No
 def step_down(plan_or_choices: Plan | Choices, run: RunConfig, arch, world_size: int) -> Choices | None:
     """The next, slower but smaller configuration, or None when the ladder is exhausted.
 
-    Rungs in order: halve the micro-batch (doubling accumulation, same global batch); checkpointing on
-    (unless forced off); chunked loss; ZeRO-3 (world_size > 1, unless dist.strategy=ddp); param and
-    optimizer offload (ZeRO-3, last resort: every step copies all weights over PCIe)."""
+    Rungs, cheapest first (cost measured on an H100, bench/RESULTS.md): halve the micro-batch (doubling
+    accumulation, same global batch); chunked loss (1,024 tokens: one extra head matmul per chunk, ~2 % of a
+    step); checkpointing (unless forced off: one extra forward, ~25-30 %); a 256-token loss chunk; checkpointed
+    block inputs in pinned CPU memory (40 x tokens x 4096 x 2 B leave the card: 2.5 GiB at 8K; two PCIe copies
+    per block and step); ZeRO-3 (world_size > 1, unless dist.strategy=ddp: weights gathered every step,
+    6x slower than plain LoRA on one H100 even without a second GPU to talk to). The optimizer is never
+    offloaded: LoRA's Adam states are megabytes. Nor are the parameters: measured on an H100, DeepSpeed
+    0.19.8's parameter offload still held the whole model on the card (bench/RESULTS.md), so it fits
+    nothing that ZeRO-3 without it does not."""
     c = plan_or_choices.choices if isinstance(plan_or_choices, Plan) else plan_or_choices
+    ckpt_allowed = run.train.gradient_checkpointing != "off"
     if c.micro_batch_size > 1:
         return replace(c, micro_batch_size=c.micro_batch_size // 2, grad_accum=c.grad_accum * 2)
-    if not c.gradient_checkpointing and run.train.gradient_checkpointing != "off":
-        return replace(c, gradient_checkpointing=True)
     if c.loss_chunk_tokens == 0:
         return replace(c, loss_chunk_tokens=LOSS_CHUNK)
+    if not c.gradient_checkpointing and ckpt_allowed:
+        return replace(c, gradient_checkpointing=True)
+    if c.loss_chunk_tokens > LOSS_CHUNK_SMALL:
+        return replace(c, loss_chunk_tokens=LOSS_CHUNK_SMALL)
+    if c.gradient_checkpointing and not c.offload_checkpoints:
+        return replace(c, offload_checkpoints=True)
     if c.zero_stage == 0 and world_size > 1 and run.dist.strategy != "ddp":
         return replace(c, zero_stage=3)
-    if not c.offload_params and run.dist.strategy != "ddp":
-        return replace(c, zero_stage=3, offload_params=True, offload_optimizer=True)
     return None
 
 
@@ -122,25 +135,30 @@ def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
                "max_length": "set by data.max_length" if user_set_max_length else
                f"default {DEFAULT_MAX_LENGTH} tokens (data.max_length not set)"}
 
-    def peak(ch: Choices):
-        return estimate(arch, run_shape(run, arch, ch, data_max_tokens))
+    def peak(ch: Choices, evaluating: bool = True):
+        shape = run_shape(run, arch, ch, data_max_tokens)
+        return estimate(arch, shape if evaluating else replace(shape, eval_batch=0))
 
-    def fits(ch: Choices) -> bool:
-        return budget is None or peak(ch).peak_bytes <= budget
+    def fits(ch: Choices, evaluating: bool = True) -> bool:
+        return budget is None or peak(ch, evaluating).peak_bytes <= budget
 
     # Frozen weights alone exceed one card: only ZeRO-3 over several GPUs shards them.
     weights_only = peak(c).breakdown.get("frozen weights", 0)
     if (budget is not None and weights_only > budget and world_size > 1 and run.dist.strategy == "auto"):
         c = replace(c, zero_stage=3)
     start = c
-    while not fits(c):
-        nxt = step_down(c, run, arch, world_size)
-        if nxt is None:
-            break
-        c = nxt
-    # Evaluation batch: halve until the eval forward fits too.
-    while c.eval_batch_size > 1 and not fits(c):
-        c = replace(c, eval_batch_size=c.eval_batch_size // 2)
+    # Training first: a smaller evaluation batch costs the training nothing, so it must not push the
+    # training down the ladder. Then halve the evaluation batch until it fits too, and only if evaluating one
+    # example at a time still does not fit, go further down (a smaller loss chunk helps evaluation as well).
+    for evaluating in (False, True):
+        while not fits(c, evaluating):
+            if evaluating and c.eval_batch_size > 1:
+                c = replace(c, eval_batch_size=c.eval_batch_size // 2)
+                continue
+            nxt = step_down(c, run, arch, world_size)
+            if nxt is None:
+                break
+            c = nxt
     est = peak(c)
     ok = budget is None or est.peak_bytes <= budget
     reasons.update(_reasons(run, start, c, budget, weights_only, world_size))
@@ -165,8 +183,10 @@ def _reasons(run, start: Choices, c: Choices, budget, weights: int, world_size: 
         r["zero_stage"] = "3: needed to fit" if c.zero_stage == 3 else "0: plain data parallel fits (ZeRO-1/2 shard nothing useful for LoRA)"
     r["loss_chunk_tokens"] = (f"{c.loss_chunk_tokens}: the full fp32 logits do not fit" if c.loss_chunk_tokens
                               else "0: reference loss fits")
-    r["offload_params"] = "on: last resort, nothing else fits (slow: weights cross PCIe every step)" \
-        if c.offload_params else "off"
+    r["offload_checkpoints"] = ("on: the checkpointed block inputs do not fit; they wait in pinned CPU memory "
+                                "(two PCIe copies per block and step)" if c.offload_checkpoints else "off")
+    r["offload_params"] = ("off: DeepSpeed's parameter offload kept the whole model on the card when measured "
+                           "(H100, deepspeed 0.19.8)")
     r["micro_batch_size"] = (f"{c.micro_batch_size} x grad_accum {c.grad_accum} x {world_size} GPUs keeps the "
                              f"global batch {start.micro_batch_size * start.grad_accum * world_size}")
     r["eval_batch_size"] = ("halved until evaluation fits" if c.eval_batch_size < start.eval_batch_size

@@ -29,11 +29,12 @@ import torch.distributed as torch_dist
 
 from ..config import RunConfig
 from ..data.pipeline import IMAGE_PLACEHOLDERS
-from .diagnose import classify
-from ..plan.estimate import GIB, estimate
-from .track import LiveTensorTracker
-from ..plan.planner import Choices, Plan, run_shape, step_down
+from ..plan.estimate import CUDA_CONTEXT_DEFAULT, GIB, estimate
+from ..plan.planner import Choices, Plan, _advice, run_shape, step_down
+from ..train.gpumem import outside_allocator_bytes
 from ..train.trainer import build_model, make_trainer, training_args
+from .diagnose import classify
+from .track import LiveTensorTracker
 
 
 @dataclass
@@ -94,19 +95,24 @@ def _probe_image(size: int, folder: Path) -> Path:
 
 
 def emulate_card(memory_gib: float | None) -> bool:
-    """Cap this process's CUDA allocator at the preset's memory, so `+hw=a100_40g` on an 80 GB card fails
-    where a 40 GB card would. Returns whether it is emulating."""
+    """Cap this process's CUDA allocator so `+hw=a100_40g` on an 80 GB card fails where a 40 GB card would:
+    the preset's memory less what the process holds outside the allocator (context, kernels; measured when
+    CUDA is already up, else the estimator's figure), since a real card must hold both. Returns whether it
+    is emulating."""
     if memory_gib is None or not torch.cuda.is_available():
         return False
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     if memory_gib * GIB >= total:
         return False
-    torch.cuda.set_per_process_memory_fraction(memory_gib * GIB / total)
+    outside = outside_allocator_bytes() if torch.cuda.is_initialized() else CUDA_CONTEXT_DEFAULT
+    torch.cuda.set_per_process_memory_fraction(max(0.0, memory_gib * GIB - outside) / total)
     return True
 
 
 class _Meter:
-    """Peak memory of the block: reserved bytes on CUDA, live tensor bytes (weights included) on CPU."""
+    """Peak memory of the block. On CUDA the whole process, as the estimator predicts it: the allocator's
+    peak reserve plus what the process holds outside it (context, kernels, NCCL), read after the steps. On
+    CPU live tensor bytes, weights included."""
 
     def __init__(self, model: torch.nn.Module):
         self.cuda = torch.cuda.is_available()
@@ -133,7 +139,10 @@ class _Meter:
         if not self.cuda:
             return self.tracker.peak_bytes, {}
         stats = torch.cuda.memory_stats()
-        return torch.cuda.max_memory_reserved(), {
+        outside = outside_allocator_bytes()
+        return torch.cuda.max_memory_reserved() + outside, {
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+            "outside_allocator_bytes": outside,
             "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
             "peak_active_bytes": stats.get("active_bytes.all.peak", 0),
             "alloc_retries": stats.get("num_alloc_retries", 0)}
@@ -202,9 +211,11 @@ def run_probe(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, t
         shape = run_shape(run, arch, choices, longest)
         if not torch.cuda.is_available():  # CPU: compare tensor terms only (no CUDA context, no allocator)
             shape = replace(shape, device="cpu", gpu_family=None)
-        predicted = estimate(arch, shape).peak_bytes
+        est = estimate(arch, shape)
+        predicted = est.peak_bytes
         t0 = time.perf_counter()
         peak, detail = _attempt(run, choices, model_dir, examples, eval_examples, collator, run_dir)
+        detail["predicted_tensor_bytes"] = max(est.phases.values())  # beside the measured allocated peak
         per_rank = _gather(peak)
         if any(p is None for p in per_rank):
             outcome, measured = "out of memory", None
@@ -222,12 +233,24 @@ def run_probe(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, t
     _restore_rng(rng)
     last = attempts[-1]
     return ProbeReport(device=_device_name(), emulated=emulated,
-                       method="torch.cuda max_memory_reserved" if torch.cuda.is_available()
+                       method="whole process: torch.cuda max_memory_reserved + NVML bytes outside the allocator"
+                       if torch.cuda.is_available()
                        else "live tensor bytes (probe/track.py LiveTensorTracker)",
                        budget_bytes=plan.budget_bytes, predicted_peak_bytes=last.predicted_peak_bytes,
                        measured_peak_bytes=last.measured_peak_bytes, per_rank=last.per_rank, attempts=attempts,
                        final=choices.to_dict(), fits=last.outcome == "fits",
                        seconds=round(time.perf_counter() - start, 2))
+
+
+def probe_shortfall(report: ProbeReport, run: RunConfig, arch, world_size: int, longest: int) -> str:
+    """The exit-3 line when no rung fit: what was measured against what budget, and what would fit."""
+    last = report.attempts[-1]
+    seen = ("ran out of memory" if last.measured_peak_bytes is None
+            else f"measured {last.measured_peak_bytes / GIB:.2f} GiB")
+    advice = _advice(run, arch, Choices(**report.final), report.budget_bytes,
+                     last.measured_peak_bytes or last.predicted_peak_bytes, world_size, longest)
+    return (f"the probe found no rung that fits: the last one ({seen}, budget {report.budget_bytes / GIB:.2f} GiB) "
+            "— " + "; ".join(advice[1:] or advice))
 
 
 def _device_name() -> str:
@@ -246,13 +269,16 @@ def format_probe(report: ProbeReport):
     title = (f"probe on {report.device}{' (emulated card)' if report.emulated else ''}: budget {budget}, "
              f"{report.seconds:.1f} s")
     table = Table(title=title)
-    for col in ("attempt", "micro x accum", "ckpt", "loss chunk", "zero", "offload", "predicted GiB",
-                "measured GiB", "error", "outcome"):
+    for col in ("attempt", "micro x accum", "ckpt", "loss chunk", "offload ckpt", "zero", "offload", "predicted GiB",
+                "measured GiB", "error", "tensors: predicted / allocated GiB", "outcome"):
         table.add_column(col)
     for i, a in enumerate(report.attempts, 1):
         c = a.choices
         err = "-" if a.measured_peak_bytes is None else f"{(a.predicted_peak_bytes / a.measured_peak_bytes - 1):+.1%}"
+        tensors = (f"{gib(a.detail['predicted_tensor_bytes'])} / {gib(a.detail['peak_allocated_bytes'])}"
+                   if "peak_allocated_bytes" in a.detail else "-")
         table.add_row(str(i), f"{c['micro_batch_size']} x {c['grad_accum']}", str(c["gradient_checkpointing"]),
-                      str(c["loss_chunk_tokens"]), str(c["zero_stage"]), str(c["offload_params"]),
-                      gib(a.predicted_peak_bytes), gib(a.measured_peak_bytes), err, a.outcome)
+                      str(c["loss_chunk_tokens"]), str(c.get("offload_checkpoints", False)), str(c["zero_stage"]),
+                      str(c["offload_params"]), gib(a.predicted_peak_bytes), gib(a.measured_peak_bytes), err,
+                      tensors, a.outcome)
     return table

@@ -107,8 +107,13 @@ def measure_lora_step(arch, shape, seed: int = 0) -> tuple[int, int]:
     ids = torch.randint(0, arch.padded_vocab_size, (shape.micro_batch, shape.seq_len))
     batch = {"input_ids": ids, "labels": ids.clone()}
 
+    # shape.autocast: bf16 autocast as the Trainer runs mixed precision (on CPU too, with train.precision=bf16).
+    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=shape.autocast)
+
     def step() -> None:
-        model(**batch).loss.backward()
+        with amp:
+            loss = model(**batch).loss
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 

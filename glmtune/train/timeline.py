@@ -1,8 +1,10 @@
 """Memory per optimizer step, saved with every run as memory_timeline.png (+ .json with the numbers).
 
-On a GPU: allocated and reserved bytes (torch.cuda.memory_allocated / memory_reserved) and their peaks
-since the previous step. On CPU there is no caching allocator to read, so the process's resident set
-size stands in; the plot says which it shows.
+On a GPU: allocated and reserved bytes and their peaks since the previous step, and the whole process's peak
+(peak reserve + what NVML sees outside the allocator: context, kernels, NCCL), which is what the plan
+predicts; the plot draws the planned peak and the card's budget beside it, so the margin shows at a glance.
+On CPU there is no caching allocator to read, so the process's resident set size stands in; the plot says
+which it shows.
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from .gpumem import outside_allocator_bytes
+
 GIB = 2**30
 
 
@@ -21,6 +25,7 @@ def _sample() -> dict[str, float]:
         sample = {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
                   "peak_allocated": torch.cuda.max_memory_allocated(),
                   "peak_reserved": torch.cuda.max_memory_reserved()}
+        sample["peak_process"] = sample["peak_reserved"] + outside_allocator_bytes()
         torch.cuda.reset_peak_memory_stats()  # so each step's peak is its own
         return sample
     # ru_maxrss is in KiB on Linux: the peak resident set of this process so far.
@@ -28,8 +33,9 @@ def _sample() -> dict[str, float]:
 
 
 class MemoryTimeline(TrainerCallback):
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, planned_bytes: int | None = None, budget_bytes: int | None = None):
         self.run_dir = run_dir
+        self.planned_bytes, self.budget_bytes = planned_bytes, budget_bytes
         self.steps: list[dict] = []
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -37,25 +43,34 @@ class MemoryTimeline(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         if state.is_world_process_zero and self.steps:
-            save_timeline(self.steps, self.run_dir)
+            save_timeline(self.steps, self.run_dir, self.planned_bytes, self.budget_bytes)
 
 
-def save_timeline(steps: list[dict], run_dir: Path) -> Path:
+def save_timeline(steps: list[dict], run_dir: Path, planned_bytes: int | None = None,
+                  budget_bytes: int | None = None) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")  # no display on training nodes
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    (run_dir / "memory_timeline.json").write_text(json.dumps(steps) + "\n")
+    (run_dir / "memory_timeline.json").write_text(
+        json.dumps({"planned_bytes": planned_bytes, "budget_bytes": budget_bytes, "steps": steps}) + "\n")
     fig, ax = plt.subplots(figsize=(8, 4))
     x = [s["step"] for s in steps]
     for key in (k for k in steps[0] if k != "step"):
         ax.plot(x, [s[key] / GIB for s in steps], label=key.replace("_", " "), marker=".")
+    on_gpu = "reserved" in steps[0]
+    if on_gpu and planned_bytes:  # the plan's whole-process prediction; on CPU it is not comparable to RSS
+        ax.axhline(planned_bytes / GIB, color="tab:purple", linestyle="--", label="planned peak")
+    if on_gpu and budget_bytes:
+        ax.axhline(budget_bytes / GIB, color="tab:red", linestyle=":", label="budget")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # optimizer steps are whole numbers
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("GiB")
-    ax.set_title("GPU memory per step" if "reserved" in steps[0] else "CPU: peak resident set per step")
+    ax.set_title("GPU memory per step" if on_gpu else "CPU: peak resident set per step")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small")
     path = run_dir / "memory_timeline.png"
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -78,11 +78,18 @@ def training_args(cfg: TrainConfig, choices: Choices, run_dir: Path, has_eval: b
 
 
 def build_model(model_dir: Path, run: RunConfig, choices: Choices) -> torch.nn.Module:
-    transformers.set_seed(run.train.seed)  # LoRA's A matrices are random: same seed, same start
     model = load_model(model_dir, dtype=_TORCH_DTYPE[choices.dtype], trust_remote_code=run.model.trust_remote_code)
+    return prepare_model(model, run, choices)
+
+
+def prepare_model(model: torch.nn.Module, run: RunConfig, choices: Choices) -> torch.nn.Module:
+    """Everything the plan applies to a loaded base model: loss chunking, checkpoint offload, LoRA,
+    checkpointing. bench/gpu_memory.py calls this on full-size random-weight models built on the GPU."""
+    transformers.set_seed(run.train.seed)  # LoRA's A matrices are random: same seed, same start
     model.config.use_cache = False
-    if hasattr(model, "loss_chunk_tokens"):
+    if hasattr(model, "loss_chunk_tokens"):  # glmtune's model (not a checkpoint's own remote code)
         model.loss_chunk_tokens = choices.loss_chunk_tokens
+        model.transformer.encoder.offload_checkpoints = choices.offload_checkpoints
     model = apply_lora(model, run.lora)
     if choices.gradient_checkpointing:
         enable_checkpointing(model, use_reentrant=run.train.use_reentrant)
@@ -127,12 +134,13 @@ class MetricsFile(TrainerCallback):
 
 
 def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, train_set, val_set,
-          collator) -> tuple[dict, torch.nn.Module]:
-    """Fine-tune, save the adapter (rank 0) and return (metrics, the trained PEFT model)."""
+          collator, planned_bytes: int | None = None, budget_bytes: int | None = None) -> tuple[dict, torch.nn.Module]:
+    """Fine-tune, save the adapter (rank 0) and return (metrics, the trained PEFT model). planned_bytes and
+    budget_bytes (the plan's per-GPU peak and budget) are drawn on memory_timeline.png."""
     args = training_args(run.train, choices, run_dir, has_eval=bool(val_set))
     model = build_model(model_dir, run, choices)
     trainer = make_trainer(args, model, train_set, val_set, collator,
-                           callbacks=[MetricsFile(run_dir / "metrics.jsonl"), MemoryTimeline(run_dir)])
+                           callbacks=[MetricsFile(run_dir / "metrics.jsonl"), MemoryTimeline(run_dir, planned_bytes, budget_bytes)])
     result = trainer.train()
     metrics = {"train_loss": result.training_loss, "steps": result.global_step,
                # ds_numel: under ZeRO-3 a parameter's local tensor is an empty placeholder

@@ -17,7 +17,8 @@ import hashlib
 
 import torch
 
-from ..plan.estimate import MAX_LIVE_PARAMETERS, PERSISTENCE_THRESHOLD, PREFETCH_BUCKET, REDUCE_BUCKET
+from ..plan.estimate import (MAX_LIVE_PARAMETERS, MAX_REUSE_DISTANCE, PERSISTENCE_THRESHOLD, PREFETCH_BUCKET,
+                             REDUCE_BUCKET)
 from ..plan.planner import Choices
 
 
@@ -33,7 +34,7 @@ def deepspeed_config(choices: Choices) -> dict | None:
         "stage3_prefetch_bucket_size": PREFETCH_BUCKET,
         "stage3_param_persistence_threshold": PERSISTENCE_THRESHOLD,
         "stage3_max_live_parameters": MAX_LIVE_PARAMETERS,
-        "stage3_max_reuse_distance": MAX_LIVE_PARAMETERS,
+        "stage3_max_reuse_distance": MAX_REUSE_DISTANCE,
         "stage3_gather_16bit_weights_on_model_save": True,
     }
     if choices.offload_params:
