@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
 import torch
 
 # Columns of an entry, one row per conversation (blank lines have none). A dropped row (no target left after
@@ -31,12 +32,21 @@ def read_table(folder: Path) -> pa.Table:
     return pa.concat_tables(tables)
 
 
+_NUMPY = {pa.int8(): np.int8, pa.int32(): np.int32, pa.int64(): np.int64}
+
+
+def _numpy(array: pa.Array) -> np.ndarray:
+    """A fixed-width array without nulls as a numpy view of its buffer (pyarrow's to_numpy imports pandas: 2 s)."""
+    return np.frombuffer(array.buffers()[1], dtype=_NUMPY[array.type])[array.offset:array.offset + len(array)]
+
+
 class _ListColumn:
     """Row i of a list<int32> column as a Python list, read straight from the mapped buffers."""
 
     def __init__(self, column: pa.ChunkedArray) -> None:
-        self.offsets = [chunk.offsets.to_numpy() for chunk in column.chunks]  # slice-aware, zero-copy
-        self.values = [chunk.values.to_numpy() for chunk in column.chunks]
+        self.offsets = [_numpy(pa.Array.from_buffers(pa.int32(), len(chunk) + 1, [None, chunk.buffers()[1]],
+                                                     offset=chunk.offset)) for chunk in column.chunks]
+        self.values = [_numpy(chunk.values) for chunk in column.chunks]
         self.starts = np.cumsum([0] + [len(chunk) for chunk in column.chunks])
 
     def __getitem__(self, row: int) -> list[int]:
@@ -65,8 +75,9 @@ class TokenizedSplit(torch.utils.data.Dataset):
     def column(self, name: str) -> np.ndarray:
         """A whole per-row column (line, length, untruncated, targets) as numpy; the image column as booleans."""
         if name == "image":
-            return self._image.is_valid().to_numpy(zero_copy_only=False)
-        return self.table.column(name).to_numpy()
+            chunks = [_numpy(pa.compute.cast(chunk.is_valid(), pa.int8())) for chunk in self._image.chunks]
+            return np.concatenate(chunks or [np.zeros(0, np.int8)]).astype(bool)
+        return np.concatenate([_numpy(chunk) for chunk in self.table.column(name).chunks] or [np.zeros(0, np.int32)])
 
     def __len__(self) -> int:
         return len(self.rows)
