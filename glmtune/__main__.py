@@ -21,7 +21,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from .config import ConfigError, check_override_keys, parse_config
-from .data.pipeline import DataCollator, build_datasets, format_stats, longest_length, validate_files
+from .data.pipeline import DataCollator, build_datasets, format_stats, longest_length
 from .launch import export_slurm_env, rank, run_name, world_size
 from .models import load_tokenizer
 from .models.presets import arch_config, resolve_model_dir
@@ -49,8 +49,6 @@ def execute(cfg: DictConfig) -> float | None:
         run = parse_config(OmegaConf.to_container(cfg, resolve=True))
         arch = arch_config(run.model)  # config.json or built-in facts: no weights read
         data = None
-        if run.mode in ("train", "probe"):
-            validate_files(run.data)  # every line of every file, before any weights load
         if run.mode != "plan":
             model_dir = resolve_model_dir(run.model)
             tokenizer = load_tokenizer(model_dir)
@@ -61,6 +59,7 @@ def execute(cfg: DictConfig) -> float | None:
             console.print(result)
             return None
         if data is None and run.mode != "plan":
+            # Every line of every file is checked when its cache entry is built, before any weights load.
             data = build_datasets(run.data, tokenizer, arch.vision_config)
     except (ConfigError, ValueError, OSError) as err:  # bad input, or a device map that cannot place a tensor
         fail(str(err))

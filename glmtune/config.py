@@ -30,6 +30,8 @@ class DataConfig:
     train_file: str = "data/samples/train.jsonl"
     val_file: Optional[str] = None
     max_length: int = 500  # tokens per example after truncation; the planner never changes a value set here
+    cache_dir: Optional[str] = None  # tokenized-data cache; None = $GLMTUNE_CACHE/data (~/.cache/glmtune/data)
+    num_proc: int = 0  # processes that tokenize a file on a cache miss; 0 = every core this process may use
 
 
 @dataclass
@@ -238,6 +240,8 @@ def _check_values(cfg: RunConfig) -> list[str]:
         problems.append(f"hw.memory_gib must be > 0, got {cfg.hw.memory_gib}")
     if cfg.mode == "infer" and not (cfg.infer.prompts_file or cfg.infer.merge_to):
         problems.append("mode=infer needs infer.prompts_file=<jsonl> (and/or infer.merge_to=<folder>)")
+    if cfg.data.num_proc < 0:
+        problems.append(f"data.num_proc must be >= 0 (0 = every core), got {cfg.data.num_proc}")
     if cfg.infer.gpus < 0:
         problems.append(f"infer.gpus must be >= 0, got {cfg.infer.gpus}")
     if cfg.train.max_steps <= 0 and cfg.train.num_epochs <= 0:

@@ -130,7 +130,7 @@ def test_truncation_cuts_from_the_right_and_keeps_the_example(tok, tmp_path):
     cut = 2 + len(u) + 10  # inside the reply
     train, _, stats = build_datasets(DataConfig(train_file=str(write_jsonl(tmp_path / "t.jsonl", [conv])),
                                                 max_length=cut), tok)
-    assert train == [{"input_ids": full_ids[:cut], "labels": full_labels[:cut]}]
+    assert list(train) == [{"input_ids": full_ids[:cut], "labels": full_labels[:cut]}]
     assert (stats.train.truncated, stats.train.dropped, stats.train.max, stats.train.max_untruncated) == \
         (1, 0, cut, len(full_ids))
 
@@ -204,7 +204,7 @@ def test_shipped_samples_encode_with_nothing_dropped(tok):
     assert 40 <= stats.train.examples <= 60 and stats.val.examples >= 8
     assert stats.train.dropped == 0 and stats.val.dropped == 0
     assert stats.train.truncated >= 5 and stats.train.max_untruncated > 500  # long answers exercise truncation
-    assert all(len(ex["input_ids"]) == len(ex["labels"]) <= 500 for ex in train + val)
+    assert all(len(ex["input_ids"]) == len(ex["labels"]) <= 500 for ex in [*train, *val])
     roles = {m["role"] for c in read_conversations(cfg.train_file) for m in c.messages}
     assert roles == {"system", "user", "assistant", "observation"}
 

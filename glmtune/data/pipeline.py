@@ -24,14 +24,18 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Protocol
 
+import numpy as np
 import torch
 
 from ..config import DataConfig
 from ..models.vision import load_image, num_image_tokens
 # Re-exported so callers need one import: `from glmtune.data import DataError, validate_files, ...`.
 from .validate import Conversation, DataError, read_conversations, validate_files  # noqa: F401
+
+if TYPE_CHECKING:
+    from .tokenized import TokenizedSplit
 
 IGNORE_INDEX = -100  # label value the loss skips (torch cross_entropy's default ignore_index)
 
@@ -135,69 +139,65 @@ class DataStats:
     val: Optional[SplitStats] = None
 
 
-def encode_split(conversations: list[Conversation], tokenizer: MessageTokenizer, max_length: int,
-                 vision_config: Optional[dict] = None, source: str = "data.train_file"
-                 ) -> tuple[list[dict[str, Any]], SplitStats]:
-    """Encode, truncate to max_length (from the right) and drop examples left without targets.
+def encode_example(messages: list[dict[str, Any]], tokenizer: MessageTokenizer, max_length: int
+                   ) -> tuple[list[int], list[int], int, int]:
+    """(input_ids, labels) cut to max_length from the right, the untruncated length, and the targets left.
+    An example with 0 targets left is dropped by the caller: only the prompt survived, nothing to learn (and a
+    NaN loss if it were alone in a batch)."""
+    input_ids, labels = encode_conversation(messages, tokenizer)
+    untruncated = len(input_ids)
+    input_ids, labels = input_ids[:max_length], labels[:max_length]
+    return input_ids, labels, untruncated, sum(label != IGNORE_INDEX for label in labels)
 
-    vision_config: the model's (GLM-4V); None = a text model, and an image in the data is a DataError."""
-    examples: list[dict[str, list[int]]] = []
-    lengths: list[int] = []
-    untruncated: list[int] = []
-    truncated = target_tokens = 0
-    dropped_lines: list[int] = []
-    images = 0
-    per_image = num_image_tokens(vision_config) + 2 if vision_config else 0
-    for conversation in conversations:
-        image = next((m["image"] for m in conversation.messages if "image" in m), None)
-        if image is not None and not vision_config:
-            raise DataError(f"{source}:{conversation.line}: has an \"image\" but this model has no vision tower "
-                            "— use model=glm4v_9b (or glm4v_tiny), or drop the image")
-        input_ids, labels = encode_conversation(conversation.messages, tokenizer)
-        untruncated.append(len(input_ids))
-        was_cut = len(input_ids) > max_length
-        input_ids, labels = input_ids[:max_length], labels[:max_length]
-        targets = sum(label != IGNORE_INDEX for label in labels)
-        if targets == 0:  # only the prompt survived: nothing to learn, and a NaN loss if alone in a batch
-            dropped_lines.append(conversation.line)
-            continue
-        truncated += was_cut
-        target_tokens += targets
-        lengths.append(len(input_ids))
-        examples.append({"input_ids": input_ids, "labels": labels, **({"image": image} if image else {})})
-        images += image is not None
-    stats = SplitStats(examples=len(conversations), kept=len(examples), dropped=len(dropped_lines),
-                       truncated=truncated, p50=_percentile(lengths, 50), p95=_percentile(lengths, 95),
-                       max=max(lengths, default=0), max_untruncated=max(untruncated, default=0),
-                       tokens=sum(lengths), target_tokens=target_tokens, dropped_lines=tuple(dropped_lines),
-                       images=images, image_tokens=images * per_image)
-    return examples, stats
+
+def split_stats(lines: np.ndarray, lengths: np.ndarray, untruncated: np.ndarray, targets: np.ndarray,
+                has_image: np.ndarray, per_image: int) -> SplitStats:
+    """Stats of one split from its per-example columns (the Arrow cache's; one entry per conversation).
+    per_image: embeddings the vision tower adds per image (N + 2), 0 for a text model."""
+    kept = targets > 0
+    kept_lengths = lengths[kept]
+    images = int(has_image[kept].sum())
+    return SplitStats(examples=len(lines), kept=int(kept.sum()), dropped=int((~kept).sum()),
+                      truncated=int((untruncated[kept] > lengths[kept]).sum()),
+                      p50=_percentile(kept_lengths, 50), p95=_percentile(kept_lengths, 95),
+                      max=int(kept_lengths.max(initial=0)), max_untruncated=int(untruncated.max(initial=0)),
+                      tokens=int(kept_lengths.sum()), target_tokens=int(targets[kept].sum()),
+                      dropped_lines=tuple(int(n) for n in lines[~kept]), images=images, image_tokens=images * per_image)
 
 
 class Datasets(NamedTuple):
-    train: list[dict[str, Any]]
-    val: Optional[list[dict[str, Any]]]  # None without data.val_file
+    train: TokenizedSplit  # a torch Dataset of {"input_ids", "labels"[, "image"]} dicts over the Arrow cache
+    val: Optional[TokenizedSplit]  # None without data.val_file
     stats: DataStats
 
 
 def build_datasets(cfg: DataConfig, tokenizer: MessageTokenizer, vision_config: Optional[dict] = None) -> Datasets:
-    """Encoded train and val examples with their stats. Raises DataError on a bad file or an empty split.
-    vision_config: the model's (`arch.vision_config`), needed for data with images."""
-    train, train_stats = encode_split(read_conversations(cfg.train_file, "data.train_file"), tokenizer,
-                                      cfg.max_length, vision_config, cfg.train_file)
-    if not train:
+    """Train and val examples with their stats, memory-mapped from the Arrow cache (cache.py builds an entry on
+    a miss, validating every line and encoding with encode_example). Raises DataError on a bad file or an empty
+    split. vision_config: the model's (`arch.vision_config`); None = a text model, and an image is a DataError."""
+    train, train_stats = _load_split(cfg, cfg.train_file, "data.train_file", tokenizer, vision_config)
+    if not len(train):
         raise DataError(f"{cfg.train_file}:{train_stats.dropped_lines[0]}: every example lost all its assistant "
                         f"tokens to truncation at data.max_length={cfg.max_length} (longest example "
                         f"{train_stats.max_untruncated} tokens) — raise data.max_length or shorten the prompts")
     val, val_stats = None, None
     if cfg.val_file is not None:
-        val, val_stats = encode_split(read_conversations(cfg.val_file, "data.val_file"), tokenizer, cfg.max_length,
-                                      vision_config, cfg.val_file)
-        if not val:
+        val, val_stats = _load_split(cfg, cfg.val_file, "data.val_file", tokenizer, vision_config)
+        if not len(val):
             raise DataError(f"{cfg.val_file}:{val_stats.dropped_lines[0]}: every validation example lost all its "
                             f"assistant tokens to truncation at data.max_length={cfg.max_length} — raise "
                             "data.max_length or set data.val_file=null")
     return Datasets(train, val, DataStats(max_length=cfg.max_length, train=train_stats, val=val_stats))
+
+
+def _load_split(cfg: DataConfig, path: str, key: str, tokenizer: MessageTokenizer, vision_config: Optional[dict]
+                ) -> tuple[TokenizedSplit, SplitStats]:
+    from .cache import load_split  # pyarrow and the cache machinery: the collator alone does not need them
+
+    split = load_split(cfg, path, key, tokenizer, bool(vision_config), encode_example)
+    per_image = num_image_tokens(vision_config) + 2 if vision_config else 0  # boi + N patches + eoi
+    columns = (split.column(c) for c in ("line", "length", "untruncated", "targets", "image"))
+    return split, split_stats(*columns, per_image)
 
 
 def longest_length(stats: DataStats) -> int:
@@ -229,13 +229,13 @@ def format_stats(stats: DataStats) -> str:
     return "\n".join(lines)
 
 
-def _percentile(values: list[int], percent: int) -> int:
+def _percentile(values: np.ndarray, percent: int) -> int:
     """Nearest-rank percentile (an actual example length, never interpolated); 0 for no values."""
-    if not values:
+    if not len(values):
         return 0
-    ordered = sorted(values)
+    ordered = np.sort(values)
     rank = max(1, math.ceil(percent / 100 * len(ordered)))
-    return ordered[rank - 1]
+    return int(ordered[rank - 1])
 
 
 # --- batching -------------------------------------------------------------------------------------------

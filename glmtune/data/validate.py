@@ -64,31 +64,44 @@ def read_conversations(path: str | Path, key: str = "data.train_file", prompts: 
     offset = 0  # byte offset of the current line's first byte in the file
     for line_no, raw_line in enumerate(raw.split(b"\n"), start=1):
         line_start, offset = offset, offset + len(raw_line) + 1
-        if line_no == 1 and raw_line.startswith(_UTF8_BOM):
-            raw_line, line_start = raw_line[len(_UTF8_BOM):], line_start + len(_UTF8_BOM)
-        try:
-            text = raw_line.decode("utf-8")
-        except UnicodeDecodeError as err:
-            bad_byte = raw_line[err.start]
-            problems.append(_Problem(line_no, f"not valid UTF-8 (byte 0x{bad_byte:02x} at byte offset "
-                                              f"{line_start + err.start} of the file)",
-                                     "re-save the file as UTF-8, e.g. `iconv -f GBK -t UTF-8`"))
-            continue
-        if not text.strip():
-            continue  # blank lines (and the newline at the end of the file) are allowed
-        result = _parse_line(text, line_no, prompts)
-        if not isinstance(result, _Problem):
-            result = _resolve_image(result, Path(path).parent, line_no)
+        result = check_line(raw_line, line_no, line_start, Path(path).parent, prompts)
         if isinstance(result, _Problem):
             problems.append(result)
-        else:
+        elif result is not None:
             conversations.append(Conversation(line_no, result))
     if problems:
         raise DataError(_one_line(shown, problems))
     if not conversations:
-        raise DataError(f"{shown}:1: file has no conversations — write one {{\"messages\": [...]}} JSON object "
-                        f"per line, or point {key} at another file")
+        raise DataError(no_conversations(shown, key))
     return conversations
+
+
+def no_conversations(shown: str, key: str) -> str:
+    return (f"{shown}:1: file has no conversations — write one {{\"messages\": [...]}} JSON object per line, or "
+            f"point {key} at another file")
+
+
+def check_line(raw_line: bytes, line_no: int, line_start: int, folder: Path, prompts: bool = False
+               ) -> list[dict[str, Any]] | _Problem | None:
+    """One line of a file (without its newline): its messages, the problem with it, or None when blank.
+
+    line_start is the byte offset of the line in the file (for the UTF-8 message); folder is the data file's,
+    which relative image paths are relative to. The Arrow cache (cache.py) calls this per line in its workers."""
+    if line_no == 1 and raw_line.startswith(_UTF8_BOM):
+        raw_line, line_start = raw_line[len(_UTF8_BOM):], line_start + len(_UTF8_BOM)
+    try:
+        text = raw_line.decode("utf-8")
+    except UnicodeDecodeError as err:
+        bad_byte = raw_line[err.start]
+        return _Problem(line_no, f"not valid UTF-8 (byte 0x{bad_byte:02x} at byte offset "
+                                 f"{line_start + err.start} of the file)",
+                        "re-save the file as UTF-8, e.g. `iconv -f GBK -t UTF-8`")
+    if not text.strip():
+        return None  # blank lines (and the newline at the end of the file) are allowed
+    result = _parse_line(text, line_no, prompts)
+    if not isinstance(result, _Problem):
+        result = _resolve_image(result, folder, line_no)
+    return result
 
 
 def _read_bytes(path: Path, shown: str, key: str) -> bytes:

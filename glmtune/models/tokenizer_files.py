@@ -2,6 +2,7 @@
 that the tiny test checkpoints use (trained on TINY_CORPUS, deterministic, well under a second)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -29,9 +30,11 @@ def load_tokenizer(path: str | os.PathLike) -> GLM4Tokenizer | ChatGLM3Tokenizer
     except (OSError, ValueError) as e:
         raise ValueError(f"{config_file}: not readable JSON ({e})") from None
     chat_template = config.get("chat_template") if isinstance(config.get("chat_template"), str) else None
-    if looks_like_rank_file(data):
-        return GLM4Tokenizer.from_bytes(data, chat_template=chat_template, source=str(model_file))
-    return ChatGLM3Tokenizer.from_bytes(data, chat_template=chat_template, source=str(model_file))
+    family = GLM4Tokenizer if looks_like_rank_file(data) else ChatGLM3Tokenizer
+    tokenizer = family.from_bytes(data, chat_template=chat_template, source=str(model_file))
+    # What the tokenizer was made from, for caches of its output (glmtune.data.cache keys on it).
+    tokenizer.files_sha256 = hashlib.sha256(data + b"\0" + (chat_template or "").encode()).hexdigest()
+    return tokenizer
 
 
 def write_tiny_tokenizer(out_dir: str | os.PathLike, family: str) -> int:

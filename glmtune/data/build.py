@@ -1,0 +1,121 @@
+"""Build one split's cache entry: every line checked (validate.check_line) and encoded (the encoder pipeline.py
+hands in) by `datasets.map` on the node's cores, then saved with `save_to_disk`.
+
+    lines.arrow   line number, byte offset and raw bytes of each non-blank line (written in 10,000-line batches,
+                  so the builder never holds the file as 200K Python strings)
+    map           num_proc workers, each on a contiguous shard, with datasets' progress bar on stderr
+    checks        the same one-line DataErrors as validate.read_conversations, with the same line numbers
+    dataset/      the rows (tokenized.COLUMNS) in file order; the scratch files are deleted
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pyarrow as pa
+
+from .validate import DataError, _one_line, _Problem, check_line, no_conversations
+
+_LINES_SCHEMA = pa.schema([("line", pa.int32()), ("start", pa.int64()), ("raw", pa.binary())])
+_BATCH_LINES = 10_000  # lines per Arrow record batch of the raw-lines file
+_MAP_BATCH = 256  # conversations per call of the worker function: small, so a worker's lists stay small
+_ROWS_PER_WORKER = 2_000  # below this many lines per extra process, starting the process costs more than it saves
+
+
+def write_lines(raw: bytes, path: Path) -> int:
+    """The file's non-blank lines (whitespace-only ones are skipped, as validation skips them) into an Arrow
+    stream file; returns how many. Line numbers and byte offsets count every line, blank or not."""
+    count, batch = 0, {"line": [], "start": [], "raw": []}
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, _LINES_SCHEMA) as writer:
+        start, line_no = 0, 0
+        while start <= len(raw):
+            end = raw.find(b"\n", start)
+            end = len(raw) if end < 0 else end
+            line_no += 1
+            chunk = raw[start:end]
+            if chunk.strip():
+                batch["line"].append(line_no)
+                batch["start"].append(start)
+                batch["raw"].append(chunk)
+                count += 1
+                if len(batch["line"]) == _BATCH_LINES:
+                    writer.write_batch(pa.record_batch(batch, schema=_LINES_SCHEMA))
+                    batch = {k: [] for k in batch}
+            start = end + 1
+        if batch["line"]:
+            writer.write_batch(pa.record_batch(batch, schema=_LINES_SCHEMA))
+    return count
+
+
+def encode_rows(batch: dict[str, list], tokenizer: Any, max_length: int, folder: str,
+                encode: Callable) -> dict[str, list]:
+    """datasets.map worker: check and encode a batch of raw lines. A bad line becomes a row with its problem."""
+    out: dict[str, list] = {k: [] for k in ("line", "input_ids", "labels", "length", "untruncated", "targets",
+                                            "image", "what", "fix")}
+    for line_no, start, raw_line in zip(batch["line"], batch["start"], batch["raw"]):
+        result = check_line(raw_line, line_no, start, Path(folder))
+        if result is None:  # blank after decoding (e.g. only U+3000 ideographic spaces)
+            continue
+        if isinstance(result, _Problem):
+            row = (line_no, [], [], 0, 0, 0, None, result.what, result.fix)
+        else:
+            image = next((m["image"] for m in result if "image" in m), None)
+            ids, labels, untruncated, targets = encode(result, tokenizer, max_length)
+            if not targets:  # dropped: only its line and lengths are kept, for the stats
+                row = (line_no, [], [], len(ids), untruncated, 0, image, None, None)
+            else:
+                row = (line_no, ids, labels, len(ids), untruncated, targets, image, None, None)
+        for key, value in zip(out, row):
+            out[key].append(value)
+    return out
+
+
+def default_num_proc(lines: int) -> int:
+    """Every core this process may use, but at least _ROWS_PER_WORKER lines per process."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, lines // _ROWS_PER_WORKER))
+
+
+def build_split(lines_file: Path, out: Path, shown: str, key: str, fingerprint: str, folder: Path, tokenizer: Any,
+                max_length: int, has_vision: bool, encode: Callable, num_proc: int) -> None:
+    """Encode lines_file into out/dataset; raise DataError (the file's first bad line) instead when it is bad.
+    shown: the file as the user wrote it; key: the config key naming it; fingerprint: the cache key."""
+    import datasets  # ~1-2 s of imports, paid by the builder only
+
+    features = datasets.Features({
+        "line": datasets.Value("int32"), "input_ids": datasets.Sequence(datasets.Value("int32")),
+        "labels": datasets.Sequence(datasets.Value("int32")), "length": datasets.Value("int32"),
+        "untruncated": datasets.Value("int32"), "targets": datasets.Value("int32"),
+        "image": datasets.Value("string"), "what": datasets.Value("string"), "fix": datasets.Value("string")})
+    lines = datasets.Dataset.from_file(str(lines_file))
+    scratch = lines_file.parent
+    encoded = lines.map(
+        encode_rows, batched=True, batch_size=_MAP_BATCH, writer_batch_size=1000, remove_columns=lines.column_names,
+        features=features, num_proc=num_proc if num_proc > 1 else None,
+        fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "folder": str(folder), "encode": encode},
+        # A fingerprint of our own: datasets would otherwise hash the tokenizer (150K entries) with dill.
+        new_fingerprint=f"glmtune-{fingerprint[:32]}", cache_file_name=str(scratch / "encoded.arrow"),
+        desc=f"glmtune: tokenizing {Path(shown).name}")
+    _check(encoded.data, shown, key, has_vision)
+    encoded.remove_columns(["what", "fix"]).save_to_disk(str(out / "dataset"))
+    del encoded, lines
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _check(table: Any, shown: str, key: str, has_vision: bool) -> None:
+    """The errors validate.read_conversations and the encoder raise, in the same order and words."""
+    if table.num_rows == 0:  # datasets.map on no rows may not add the output columns at all
+        raise DataError(no_conversations(shown, key))
+    what = table.column("what")
+    if what.null_count < len(what):
+        bad = np.flatnonzero(what.is_valid().to_numpy(zero_copy_only=False))
+        lines, whats, fixes = (table.column(c).take(pa.array(bad)).to_pylist() for c in ("line", "what", "fix"))
+        raise DataError(_one_line(shown, [_Problem(*p) for p in zip(lines, whats, fixes)]))
+    image = table.column("image")
+    if not has_vision and image.null_count < len(image):
+        line = table.column("line")[int(np.argmax(image.is_valid().to_numpy(zero_copy_only=False)))].as_py()
+        raise DataError(f"{shown}:{line}: has an \"image\" but this model has no vision tower — use "
+                        "model=glm4v_9b (or glm4v_tiny), or drop the image")

@@ -1,0 +1,162 @@
+"""The tokenized-data cache: each data file is checked and encoded once into an Arrow entry that later launches
+and every rank open memory-mapped, instead of every rank re-reading and re-tokenizing the JSONL on every launch.
+
+    data.cache_dir=null          -> $GLMTUNE_CACHE/data (default ~/.cache/glmtune/data)
+    <cache_dir>/<stem>-<key>/        the entry: dataset/ (a `datasets.save_to_disk` folder) and meta.json
+    <cache_dir>/<stem>-<key>.lock    flock'ed by the one process that builds the entry
+    <cache_dir>/<stem>-<key>.error   the builder's DataError, for the processes that waited on it
+
+The key hashes everything the rows depend on: the file's bytes, its folder (relative image paths resolve against
+it), the tokenizer files, data.max_length, the model family and whether it has a vision tower, and the source of
+the code that validates and encodes (validate.py, pipeline.py, build.py, the tokenizers). Any change gives a new
+entry; an unchanged input costs one read and sha256 of the file (~0.2 s per 100 MB) and a memory-mapped open.
+Entries are never modified, so old ones may be deleted at any time (rm -r) when no launch is using them.
+
+Who builds: the first process to take the entry's lock. With a node-local cache_dir that is one process per
+node, on a shared filesystem one for the whole job; the other ranks block on the lock meanwhile and then find
+the entry (renamed into place, complete, in one atomic step) or the builder's error. A builder that dies
+releases the lock with its life; the next process deletes the half-built folder and builds again.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from ..config import DataConfig
+from ..models.presets import cache_root
+from .build import build_split, default_num_proc, write_lines
+from .tokenized import TokenizedSplit
+from .validate import DataError, _read_bytes
+
+FORMAT = 1  # the entry layout (tokenized.COLUMNS, meta.json); bump on a change the source hash would not catch
+# Code whose change changes the rows: its source text is part of the key (no version number to forget).
+_CODE = ("data/validate.py", "data/pipeline.py", "data/build.py", "models/tokenization.py",
+         "models/tokenization_glm4.py", "models/tokenization_chatglm3.py")
+log = logging.getLogger(__name__)
+
+
+def cache_dir(cfg: DataConfig) -> Path:
+    return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else cache_root() / "data"
+
+
+def load_split(cfg: DataConfig, path: str, config_key: str, tokenizer: Any, has_vision: bool,
+               encode: Callable) -> TokenizedSplit:
+    """The split of data file `path` (named by `config_key`, e.g. data.train_file): opened from its cache entry,
+    or validated, encoded with `encode` (pipeline.encode_example) and cached first. DataError on a bad file."""
+    started = time.time()
+    raw = _read_bytes(Path(path), str(path), config_key)  # the validation messages for missing/unreadable files
+    folder = Path(path).expanduser().resolve().parent
+    fields = {"format": FORMAT, "data_sha256": hashlib.sha256(raw).hexdigest(), "folder": str(folder),
+              "tokenizer_sha256": tokenizer_sha256(tokenizer), "max_length": cfg.max_length,
+              "family": tokenizer.family, "vision": has_vision, "code_sha256": code_sha256()}
+    key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:20]
+    root = cache_dir(cfg)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DataError(f"{root}: cannot create the data cache ({err.strerror or err}) — set data.cache_dir to a "
+                        "writable folder") from None
+    entry = root / f"{Path(path).stem}-{key}"
+    if (entry / "meta.json").is_file():
+        return _opened(entry, False, started)
+    with _locked(entry.with_name(entry.name + ".lock"), entry):
+        if (entry / "meta.json").is_file():  # built by the process we waited for
+            return _opened(entry, False, started)
+        error_file = entry.with_name(entry.name + ".error")
+        if error_file.is_file() and error_file.stat().st_mtime >= started - 1:  # it failed while we waited
+            raise DataError(error_file.read_text(encoding="utf-8"))
+        for stale in root.glob(f".{entry.name}.tmp-*"):  # left by a builder that died; we hold the lock
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = root / f".{entry.name}.tmp-{socket.gethostname()}-{os.getpid()}"
+        (tmp / "scratch").mkdir(parents=True)
+        try:
+            lines = write_lines(raw, tmp / "scratch" / "lines.arrow")
+            del raw  # 1 byte per byte of the file: not kept through the map (forked workers would inherit it)
+            num_proc = cfg.num_proc or default_num_proc(lines)
+            log.info("data: building the cache entry %s for %s (%d lines, num_proc=%d)", entry, path, lines,
+                     num_proc)
+            build_split(tmp / "scratch" / "lines.arrow", tmp, str(path), config_key, key, folder, tokenizer,
+                        cfg.max_length, has_vision, encode, num_proc)
+            meta = {**fields, "file": str(Path(path).resolve()), "lines": lines, "host": socket.gethostname(),
+                    "build_seconds": round(time.time() - started, 1)}
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+            os.rename(tmp, entry)  # atomic: other processes see no entry or a complete one
+        except DataError as err:
+            _write_atomic(error_file, str(err))
+            raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        error_file.unlink(missing_ok=True)
+    return _opened(entry, True, started)
+
+
+def _opened(entry: Path, built: bool, started: float) -> TokenizedSplit:
+    try:
+        split = TokenizedSplit.open(entry, built)
+    except (OSError, ValueError, KeyError) as err:  # pyarrow's errors are OSError/ValueError subclasses
+        raise DataError(f"{entry}: data cache entry is damaged ({type(err).__name__}: {err}) — delete that folder "
+                        "and launch again") from None
+    log.info("data: %d examples from %s (%s) in %.2f s", len(split), entry, "built" if built else "cached",
+             time.time() - started)
+    return split
+
+
+@contextmanager
+def _locked(lock_file: Path, entry: Path) -> Iterator[None]:
+    """An exclusive flock on lock_file, waited for (with one log line) when another process holds it."""
+    with open(lock_file, "a+") as handle:
+        try:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.info("data: waiting for another process building %s", entry)
+                fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError as err:
+            if err.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            raise DataError(f"{lock_file.parent}: this filesystem has no file locks ({err.strerror}) — set "
+                            "data.cache_dir to a local folder (or one with locking enabled)") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def code_sha256() -> str:
+    package = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for name in _CODE:
+        digest.update(name.encode() + b"\0" + (package / name).read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def tokenizer_sha256(tokenizer: Any) -> str:
+    """The hash of the files the tokenizer was loaded from (load_tokenizer records it); a tokenizer built in
+    memory is saved to a temporary folder and that is hashed."""
+    recorded = getattr(tokenizer, "files_sha256", None)
+    if recorded:
+        return recorded
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer.save_pretrained(folder)
+        digest = hashlib.sha256()
+        for file in sorted(Path(folder).iterdir()):
+            digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
+        return digest.hexdigest()
