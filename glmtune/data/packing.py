@@ -104,10 +104,11 @@ def pack(examples: list[dict[str, Any]], pack_length: int, image_extra: int = 0)
             if pack_length - n > 0:
                 bisect.insort(free, (pack_length - n, len(bins) - 1))
     # Rows keep the examples in file order inside them, and rows come in order of their first example.
-    return [_row([examples[i] for i in sorted(b)]) for b in sorted(bins, key=min)]
+    return [join_row([examples[i] for i in sorted(b)]) for b in sorted(bins, key=min)]
 
 
-def _row(members: list[dict[str, Any]]) -> dict[str, Any]:
+def join_row(members: list[dict[str, Any]]) -> dict[str, Any]:
+    """One packed row of `members`, in the given order."""
     ids: list[int] = []
     labels: list[int] = []
     for example in members:
@@ -141,6 +142,15 @@ def _padding(lengths: list[int], micro_batch: int) -> int:
 def pack_length_for(cfg: DataConfig, longest: int) -> int:
     """data.pack_length, or the default: DEFAULT_PACK_LENGTH, raised to the longest example's positions."""
     return cfg.pack_length if cfg.pack_length is not None else max(DEFAULT_PACK_LENGTH, longest)
+
+
+def planned_packing(cfg: DataConfig, image_extra: int) -> Optional[tuple[int, int]]:
+    """mode=plan reads no data: with data.packing=on, rows of the configured length, as many images as
+    fit (every example an image and little text); auto and off plan unpacked examples."""
+    if cfg.packing != "on":
+        return None
+    length = pack_length_for(cfg, cfg.max_length + image_extra)
+    return length, (length // (image_extra + 3) if image_extra else 0)
 
 
 def pack_datasets(cfg: DataConfig, data: Datasets, image_extra: int, micro_batch: int, on_gpu: bool

@@ -20,6 +20,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from ..config import RunConfig, TrainConfig
 from ..launch import single_process_env
+from .compile import compile_blocks, resolve_compile
 from .zero3 import adapter_fingerprint, deepspeed_config
 from .lora import apply_lora, trainable_parameters
 from .timeline import MemoryTimeline
@@ -89,6 +90,8 @@ def build_model(model_dir: Path, run: RunConfig, choices: Choices) -> torch.nn.M
         # Reentrant checkpointing only back-propagates into a block when its input requires grad; the
         # embeddings are frozen, so make their output require it.
         model.enable_input_require_grads()
+    if resolve_compile(run.train, choices.zero_stage)[0]:
+        compile_blocks(model)
     return model
 
 
