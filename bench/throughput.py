@@ -44,7 +44,7 @@ from glmtune.models import ChatGLMForConditionalGeneration, GLMConfig, enable_ch
 from glmtune.models.loading import TINY_ARCH  # noqa: E402
 from glmtune.plan.estimate import GIB, RunShape, estimate, gpu_family  # noqa: E402
 from glmtune.plan.planner import Choices  # noqa: E402
-from glmtune.train.compile import compile_blocks  # noqa: E402
+from glmtune.train.compile import compile_blocks, set_packed_attention  # noqa: E402
 from glmtune.train.lora import apply_lora  # noqa: E402
 from glmtune.train.trainer import make_trainer, training_args  # noqa: E402
 
@@ -176,6 +176,8 @@ def main() -> None:
     ap.add_argument("--cases", default="demo,2k,8k")
     ap.add_argument("--packing", default="off,on", help="demo only; long rows hold one example either way")
     ap.add_argument("--compile", default="off,on")
+    ap.add_argument("--attention", default="sdpa,flex",
+                    help="packed rows: dense-mask SDPA and/or FlexAttention (CUDA only; fused when compiled)")
     ap.add_argument("--pack-length", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=8, help="measured steps per configuration")
     ap.add_argument("--warmup", type=int, default=3, help="unmeasured steps first (compilation happens here)")
@@ -214,19 +216,23 @@ def main() -> None:
         data[name] = long_examples(need, lengths[name], vocab, rng)
     cases = [c for c in a.cases.split(",") if c]
     packings, compiles = a.packing.split(","), a.compile.split(",")
-    print("\n| data | packing | compile | ckpt | row (max) | tokens/step | step s | tokens/s | TFLOP/s (4N) "
+    attentions = [x for x in a.attention.split(",") if x and (cuda or x != "flex")]  # no flex backward on CPU
+    print("\n| data | packing | attention | compile | ckpt | row (max) | tokens/step | step s | tokens/s | TFLOP/s (4N) "
           "| % of matmul | GPU busy | reserved GiB | estimate GiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     baseline = None
     with tempfile.TemporaryDirectory() as scratch:
         for comp in compiles:  # compiled last: compile_blocks changes the model in place
             if comp == "on":
                 compile_blocks(model)
             for case in cases:
-                for packing in (packings if case == "demo" else ["off"]):
+                runs = [(p, att) for p in (packings if case == "demo" else ["off"])
+                        for att in (attentions if p == "on" else ["-"])]
+                for packing, attention in runs:
                     rows = data[case]
                     if packing == "on":
                         rows = pack(rows, a.pack_length)
+                        set_packed_attention(model, attention)
                     ckpt = case == "8k"
                     if ckpt:
                         enable_checkpointing(model, use_reentrant=True)
@@ -243,7 +249,7 @@ def main() -> None:
                         baseline = r["tokens_per_s"]
                     speedup = f" ({r['tokens_per_s'] / baseline:.2f}x)" if baseline and case == "demo" else ""
                     fmt = (lambda x, f: "-" if x is None else f.format(x))
-                    print(f"| {case} | {packing} | {comp} | {'on' if ckpt else 'off'} | {r['width']} | "
+                    print(f"| {case} | {packing} | {attention} | {comp} | {'on' if ckpt else 'off'} | {r['width']} | "
                           f"{r['tokens_per_step']:.0f} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f}{speedup} | "
                           f"{tflops:.1f} | {fmt(peak_mm and 100 * tflops / peak_mm, '{:.0f}%')} | "
                           f"{fmt(r['busy'] and 100 * r['busy'], '{:.0f}%')} | "

@@ -25,6 +25,7 @@ from .plan.estimate import image_extra_tokens
 from .plan.planner import Choices, format_plan, make_plan
 from .rundir import console, fail, print_config, report_probe, write_run_files
 from .sweep import run_trial
+from .train.compile import check_attention
 
 # Every rank of one launch must agree on the run dir; ${now:} alone would differ by a second.
 OmegaConf.register_new_resolver("glmtune_run", run_name, replace=True)
@@ -44,6 +45,7 @@ def execute(cfg: DictConfig) -> float | None:
     run_dir, overrides = Path(HydraConfig.get().runtime.output_dir), list(HydraConfig.get().overrides.task)
     try:
         run = parse_config(OmegaConf.to_container(cfg, resolve=True))
+        check_attention(run.train)
         arch = arch_config(run.model)  # config.json or built-in facts: no weights read
         data = None
         if run.mode in ("train", "probe"):

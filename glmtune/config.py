@@ -67,6 +67,7 @@ class TrainConfig:
     use_reentrant: bool = True  # reentrant checkpointing works with ZeRO-3 and frozen params
     seed: int = 42
     compile: str = "auto"  # auto | on | off: torch.compile each decoder block; auto = on CUDA without ZeRO-3
+    packed_attention: str = "auto"  # auto | sdpa | flex: attention of packed rows; auto = flex when compiled on CUDA
 
 
 @dataclass
@@ -121,6 +122,7 @@ _CHOICES = {
     "train.precision": ("auto", "bf16", "fp16", "fp32"),
     "train.gradient_checkpointing": ("auto", "on", "off"),
     "train.compile": ("auto", "on", "off"),
+    "train.packed_attention": ("auto", "sdpa", "flex"),
     "data.packing": ("auto", "on", "off"),
     "hw.interconnect": ("pcie", "nvlink", "none"),
 }

@@ -13,5 +13,5 @@ def test_throughput_bench_runs_tiny(repo):
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| demo") or line.startswith("| 2k")]
     assert [r.split("|")[1:3] for r in rows] == [[" demo ", " off "], [" demo ", " on "], [" 2k ", " off "]]
-    packed, unpacked = (float(r.split("|")[6]) for r in (rows[1], rows[0]))  # tokens per step
+    packed, unpacked = (float(r.split("|")[7]) for r in (rows[1], rows[0]))  # tokens per step
     assert packed > 2 * unpacked  # rows of 512 positions hold ~2-3 demo examples

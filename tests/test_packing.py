@@ -146,3 +146,55 @@ def test_pack_datasets_decides_and_reports(packing, on_gpu, packs):
     assert stats.rows == len(pack(data.train, 1024)) == 13 and stats.examples == 51  # ceil(12,691 / 1,024) = 13
     assert 0.8 < stats.fill <= 1.0 and info.shape() == ((1024, 0) if packs else None)
     assert stats.pad_unpacked > stats.pad_packed  # micro-batches of 2 unpacked examples pad to the longer one
+
+
+def test_flex_attention_block_mask_matches_the_dense_mask_forward():
+    """FlexAttention (the CUDA path for packed rows) gives the dense-mask logits; forward only, as torch has no
+    FlexAttention backward on CPU (training with it is measured by bench/throughput.py on a GPU)."""
+    model_dir = ensure_tiny("glm4")
+    tok = load_tokenizer(model_dir)
+    train, _, _ = build_datasets(DataConfig(train_file=str(REPO / "data/samples/train.jsonl"), val_file=None,
+                                            max_length=150), tok)
+    batch = DataCollator(tok.pad_token_id)(pack(train[:12], 400))
+    model = load_model(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        dense = model(**batch)
+        model.transformer.packed_attention = "flex"
+        flex = model(**batch)
+    torch.testing.assert_close(flex.loss, dense.loss, rtol=1e-5, atol=1e-5)
+    real = batch["seq_ids"] >= 0
+    torch.testing.assert_close(flex.logits[real], dense.logits[real], rtol=1e-4, atol=1e-4)
+
+
+def test_planner_and_config_know_the_packed_row():
+    from glmtune.config import ConfigError, HwConfig, RunConfig, parse_config
+    from glmtune.models import released_config
+    from glmtune.plan.planner import make_plan, run_shape
+
+    run = RunConfig(hw=HwConfig(name="a100_80g", memory_gib=80))
+    arch = released_config("glm4_9b_chat")
+    plain = make_plan(run, arch, 1, user_set_max_length=False)
+    packed = make_plan(run, arch, 1, user_set_max_length=False, packed=(4096, 0))
+    assert run_shape(run, arch, packed.choices, 300, packed=(4096, 0)).seq_len == 4096
+    assert packed.peak_bytes > plain.peak_bytes  # rows of 4,096 positions, not examples of <= 500
+    vision = released_config("glm4v_9b")
+    shape = run_shape(run, vision, packed.choices, 300, packed=(8192, 3))
+    assert (shape.seq_len, shape.images_per_sample) == (8192, 3)
+    with pytest.raises(ConfigError) as err:
+        parse_config({"data": {"packing": "yes", "pack_length": 100, "max_length": 500},
+                      "train": {"compile": "maybe", "packed_attention": "fast"}})
+    for part in ("data.packing='yes'", "data.pack_length=100 is shorter than data.max_length=500",
+                 "train.compile='maybe'", "train.packed_attention='fast'"):
+        assert part in str(err.value)
+
+
+def test_cli_trains_on_packed_rows_with_the_probe(tmp_path, repo):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "glmtune", "data.packing=on", "data.pack_length=600",
+                          "train.max_steps=2", "train.eval_steps=0", f"hydra.run.dir={tmp_path / 'run'}"],
+                         cwd=repo, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "packing: on (data.packing=on); rows of 600 positions" in out.stdout
+    assert "train: 51 examples -> " in out.stdout and (tmp_path / "run" / "adapter").is_dir()

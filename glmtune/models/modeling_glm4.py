@@ -60,6 +60,19 @@ def document_mask(seq_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal)[:, None]
 
 
+def document_block_mask(seq_ids: torch.Tensor):
+    """The same mask as document_mask, as a FlexAttention BlockMask: blocks of 128 x 128 where no query
+    shares an example with a key are skipped, so a row of k examples costs ~1/k of the dense attention.
+    Only worth it where flex_attention is compiled (CUDA with train.compile); its backward needs CUDA."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_example_causal(b, h, q, kv):
+        return (seq_ids[b, q] == seq_ids[b, kv]) & (q >= kv)
+
+    s = seq_ids.shape[1]
+    return create_block_mask(same_example_causal, seq_ids.shape[0], None, s, s, device=seq_ids.device)
+
+
 class GLMPreTrainedModel(PreTrainedModel):
     config_class = GLMConfig
     base_model_prefix = "transformer"
@@ -89,6 +102,9 @@ class ChatGLMModel(GLMPreTrainedModel):
         self.encoder = GLMTransformer(config)
         self.output_layer = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
         self.vision = EVA2CLIPModel(config) if config.vision_config else None
+        # Attention of packed rows: "sdpa" (dense boolean mask, any device) or "flex" (FlexAttention block
+        # mask; needs attention dropout 0). Set by the trainer (train/compile.py); not part of config.json.
+        self.packed_attention = "sdpa"
         self.post_init()
 
     def get_input_embeddings(self):
@@ -132,7 +148,8 @@ class ChatGLMModel(GLMPreTrainedModel):
         if seq_ids is not None:
             if past_len:
                 raise ValueError("seq_ids (packed rows) are for training and scoring, not generation with a cache")
-            mask = document_mask(seq_ids.to(inputs_embeds.device))
+            seq_ids = seq_ids.to(inputs_embeds.device)
+            mask = document_block_mask(seq_ids) if self.packed_attention == "flex" else document_mask(seq_ids)
         else:
             mask = build_attention_mask(attention_mask, s, past_len)
         return self.encoder(inputs_embeds, mask, rope, past_key_values, use_cache)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import TrainConfig
+from ..config import ConfigError, TrainConfig
 
 
 def resolve_compile(cfg: TrainConfig, zero_stage: int) -> tuple[bool, str]:
@@ -28,6 +28,33 @@ def resolve_compile(cfg: TrainConfig, zero_stage: int) -> tuple[bool, str]:
     if zero_stage == 3:
         return False, "auto: off under ZeRO-3 (its parameter hooks break the compiled graphs)"
     return True, "auto: on (CUDA, no ZeRO-3): fused element-wise kernels, fewer launches"
+
+
+def check_attention(cfg: TrainConfig) -> None:
+    """Before any weights load: a forced FlexAttention needs CUDA (torch has no FlexAttention backward on CPU)."""
+    if cfg.packed_attention == "flex" and not torch.cuda.is_available():
+        raise ConfigError("train.packed_attention=flex needs a CUDA device (FlexAttention has no backward on CPU) "
+                          "— use train.packed_attention=auto or sdpa")
+
+
+def resolve_packed_attention(cfg: TrainConfig, compiled: bool, attention_dropout: float) -> tuple[str, str]:
+    """Attention of packed rows (data/packing.py), (name, why).
+
+    sdpa: a dense [B, 1, S, S] boolean block-diagonal causal mask (S^2 bytes per row: 64 MiB at 8K); runs
+    everywhere, but the masked kernel computes every block of the row. flex: FlexAttention with a block mask
+    skips the blocks between examples (a row of k examples costs ~1/k of the attention), but is only fast
+    compiled, has no CPU backward and no dropout."""
+    if cfg.packed_attention != "auto":
+        return cfg.packed_attention, f"train.packed_attention={cfg.packed_attention}"
+    if torch.cuda.is_available() and compiled and attention_dropout == 0:
+        return "flex", "auto: flex (CUDA, compiled blocks): blocks between examples are skipped"
+    return "sdpa", "auto: sdpa with a dense block-diagonal mask (flex needs CUDA and compiled blocks)"
+
+
+def set_packed_attention(model: torch.nn.Module, name: str) -> None:
+    for module in model.modules():
+        if hasattr(module, "packed_attention"):
+            module.packed_attention = name
 
 
 def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:
