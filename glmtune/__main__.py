@@ -25,7 +25,7 @@ from .plan.estimate import image_extra_tokens
 from .plan.planner import Choices, format_plan, make_plan
 from .rundir import console, fail, print_config, report_probe, write_run_files
 from .sweep import run_trial
-from .train.compile import check_attention
+from .train.compile import check_attention, describe
 
 # Every rank of one launch must agree on the run dir; ${now:} alone would differ by a second.
 OmegaConf.register_new_resolver("glmtune_run", run_name, replace=True)
@@ -87,6 +87,7 @@ def execute(cfg: DictConfig) -> float | None:
     if rank() == 0:
         console.print(format_stats(data.stats))
         console.print(format_packing(packing, run.train.per_device_batch_size))
+        console.print(describe(run.train, plan.choices.zero_stage, arch.attention_dropout, packing.enabled))
     collator = DataCollator(tokenizer.pad_token_id, image_size=(arch.vision_config or {}).get("image_size"))
     choices = plan.choices
     if run.probe.enabled:

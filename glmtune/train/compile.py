@@ -51,6 +51,16 @@ def resolve_packed_attention(cfg: TrainConfig, compiled: bool, attention_dropout
     return "sdpa", "auto: sdpa with a dense block-diagonal mask (flex needs CUDA and compiled blocks)"
 
 
+def describe(cfg: TrainConfig, zero_stage: int, attention_dropout: float, packed: bool) -> str:
+    """One console line: what the run compiles and how packed rows attend."""
+    compiled, why = resolve_compile(cfg, zero_stage)
+    line = f"compile: {'on' if compiled else 'off'} — {why}"
+    if packed:
+        name, why_attention = resolve_packed_attention(cfg, compiled, attention_dropout)
+        line += f"; packed attention: {name} — {why_attention}"
+    return line
+
+
 def set_packed_attention(model: torch.nn.Module, name: str) -> None:
     for module in model.modules():
         if hasattr(module, "packed_attention"):
