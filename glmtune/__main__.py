@@ -16,18 +16,22 @@ from pathlib import Path
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import hydra
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from .config import ConfigError, check_override_keys, parse_config
+from .data.packing import format_packing, pack_datasets, planned_packing
 from .data.pipeline import DataCollator, build_datasets, format_stats, longest_length
 from .launch import export_slurm_env, rank, run_name, world_size
 from .models import load_tokenizer
 from .models.presets import arch_config, resolve_model_dir
+from .plan.estimate import image_extra_tokens
 from .plan.planner import Choices, format_plan, make_plan
 from .rundir import console, fail, print_config, report_probe, write_run_files
 from .sweep import run_trial
+from .train.compile import check_attention, describe
 
 # Every rank of one launch must agree on the run dir; ${now:} alone would differ by a second.
 OmegaConf.register_new_resolver("glmtune_run", run_name, replace=True)
@@ -47,6 +51,7 @@ def execute(cfg: DictConfig) -> float | None:
     run_dir, overrides = Path(HydraConfig.get().runtime.output_dir), list(HydraConfig.get().overrides.task)
     try:
         run = parse_config(OmegaConf.to_container(cfg, resolve=True))
+        check_attention(run.train)
         arch = arch_config(run.model)  # config.json or built-in facts: no weights read
         data = None
         if run.mode != "plan":
@@ -58,14 +63,19 @@ def execute(cfg: DictConfig) -> float | None:
             result = run_infer(run.infer, run.model, run.hw.memory_gib, model_dir, tokenizer, run_dir)
             console.print(result)
             return None
+        packing = None
         if data is None and run.mode != "plan":
             # Every line of every file is checked when its cache entry is built, before any weights load.
             data = build_datasets(run.data, tokenizer, arch.vision_config)
+            data, packing = pack_datasets(run.data, data, image_extra_tokens(arch), run.train.per_device_batch_size,
+                                          on_gpu=torch.cuda.is_available())
     except (ConfigError, ValueError, OSError) as err:  # bad input, or a device map that cannot place a tensor
         fail(str(err))
     world = world_size() if run.mode != "plan" else run.dist.nnodes * run.dist.nproc_per_node
     length_set = run.data.max_length != 500 or any(o.lstrip("+~").startswith("data.max_length=") for o in overrides)
-    plan = make_plan(run, arch, world, length_set, data_max_tokens=longest_length(data.stats) if data else None)
+    packed = packing.shape() if packing else planned_packing(run.data, image_extra_tokens(arch))
+    plan = make_plan(run, arch, world, length_set, data_max_tokens=longest_length(data.stats) if data else None,
+                     packed=packed)
     write_run_files(run_dir, OmegaConf.to_yaml(cfg), overrides, run.model.path or run.model.name, plan)
     print_config(run, run_dir)
     if rank() == 0:
@@ -81,11 +91,13 @@ def execute(cfg: DictConfig) -> float | None:
 
     if rank() == 0:
         console.print(format_stats(data.stats))
+        console.print(format_packing(packing, run.train.per_device_batch_size))
+        console.print(describe(run.train, plan.choices.zero_stage, arch.attention_dropout, packing.enabled))
     collator = DataCollator(tokenizer.pad_token_id, image_size=(arch.vision_config or {}).get("image_size"))
     choices, planned = plan.choices, plan.peak_bytes
     if run.probe.enabled:
         probe = run_probe(run, plan, arch, model_dir, longest_length(data.stats), tokenizer, collator,
-                          run_dir, world, evaluates=data.val is not None)
+                          run_dir, world, evaluates=data.val is not None, packed=packed)
         report_probe(probe, run_dir)
         if not probe.fits:
             fail(probe_shortfall(probe, run, arch, world, longest_length(data.stats)), code=3)

@@ -32,6 +32,8 @@ class DataConfig:
     max_length: int = 500  # tokens per example after truncation; the planner never changes a value set here
     cache_dir: Optional[str] = None  # tokenized-data cache; None = $GLMTUNE_CACHE/data (~/.cache/glmtune/data)
     num_proc: int = 0  # processes that tokenize a file on a cache miss; 0 = every core this process may use
+    packing: str = "auto"  # auto | on | off: several examples per row (data/packing.py); auto = on a GPU when it halves the rows
+    pack_length: Optional[int] = None  # positions per packed row; None = max(2048, longest example)
 
 
 @dataclass
@@ -66,6 +68,8 @@ class TrainConfig:
     gradient_checkpointing: str = "auto"  # auto | on | off
     use_reentrant: bool = True  # reentrant checkpointing works with ZeRO-3 and frozen params
     seed: int = 42
+    compile: str = "auto"  # auto | on | off: torch.compile each decoder block; auto = on CUDA without ZeRO-3
+    packed_attention: str = "auto"  # auto | sdpa | flex: attention of packed rows; auto = flex when compiled on CUDA
 
 
 @dataclass
@@ -119,6 +123,9 @@ _CHOICES = {
     "dist.strategy": ("auto", "ddp", "zero3"),
     "train.precision": ("auto", "bf16", "fp16", "fp32"),
     "train.gradient_checkpointing": ("auto", "on", "off"),
+    "train.compile": ("auto", "on", "off"),
+    "train.packed_attention": ("auto", "sdpa", "flex"),
+    "data.packing": ("auto", "on", "off"),
     "hw.interconnect": ("pcie", "nvlink", "none"),
 }
 _POSITIVE = ("data.max_length", "lora.r", "lora.alpha", "dist.nnodes", "dist.nproc_per_node",
@@ -236,6 +243,9 @@ def _check_values(cfg: RunConfig) -> list[str]:
                         f"{', '.join(LORA_TARGETS)}")
     if not 0.1 <= cfg.hw.margin <= 1.0:
         problems.append(f"hw.margin must be in [0.1, 1.0], got {cfg.hw.margin}")
+    if cfg.data.pack_length is not None and cfg.data.pack_length < cfg.data.max_length:
+        problems.append(f"data.pack_length={cfg.data.pack_length} is shorter than data.max_length="
+                        f"{cfg.data.max_length}: a row must hold the longest example — raise it or leave it null")
     if cfg.hw.memory_gib is not None and cfg.hw.memory_gib <= 0:
         problems.append(f"hw.memory_gib must be > 0, got {cfg.hw.memory_gib}")
     if cfg.mode == "infer" and not (cfg.infer.prompts_file or cfg.infer.merge_to):

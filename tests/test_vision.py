@@ -122,7 +122,7 @@ def test_image_tokens_positions_and_labels_are_placed_as_the_official_model(tiny
     assert batch["images"].shape == (1, 3, 56, 56) and batch["image_rows"].tolist() == [0]
     s = batch["input_ids"].shape[1]
     with torch.no_grad():
-        embeds, pos, mask, lab = model.transformer.merge_images(
+        embeds, pos, mask, lab, _ = model.transformer.merge_images(
             batch["input_ids"], None, None, batch["attention_mask"], batch["labels"], batch["images"],
             batch["image_rows"])
         features = model.transformer.vision(batch["images"])

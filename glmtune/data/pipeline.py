@@ -250,6 +250,8 @@ class DataCollator:
     1120 px) into `images` [n_img, 3, S, S], and `image_rows` lists which rows they belong to; text-only
     rows need no placeholder image, the model runs the tower on the listed rows only. Batches without
     any image carry neither key. `image_size` is the model's vision_config["image_size"].
+    Packed rows (data/packing.py: `lengths`, `images`) also get `position_ids` and `seq_ids`, and a row
+    with k images is listed k times in `image_rows`.
     """
 
     def __init__(self, pad_id: int, pad_to_multiple_of: Optional[int] = None, image_size: Optional[int] = None
@@ -276,13 +278,22 @@ class DataCollator:
         batch = {"input_ids": torch.tensor(input_ids, dtype=torch.long),
                  "labels": torch.tensor(labels, dtype=torch.long),
                  "attention_mask": torch.tensor(attention_mask, dtype=torch.long)}
-        rows = [i for i, f in enumerate(features) if f.get("image")]
-        if rows:
+        if any("lengths" in f for f in features):  # packed rows (data/packing.py): one entry per example
+            lengths = [f.get("lengths") or [len(f["input_ids"])] for f in features]
+            # Positions restart at 0 for every example; seq_ids tell examples apart (-1 = padding).
+            batch["position_ids"] = torch.tensor([[p for n in ns for p in range(n)] + [0] * (length - sum(ns))
+                                                  for ns in lengths], dtype=torch.long)
+            batch["seq_ids"] = torch.tensor([[k for k, n in enumerate(ns) for _ in range(n)] + [-1] * (length - sum(ns))
+                                             for ns in lengths], dtype=torch.long)
+        # One image per unpacked example ("image"), any number per packed row ("images", in order).
+        paths = [(i, path) for i, f in enumerate(features)
+                 for path in ([f["image"]] if f.get("image") else f.get("images") or [])]
+        if paths:
             if self.image_size is None:
                 raise DataError("the data has images but the collator has no image_size — pass "
                                 "DataCollator(..., image_size=arch.vision_config['image_size'])")
-            batch["images"] = torch.stack([self._load(features[i]["image"]) for i in rows])
-            batch["image_rows"] = torch.tensor(rows, dtype=torch.long)
+            batch["images"] = torch.stack([self._load(path) for _, path in paths])
+            batch["image_rows"] = torch.tensor([i for i, _ in paths], dtype=torch.long)
         return batch
 
     def _load(self, path: str) -> torch.Tensor:

@@ -21,6 +21,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -112,9 +113,12 @@ class SelfAttention(nn.Module):
             rep = self.heads // self.groups
             k = k.unsqueeze(2).expand(b, self.groups, rep, k.shape[2], hd).reshape(b, self.heads, k.shape[2], hd)
             v = v.unsqueeze(2).expand(b, self.groups, rep, v.shape[2], hd).reshape(b, self.heads, v.shape[2], hd)
-        causal = mask is None and s > 1 and kv_cache is None
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                             dropout_p=self.dropout_p if self.training else 0.0)
+        if isinstance(mask, BlockMask):  # packed rows on CUDA (modeling_glm4.document_block_mask): no dropout
+            out = flex_attention(q, k, v, block_mask=mask)
+        else:
+            causal = mask is None and s > 1 and kv_cache is None
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                 dropout_p=self.dropout_p if self.training else 0.0)
         return self.dense(out.transpose(1, 2).reshape(b, s, self.heads * hd)), new_cache
 
 

@@ -51,6 +51,28 @@ def build_attention_mask(attention_mask: torch.Tensor | None, q_len: int, past_l
     return mask | ~keys[:, None, -q_len:, None]
 
 
+def document_mask(seq_ids: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal causal SDPA mask [B, 1, S, S] for packed rows (data/packing.py): a query attends to
+    earlier keys of its own example only. Padding (seq id -1) attends to earlier padding, never to a real
+    token and never seen by one; every query sees at least itself, so no row is all-masked (NaN)."""
+    same = seq_ids[:, :, None] == seq_ids[:, None, :]
+    causal = torch.ones(seq_ids.shape[1], seq_ids.shape[1], dtype=torch.bool, device=seq_ids.device).tril()
+    return (same & causal)[:, None]
+
+
+def document_block_mask(seq_ids: torch.Tensor):
+    """The same mask as document_mask, as a FlexAttention BlockMask: blocks of 128 x 128 where no query
+    shares an example with a key are skipped, so a row of k examples costs ~1/k of the dense attention.
+    Only worth it where flex_attention is compiled (CUDA with train.compile); its backward needs CUDA."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_example_causal(b, h, q, kv):
+        return (seq_ids[b, q] == seq_ids[b, kv]) & (q >= kv)
+
+    s = seq_ids.shape[1]
+    return create_block_mask(same_example_causal, seq_ids.shape[0], None, s, s, device=seq_ids.device)
+
+
 class GLMPreTrainedModel(PreTrainedModel):
     config_class = GLMConfig
     base_model_prefix = "transformer"
@@ -80,6 +102,9 @@ class ChatGLMModel(GLMPreTrainedModel):
         self.encoder = GLMTransformer(config)
         self.output_layer = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
         self.vision = EVA2CLIPModel(config) if config.vision_config else None
+        # Attention of packed rows: "sdpa" (dense boolean mask, any device) or "flex" (FlexAttention block
+        # mask; needs attention dropout 0). Set by the trainer (train/compile.py); not part of config.json.
+        self.packed_attention = "sdpa"
         self.post_init()
 
     def get_input_embeddings(self):
@@ -88,9 +113,10 @@ class ChatGLMModel(GLMPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embedding.word_embeddings = value
 
-    def merge_images(self, input_ids, inputs_embeds, position_ids, attention_mask, labels, images, image_rows):
-        """Run the vision tower on `images` (one per row listed in `image_rows`; all rows when None) and
-        splice its output into the embeddings. Returns (inputs_embeds, position_ids, attention_mask, labels)."""
+    def merge_images(self, input_ids, inputs_embeds, position_ids, attention_mask, labels, images, image_rows,
+                     seq_ids=None):
+        """Run the vision tower on `images` (one per entry of `image_rows`; one per row when None) and splice
+        its output into the embeddings. Returns (inputs_embeds, position_ids, attention_mask, labels, seq_ids)."""
         if inputs_embeds is None:
             inputs_embeds = self.embedding(input_ids)
         b, s = input_ids.shape
@@ -103,13 +129,15 @@ class ChatGLMModel(GLMPreTrainedModel):
         # A batch whose every row ends on a real token is left-padded (generation): pad text rows on the left.
         pad_left = attention_mask is None or bool(attention_mask[:, -1].all())
         return splice_images(inputs_embeds, input_ids, position_ids, attention_mask, labels, features, image_rows,
-                             self.config.boi_token_id, self.config.eoi_token_id, pad_left)
+                             self.config.boi_token_id, self.config.eoi_token_id, pad_left, seq_ids)
 
     def forward(self, input_ids=None, position_ids=None, attention_mask=None, past_key_values=None,
-                inputs_embeds=None, use_cache=False, images=None, image_rows=None):
+                inputs_embeds=None, use_cache=False, images=None, image_rows=None, seq_ids=None):
+        """seq_ids [B, S]: packed rows (data/packing.py), which example each position belongs to (-1 = pad);
+        attention then stays inside each example and attention_mask is not needed."""
         if images is not None and self.vision is not None and not past_key_values and len(images):
-            inputs_embeds, position_ids, attention_mask, _ = self.merge_images(
-                input_ids, inputs_embeds, position_ids, attention_mask, None, images, image_rows)
+            inputs_embeds, position_ids, attention_mask, _, seq_ids = self.merge_images(
+                input_ids, inputs_embeds, position_ids, attention_mask, None, images, image_rows, seq_ids)
         if inputs_embeds is None:
             inputs_embeds = self.embedding(input_ids)
         b, s = inputs_embeds.shape[:2]
@@ -117,7 +145,13 @@ class ChatGLMModel(GLMPreTrainedModel):
         if position_ids is None:
             position_ids = torch.arange(past_len, past_len + s, device=inputs_embeds.device).expand(b, s)
         rope = self.rotary_pos_emb(position_ids, inputs_embeds.dtype)
-        mask = build_attention_mask(attention_mask, s, past_len)
+        if seq_ids is not None:
+            if past_len:
+                raise ValueError("seq_ids (packed rows) are for training and scoring, not generation with a cache")
+            seq_ids = seq_ids.to(inputs_embeds.device)
+            mask = document_block_mask(seq_ids) if self.packed_attention == "flex" else document_mask(seq_ids)
+        else:
+            mask = build_attention_mask(attention_mask, s, past_len)
         return self.encoder(inputs_embeds, mask, rope, past_key_values, use_cache)
 
 
@@ -145,17 +179,18 @@ class ChatGLMForConditionalGeneration(GLMPreTrainedModel):
 
     def forward(self, input_ids=None, position_ids=None, attention_mask=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, output_attentions=None,
-                output_hidden_states=None, return_dict=None, return_last_logit=False, images=None, image_rows=None):
+                output_hidden_states=None, return_dict=None, return_last_logit=False, images=None, image_rows=None,
+                seq_ids=None):
         # A cache is only useful for generation; in training it would just hold K/V of every layer.
         if use_cache is None:
             use_cache = self.config.use_cache and not self.training
         if images is not None and self.transformer.vision is not None and not past_key_values and len(images):
             # GLM-4V: 3 placeholder ids become boi + N patches + eoi; labels grow with -100 over the patches.
-            inputs_embeds, position_ids, attention_mask, labels = self.transformer.merge_images(
-                input_ids, inputs_embeds, position_ids, attention_mask, labels, images, image_rows)
+            inputs_embeds, position_ids, attention_mask, labels, seq_ids = self.transformer.merge_images(
+                input_ids, inputs_embeds, position_ids, attention_mask, labels, images, image_rows, seq_ids)
             images = None
         hidden, presents = self.transformer(input_ids, position_ids, attention_mask, past_key_values,
-                                            inputs_embeds, use_cache)
+                                            inputs_embeds, use_cache, seq_ids=seq_ids)
         if return_last_logit:
             hidden = hidden[:, -1:]
         loss = logits = None

@@ -141,56 +141,72 @@ class EVA2CLIPModel(nn.Module):
 
 def splice_images(embeds: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
                   attention_mask: torch.Tensor | None, labels: torch.Tensor | None, features: torch.Tensor,
-                  image_rows: torch.Tensor, boi_id: int, eoi_id: int, pad_left: bool = False):
+                  image_rows: torch.Tensor, boi_id: int, eoi_id: int, pad_left: bool = False,
+                  seq_ids: torch.Tensor | None = None):
     """Replace `boi <|endoftext|> eoi` in rows `image_rows` with the tower's boi + N patches + eoi.
 
     As the official ChatGLMModel.forward: all N patches share the position id after boi (eoi and the rest
-    keep theirs), their labels are -100 and their attention mask 1. Rows without an image are padded by
-    N - 1 positions (mask 0, label -100) so the batch stays rectangular: on the right for training batches
-    (a right pad is invisible to real tokens under the causal mask), on the left with `pad_left` for
-    left-padded generation batches, whose last position must stay the last real token.
-    Returns (embeds, position_ids, attention_mask, labels), each [B, S + N - 1, ...].
+    keep theirs), their labels are -100 and their attention mask 1. A row listed k times in image_rows (a
+    packed row, data/packing.py) has k placeholder triples, filled in order; `seq_ids` (packed rows) gives
+    the patches their example's id. Rows that grew less are padded to the longest (mask 0, label -100,
+    seq id -1) so the batch stays rectangular: on the right for training batches (a right pad is invisible
+    to real tokens under the causal mask), on the left with `pad_left` for left-padded generation batches,
+    whose last position must stay the last real token.
+    Returns (embeds, position_ids, attention_mask, labels, seq_ids), each [B, S + grow, ...]; seq_ids None
+    when not given.
     """
     b, s = input_ids.shape
     n = features.shape[1] - 2
-    grow = n - 1
-    has_image = torch.zeros(b, dtype=torch.bool)
-    has_image[image_rows.cpu()] = True
     mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
-    feature_of = {int(row): i for i, row in enumerate(image_rows.tolist())}
-    out_e, out_p, out_m, out_l = [], [], [], []
+    features_of: dict[int, list[int]] = {}
+    for i, row in enumerate(image_rows.tolist()):
+        features_of.setdefault(int(row), []).append(i)
+    rows = []
     for row in range(b):
         e, p, m = embeds[row], position_ids[row], mask[row]
         lab = labels[row] if labels is not None else None
-        if has_image[row]:
-            boi = int((input_ids[row] == boi_id).nonzero()[0])
-            eoi = int((input_ids[row] == eoi_id).nonzero()[0])
+        sid = seq_ids[row] if seq_ids is not None else None
+        mine = features_of.get(row, [])
+        bois = (input_ids[row] == boi_id).nonzero().flatten().tolist()[:len(mine)]
+        eois = (input_ids[row] == eoi_id).nonzero().flatten().tolist()
+        for boi, feature in reversed(list(zip(bois, mine))):  # from the right: earlier offsets stay valid
+            eoi = next((x for x in eois if x > boi), -1)
             if eoi - boi != 2:
                 raise ValueError(f"row {row}: expected <|begin_of_image|> X <|end_of_image|>, found eoi {eoi - boi} "
                                  "tokens after boi")
             # .to(): the tower may sit on another GPU than the embeddings (GLM-4 issues #75, #295).
-            image = features[feature_of[row]].to(e.device, e.dtype)
-            e = torch.cat([e[:boi], image, e[eoi + 1:]])
+            e = torch.cat([e[:boi], features[feature].to(e.device, e.dtype), e[eoi + 1:]])
             p = torch.cat([p[:boi + 1], p[boi + 1].repeat(n), p[eoi:]])
             m = torch.cat([m[:boi + 1], m.new_ones(n), m[eoi:]])
             if lab is not None:
                 lab = torch.cat([lab[:boi + 1], lab.new_full((n,), IGNORE_INDEX), lab[eoi:]])
-        elif pad_left:
+            if sid is not None:
+                sid = torch.cat([sid[:boi + 1], sid[boi].repeat(n), sid[eoi:]])
+        if len(bois) < len(mine):
+            raise ValueError(f"row {row}: {len(mine)} image(s) but {len(bois)} <|begin_of_image|> placeholder(s)")
+        rows.append((e, p, m, lab, sid))
+    width = max(r[0].shape[0] for r in rows)
+    out_e, out_p, out_m, out_l, out_s = [], [], [], [], []
+    for e, p, m, lab, sid in rows:
+        grow = width - e.shape[0]
+        if grow and pad_left:
             e = torch.cat([e[:1].expand(grow, -1), e])
             p = torch.cat([p.new_zeros(grow), p])
             m = torch.cat([m.new_zeros(grow), m])
-            if lab is not None:
-                lab = torch.cat([lab.new_full((grow,), IGNORE_INDEX), lab])
-        else:
+            lab = torch.cat([lab.new_full((grow,), IGNORE_INDEX), lab]) if lab is not None else None
+            sid = torch.cat([sid.new_full((grow,), -1), sid]) if sid is not None else None
+        elif grow:
             e = torch.cat([e, e[-1:].expand(grow, -1)])
             p = torch.cat([p, p[-1:] + torch.arange(1, grow + 1, device=p.device)])
             m = torch.cat([m, m.new_zeros(grow)])
-            if lab is not None:
-                lab = torch.cat([lab, lab.new_full((grow,), IGNORE_INDEX)])
-        out_e.append(e), out_p.append(p), out_m.append(m), out_l.append(lab)
-    new_mask = torch.stack(out_m) if attention_mask is not None or not bool(has_image.all()) else None
+            lab = torch.cat([lab, lab.new_full((grow,), IGNORE_INDEX)]) if lab is not None else None
+            sid = torch.cat([sid, sid.new_full((grow,), -1)]) if sid is not None else None
+        out_e.append(e), out_p.append(p), out_m.append(m), out_l.append(lab), out_s.append(sid)
+    padded = any(r[0].shape[0] < width for r in rows)
+    new_mask = torch.stack(out_m) if attention_mask is not None or padded else None
     return (torch.stack(out_e), torch.stack(out_p), new_mask,
-            torch.stack(out_l) if labels is not None else None)
+            torch.stack(out_l) if labels is not None else None,
+            torch.stack(out_s) if seq_ids is not None else None)
 
 
 # CLIP's normalisation constants (the official tokenizer's transforms.Normalize).

@@ -71,11 +71,16 @@ def local_dtype(run: RunConfig) -> tuple[str, str]:
     return "fp16", "no bfloat16 on this card: fp16 with dynamic loss scaling"
 
 
-def run_shape(run: RunConfig, arch, c: Choices, data_max_tokens: int | None = None) -> RunShape:
+def run_shape(run: RunConfig, arch, c: Choices, data_max_tokens: int | None = None,
+              packed: tuple[int, int] | None = None) -> RunShape:
+    """packed: (positions per row, most images in a row) when the data is packed (data/packing.py)."""
     seq = min(c.max_length, data_max_tokens) if data_max_tokens else c.max_length
     images = 1 if arch.vision_config else 0  # GLM-4V: one image per conversation, sized for the worst case
+    seq += image_extra_tokens(arch) * images
+    if packed is not None:  # a packed row is one sequence of its full length; the length counts image embeddings
+        seq, images = packed
     on_gpu = run.hw.memory_gib is not None or torch.cuda.is_available()
-    return RunShape(dtype=c.dtype, micro_batch=c.micro_batch_size, seq_len=seq + image_extra_tokens(arch) * images,
+    return RunShape(dtype=c.dtype, micro_batch=c.micro_batch_size, seq_len=seq,
                     lora_r=run.lora.r, lora_targets=tuple(run.lora.target_modules), lora_dropout=run.lora.dropout,
                     gradient_checkpointing=c.gradient_checkpointing, loss_chunk_tokens=c.loss_chunk_tokens,
                     offload_checkpoints=c.offload_checkpoints, autocast=c.dtype != "fp32",
@@ -123,7 +128,8 @@ def _budget(run: RunConfig, margin: float) -> int | None:
 
 
 def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
-              data_max_tokens: int | None = None, margin: float | None = None) -> Plan:
+              data_max_tokens: int | None = None, margin: float | None = None,
+              packed: tuple[int, int] | None = None) -> Plan:
     budget = _budget(run, run.hw.margin if margin is None else margin)
     dtype, why_dtype = local_dtype(run)
     max_length = run.data.max_length if user_set_max_length else DEFAULT_MAX_LENGTH
@@ -136,7 +142,7 @@ def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
                f"default {DEFAULT_MAX_LENGTH} tokens (data.max_length not set)"}
 
     def peak(ch: Choices, evaluating: bool = True):
-        shape = run_shape(run, arch, ch, data_max_tokens)
+        shape = run_shape(run, arch, ch, data_max_tokens, packed)
         return estimate(arch, shape if evaluating else replace(shape, eval_batch=0))
 
     def fits(ch: Choices, evaluating: bool = True) -> bool:
@@ -164,7 +170,7 @@ def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
     reasons.update(_reasons(run, start, c, budget, weights_only, world_size))
     plan = Plan(ok, budget, est.peak_bytes, est.breakdown, c, reasons)
     if not ok:
-        plan.advice = _advice(run, arch, c, budget, est.peak_bytes, world_size, data_max_tokens)
+        plan.advice = _advice(run, arch, c, budget, est.peak_bytes, world_size, data_max_tokens, packed)
     return plan
 
 
@@ -194,16 +200,20 @@ def _reasons(run, start: Choices, c: Choices, budget, weights: int, world_size: 
     return r
 
 
-def _advice(run, arch, c: Choices, budget: int, peak: int, world_size: int, data_max_tokens) -> list[str]:
+def _advice(run, arch, c: Choices, budget: int, peak: int, world_size: int, data_max_tokens,
+            packed: tuple[int, int] | None = None) -> list[str]:
     gib = (lambda x: f"{x / GIB:.1f} GiB")
     out = [f"estimated peak {gib(peak)} exceeds the budget {gib(budget)} even with every memory lever on"]
     if world_size == 1:
         out.append("use more GPUs with ZeRO-3: torchrun --nproc_per_node 2 -m glmtune ... dist=zero3")
     out.append(f"use a larger card: +hw=a100_80g (or hw.memory_gib=<GiB of your card>)")
+    if packed is not None:
+        out.append(f"shorter packed rows: data.pack_length={max(packed[0] // 2, c.max_length)} (or data.packing=off)")
     length = c.max_length
     while length > 64:
         length //= 2
-        if estimate(arch, run_shape(run, arch, replace(c, max_length=length), data_max_tokens)).peak_bytes <= budget:
+        if estimate(arch, run_shape(run, arch, replace(c, max_length=length), data_max_tokens,
+                                    packed)).peak_bytes <= budget:
             out.append(f"shorten examples: data.max_length={length}")
             break
     return out

@@ -28,8 +28,9 @@ import torch
 import torch.distributed as torch_dist
 
 from ..config import RunConfig
+from ..data.packing import join_row
 from ..data.pipeline import IMAGE_PLACEHOLDERS
-from ..plan.estimate import CUDA_CONTEXT_DEFAULT, GIB, estimate
+from ..plan.estimate import CUDA_CONTEXT_DEFAULT, GIB, estimate, image_extra_tokens
 from ..plan.planner import Choices, Plan, _advice, run_shape, step_down
 from ..train.gpumem import outside_allocator_bytes
 from ..train.trainer import build_model, make_trainer, training_args
@@ -81,6 +82,24 @@ def worst_case_examples(count: int, length: int, tokenizer, seed: int, image: Pa
         row[2:5] = marks
         out.append({"input_ids": row, "labels": row[:2] + [-100] * 3 + row[5:], "image": str(image)})
     return out
+
+
+def worst_case_rows(count: int, packed: tuple[int, int], length: int, tokenizer, seed: int,
+                    image: Path | None = None, image_extra: int = 0) -> list[dict]:
+    """`count` packed rows (data/packing.py) of exactly packed[0] positions, filled with worst-case examples
+    of up to `length` tokens; with `image`, the first packed[1] examples of a row carry it (GLM-4V)."""
+    row_length, images = packed
+    rows = []
+    for r in range(count):
+        members, room = [], row_length
+        while room > 5 + (image_extra if image is not None and len(members) < images else 0):
+            with_image = image is not None and len(members) < images
+            n = min(length, room - (image_extra if with_image else 0))
+            members += worst_case_examples(1, n, tokenizer, seed + 7919 * r + len(members),
+                                           image if with_image else None)
+            room -= n + (image_extra if with_image else 0)
+        rows.append(join_row(members))
+    return rows
 
 
 def _probe_image(size: int, folder: Path) -> Path:
@@ -197,7 +216,8 @@ def _restore_rng(state: tuple) -> None:
 
 
 def run_probe(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, tokenizer, collator,
-              run_dir: Path, world_size: int, evaluates: bool) -> ProbeReport:
+              run_dir: Path, world_size: int, evaluates: bool, packed: tuple[int, int] | None = None) -> ProbeReport:
+    """packed: (positions per row, images per row) when the data is packed: the probe then runs full packed rows."""
     start, rng = time.perf_counter(), _rng_state()
     emulated = emulate_card(run.hw.memory_gib)
     image = _probe_image(arch.vision_config["image_size"], run_dir / "probe") if arch.vision_config else None
@@ -205,10 +225,16 @@ def run_probe(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, t
     while True:
         length = min(choices.max_length, longest)
         count = choices.micro_batch_size * choices.grad_accum * run.probe.steps * world_size
-        examples = worst_case_examples(count, length, tokenizer, run.train.seed, image)
-        eval_examples = (worst_case_examples(choices.eval_batch_size * world_size, length, tokenizer,
-                                             run.train.seed, image) if evaluates else None)
-        shape = run_shape(run, arch, choices, longest)
+        if packed is not None:
+            extra = image_extra_tokens(arch)
+            examples = worst_case_rows(count, packed, length, tokenizer, run.train.seed, image, extra)
+            eval_examples = (worst_case_rows(choices.eval_batch_size * world_size, packed, length, tokenizer,
+                                             run.train.seed, image, extra) if evaluates else None)
+        else:
+            examples = worst_case_examples(count, length, tokenizer, run.train.seed, image)
+            eval_examples = (worst_case_examples(choices.eval_batch_size * world_size, length, tokenizer,
+                                                 run.train.seed, image) if evaluates else None)
+        shape = run_shape(run, arch, choices, longest, packed)
         if not torch.cuda.is_available():  # CPU: compare tensor terms only (no CUDA context, no allocator)
             shape = replace(shape, device="cpu", gpu_family=None)
         est = estimate(arch, shape)

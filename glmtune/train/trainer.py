@@ -20,6 +20,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from ..config import RunConfig, TrainConfig
 from ..launch import single_process_env
+from .compile import compile_blocks, resolve_compile, resolve_packed_attention, set_packed_attention
 from .zero3 import adapter_fingerprint, deepspeed_config
 from .lora import apply_lora, trainable_parameters
 from .timeline import MemoryTimeline
@@ -96,6 +97,11 @@ def prepare_model(model: torch.nn.Module, run: RunConfig, choices: Choices) -> t
         # Reentrant checkpointing only back-propagates into a block when its input requires grad; the
         # embeddings are frozen, so make their output require it.
         model.enable_input_require_grads()
+    compiled = resolve_compile(run.train, choices.zero_stage)[0]
+    if compiled:
+        compile_blocks(model)
+    attention = resolve_packed_attention(run.train, compiled, getattr(model.config, "attention_dropout", 0.0))[0]
+    set_packed_attention(model, attention)
     return model
 
 
