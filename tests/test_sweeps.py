@@ -99,7 +99,7 @@ def test_slurm_task_exports_the_torch_distributed_env(repo):
     slurm = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1",
              "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[07-08]"}
     clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES")}
-    code = ("import json, os; from glmtune.dist import export_slurm_env; done = export_slurm_env(); "
+    code = ("import json, os; from glmtune.launch import export_slurm_env; done = export_slurm_env(); "
             "print(json.dumps([done, {k: os.environ.get(k) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', "
             "'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT', 'CUDA_VISIBLE_DEVICES')}]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=repo, env={**clean, **slurm}, capture_output=True,
