@@ -62,7 +62,7 @@ def test_qlora_finetune_loss_falls_and_adapter_loads_on_the_unquantized_base(tmp
     run = RunConfig(model=ModelConfig(quantize=quantize),
                     data=DataConfig(train_file=str(write_fixed(tmp_path / "fixed.jsonl")), val_file=None),
                     lora=LoraConfig(target_modules=["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]),
-                    train=TrainConfig(max_steps=60, learning_rate=1e-2, per_device_batch_size=4, logging_steps=1))
+                    train=TrainConfig(max_steps=40, learning_rate=1e-2, per_device_batch_size=4, logging_steps=1))
     tokenizer = load_tokenizer(model_dir)
     train_set, _, _ = build_datasets(run.data, tokenizer)
     choices = make_plan(run, load_config(model_dir), 1, user_set_max_length=False).choices
@@ -130,3 +130,40 @@ def test_glm4_32k_plans_on_one_24gb_card_with_nf4(tmp_path, repo):
     out = _plan("model=glm4_9b_chat", "+hw=rtx4090_24g", "model.quantize=nf4", "data.max_length=32768",
                 cwd=repo, tmp_path=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_infer_with_a_quantized_base_and_merge_into_the_full_weights(tmp_path, repo):
+    """mode=infer with model.quantize=nf4: predictions come from the NF4 base + unmerged adapter; merge_to writes
+    the full-precision base + adapter in the official layout (not dequantized NF4 weights)."""
+    import peft
+
+    from glmtune.config import InferConfig
+    from glmtune.infer.generate import generate, run_infer
+    from test_infer import PROMPTS, write_jsonl
+
+    base_dir = ensure_tiny("glm4")
+    torch.manual_seed(0)  # an adapter with non-zero B, so it changes the outputs
+    lora = peft.LoraConfig(r=4, lora_alpha=32, target_modules=["query_key_value", "dense_h_to_4h"],
+                           init_lora_weights=False)
+    peft.get_peft_model(load_model(base_dir), lora).save_pretrained(tmp_path / "adapter")
+    cfg = InferConfig(prompts_file=str(write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)),
+                      adapter=str(tmp_path / "adapter"), max_new_tokens=8, batch_size=2,
+                      merge_to=str(tmp_path / "merged"))
+    result = run_infer(cfg, ModelConfig(name="glm4_tiny", quantize="nf4"), None, base_dir,
+                       load_tokenizer(base_dir), tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "predictions.jsonl").read_text().splitlines()]
+    assert result["count"] == 3 and [r["line"] for r in rows] == [1, 2, 3]
+    assert list(result["placement"]) == ["cpu"]
+
+    tok = load_tokenizer(base_dir)
+    nf4 = PeftModel.from_pretrained(load_quantized(base_dir, "nf4", torch.float32), str(tmp_path / "adapter")).eval()
+    expected = generate(nf4, tok, [p["messages"] for p in PROMPTS], InferConfig(max_new_tokens=8, batch_size=1))
+    assert [r["output"] for r in rows] == expected
+
+    full = PeftModel.from_pretrained(load_model(base_dir), str(tmp_path / "adapter")).eval()
+    merged = load_model(tmp_path / "merged").eval()
+    ids = torch.tensor([tok.apply_chat_template(PROMPTS[0]["messages"], add_generation_prompt=True)])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, full(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+        assert (merged(input_ids=ids).logits - nf4(input_ids=ids).logits).abs().max() > 1e-2  # not the NF4 weights
+    assert merged.transformer.encoder.layers[0].mlp.dense_h_to_4h.weight.dtype == torch.float32  # tiny: fp32 on disk
