@@ -167,3 +167,14 @@ def test_infer_with_a_quantized_base_and_merge_into_the_full_weights(tmp_path, r
         torch.testing.assert_close(merged(input_ids=ids).logits, full(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
         assert (merged(input_ids=ids).logits - nf4(input_ids=ids).logits).abs().max() > 1e-2  # not the NF4 weights
     assert merged.transformer.encoder.layers[0].mlp.dense_h_to_4h.weight.dtype == torch.float32  # tiny: fp32 on disk
+
+
+def test_quantized_bench_runs_on_cpu_with_the_tiny_architecture(tmp_path, repo):
+    out = subprocess.run([sys.executable, "bench/quantized.py", "--tiny", "--lengths", "32", "--steps", "1",
+                          "--modes", "bf16,nf4", "--ckpt", str(tmp_path / "ckpt")], cwd=repo, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith(("| bf16 |", "| nf4 |"))]
+    assert len(rows) == 2
+    stored, estimated = rows[1].split("|")[3].split()  # NF4 weights: real storage and the estimator's, MiB
+    assert stored == estimated.strip("()")

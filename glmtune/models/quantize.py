@@ -160,16 +160,17 @@ def load_quantized(path: str | os.PathLike, quantize: str, dtype: torch.dtype | 
         for key, buf in module._buffers.items():
             if buf is not None:
                 module._buffers[key] = buf.to(device)
+    if quantize == "int8":  # bitsandbytes logs "inputs will be cast ... to float16" on every int8 matmul call
+        logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
     # peft wraps bnb layers in its k-bit LoRA classes only when the model says it is loaded in 4/8 bit.
     model.is_loaded_in_4bit, model.is_loaded_in_8bit = quantize == "nf4", quantize == "int8"
     model.config.name_or_path = str(path)
     return model.eval()
 
 
-def weight_storage_bytes(model: nn.Module) -> int:
-    """Bytes the model's weights really occupy: every parameter (packed 4-bit / int8 data included) plus the
-    quantization state bitsandbytes keeps beside it (NF4 absmax, nested scales and code tables; int8 row
-    scales). Each storage is counted once."""
+def weight_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Every tensor that holds weights: the parameters (packed 4-bit / int8 data included) plus the quantization
+    state bitsandbytes keeps beside them (NF4 absmax, nested scales and code tables; int8 row scales)."""
     tensors = list(model.parameters())
     for module in model.modules():
         weight = getattr(module, "weight", None)
@@ -180,11 +181,15 @@ def weight_storage_bytes(model: nn.Module) -> int:
                 tensors += [state.state2.absmax, state.state2.code]
         for holder in (weight, getattr(module, "state", None)):
             tensors.append(getattr(holder, "SCB", None))
+    return [t for t in tensors if isinstance(t, torch.Tensor) and not t.is_meta]
+
+
+def weight_storage_bytes(model: nn.Module) -> int:
+    """Bytes the model's weights really occupy (weight_tensors), each storage counted once."""
     seen, total = set(), 0
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and not t.is_meta:
-            key = (t.untyped_storage().data_ptr(), t.device)
-            if key not in seen:
-                seen.add(key)
-                total += t.untyped_storage().nbytes()
+    for t in weight_tensors(model):
+        key = (t.untyped_storage().data_ptr(), t.device)
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
     return total
