@@ -23,6 +23,8 @@ class ModelConfig:
     name: str = "glm4_tiny"  # preset name; the architecture facts of released models need no weights
     path: Optional[str] = None  # checkpoint folder (config.json + weights); None = built-in tiny model
     trust_remote_code: bool = False  # opt-in: run the folder's own modeling code instead of glmtune's
+    quantize: str = "none"  # none | nf4 | int8: bitsandbytes base weights (QLoRA); changes numerics, so opt-in
+    double_quant: bool = True  # nf4: quantize the per-block scales too (~0.37 bit/param less, ~0.4 GB on 9B)
 
 
 @dataclass
@@ -120,6 +122,7 @@ LORA_TARGETS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "o
 
 _CHOICES = {
     "mode": MODES,
+    "model.quantize": ("none", "nf4", "int8"),
     "dist.strategy": ("auto", "ddp", "zero3"),
     "train.precision": ("auto", "bf16", "fp16", "fp32"),
     "train.gradient_checkpointing": ("auto", "on", "off"),
@@ -252,6 +255,9 @@ def _check_values(cfg: RunConfig) -> list[str]:
         problems.append("mode=infer needs infer.prompts_file=<jsonl> (and/or infer.merge_to=<folder>)")
     if cfg.data.num_proc < 0:
         problems.append(f"data.num_proc must be >= 0 (0 = every core), got {cfg.data.num_proc}")
+    if cfg.model.quantize != "none" and (cfg.dist.strategy == "zero3" or cfg.model.trust_remote_code):
+        problems.append(f"model.quantize={cfg.model.quantize} needs glmtune's own model without ZeRO-3 (bitsandbytes "
+                        "weights cannot be sharded): use dist.strategy=auto|ddp and model.trust_remote_code=false")
     if cfg.infer.gpus < 0:
         problems.append(f"infer.gpus must be >= 0, got {cfg.infer.gpus}")
     if cfg.train.max_steps <= 0 and cfg.train.num_epochs <= 0:

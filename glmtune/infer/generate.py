@@ -22,6 +22,7 @@ from ..data.pipeline import encode_one
 from ..data.validate import read_conversations
 from .devicemap import GIB, bytes_per_device, device_map
 from ..models import load_model
+from ..models.quantize import load_quantized, weight_storage_bytes
 from ..models.vision import load_image
 
 RESERVE = 2 * GIB  # per GPU, kept free for activations and the KV cache of a batch
@@ -40,6 +41,17 @@ def load_merged(model_dir: Path, adapter: str | None, model_cfg: ModelConfig, dt
 
         model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
     return model.eval()
+
+
+def load_quantized_adapter(model_dir: Path, adapter: str | None, model_cfg: ModelConfig, dtype: torch.dtype):
+    """model.quantize=nf4|int8: the quantized base on one device (GPU 0, else CPU) with the adapter beside it,
+    not merged: merging into 4/8-bit weights would round the adapter's update into the quantization grid."""
+    model = load_quantized(model_dir, model_cfg.quantize, dtype, double_quant=model_cfg.double_quant)
+    if adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter)
+    return model.eval(), {str(model.device): weight_storage_bytes(model)}
 
 
 def save_merged(model, tokenizer, out: str) -> Path:
@@ -111,12 +123,20 @@ def generate(model, tokenizer, prompts: list[list[dict]], cfg: InferConfig) -> l
 def run_infer(cfg: InferConfig, model_cfg: ModelConfig, memory_gib: float | None, model_dir: Path, tokenizer,
               run_dir: Path) -> dict:
     prompts = read_conversations(cfg.prompts_file, "infer.prompts_file", prompts=True) if cfg.prompts_file else []
-    model = load_merged(model_dir, cfg.adapter, model_cfg, inference_dtype())
+    quantized = model_cfg.quantize != "none"
     result: dict = {}
+    if cfg.merge_to or not quantized:
+        # With a quantized base the merge still goes into the full-precision weights (on the CPU, in the
+        # checkpoint's own dtype: bf16 for GLM-4), so merge_to is an official-layout checkpoint like any other.
+        model = load_merged(model_dir, cfg.adapter, model_cfg, None if quantized else inference_dtype())
     if cfg.merge_to:
         result["merged"] = str(save_merged(model, tokenizer, cfg.merge_to))
     if prompts:
-        model, placement = place(model, cfg.gpus, memory_gib)
+        if quantized:  # one device: a quantized 9B model fits one card, so infer.gpus does not split it
+            model = None
+            model, placement = load_quantized_adapter(model_dir, cfg.adapter, model_cfg, inference_dtype())
+        else:
+            model, placement = place(model, cfg.gpus, memory_gib)
         texts = generate(model, tokenizer, [c.messages for c in prompts], cfg)
         out = Path(cfg.output_file) if cfg.output_file else run_dir / "predictions.jsonl"
         with out.open("w", encoding="utf-8") as f:

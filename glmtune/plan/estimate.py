@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..models import GLMConfig
+from . import quantized
 
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 IMAGE_TOKENS = 1599  # GLM-4V at 1120 px: 1,602 image embeddings replace 3 placeholder tokens per image
@@ -89,6 +90,8 @@ class RunShape:
     eval_max_new_tokens: int = 0  # 0 = loss-only evaluation
     device: str = "cuda"  # "cpu": no CUDA terms; dropout keeps a full-dtype mask instead of a bool one
     gpu_family: str | None = None
+    quantize: str = "none"  # none | nf4 | int8: bitsandbytes base weights (plan/quantized.py)
+    double_quant: bool = True  # nf4: quantized absmax scales
 
 
 @dataclass
@@ -193,7 +196,7 @@ def block_saved(arch: GLMConfig, shape: RunShape, tokens: int, input_requires_gr
         total += 3 * e * tokens * f
     if "dense_4h_to_h" in targets:
         total += _lora_saved(tokens, f, shape, a)
-    return total
+    return total + quantized.saved_bytes(arch, shape.quantize, e, tokens)
 
 
 def block_working(arch: GLMConfig, shape: RunShape, tokens: int) -> int:
@@ -202,7 +205,8 @@ def block_working(arch: GLMConfig, shape: RunShape, tokens: int) -> int:
     Fitted on an H100 at 8K-32K tokens with checkpointing (bench/RESULTS.md): 4f + 3h over-counted ~50 KB per
     token, the SwiGLU input's storage being freed before the fused gradient is built."""
     e = BYTES[shape.dtype]
-    return e * tokens * (3 * arch.ffn_hidden_size + 2 * arch.hidden_size)
+    return e * tokens * (3 * arch.ffn_hidden_size + 2 * arch.hidden_size) + quantized.working_bytes(
+        arch, shape.quantize, e, tokens, shape.device != "cpu", shape.double_quant)
 
 
 def loss_bytes(arch: GLMConfig, shape: RunShape, tokens: int) -> int:
@@ -246,7 +250,7 @@ def estimate(arch: GLMConfig, shape: RunShape) -> Estimate:
         b["frozen weights (ZeRO-3 shard)"] = frozen * e if shape.offload_params else frozen * e // n
         b["ZeRO-3 gathered params + prefetch"] = gathered
     else:
-        b["frozen weights"] = frozen * e
+        b["frozen weights"] = quantized.frozen_weight_bytes(arch, frozen, shape.quantize, e, shape.double_quant)
     p_lora = lora_params(arch, shape)
     if shape.zero_stage == 3:  # DeepSpeed: 16-bit params/grads + fp32 master, Adam m, v, grads, sharded
         b["LoRA weights+grads"] = p_lora * (2 * e) // n

@@ -2,7 +2,7 @@
 
 `Choices` is what the trainer applies. `make_plan` fills it from the memory estimator (estimate.py): it
 starts from the fastest configuration and walks down `step_down`'s ladder (smaller micro-batch with
-more accumulation, checkpointing, chunked loss, ZeRO-3, offload) until the estimate fits under
+more accumulation, chunked loss, checkpointing, checkpoint offload, ZeRO-3) until the estimate fits under
 budget = hw.memory_gib x margin. Without a budget (no preset, no GPU) everything fits and the plan
 still reports the estimate.
 """
@@ -15,6 +15,7 @@ import torch
 
 from ..config import RunConfig
 from .estimate import GIB, RunShape, estimate, gpu_family, image_extra_tokens
+from .quantized import allows_zero3, quantize_advice
 
 DEFAULT_MAX_LENGTH = 500
 LOSS_CHUNK = 1024  # tokens per chunk of the lower-memory loss: 1024 x 151,552 x 12 B = 1.9 GB peak
@@ -87,7 +88,8 @@ def run_shape(run: RunConfig, arch, c: Choices, data_max_tokens: int | None = No
                     zero_stage=c.zero_stage, offload_params=c.offload_params, offload_optimizer=c.offload_optimizer,
                     world_size=c.world_size, images_per_sample=images,
                     eval_batch=c.eval_batch_size if run.data.val_file else 0,
-                    eval_max_new_tokens=0, device="cuda" if on_gpu else "cpu", gpu_family=gpu_family(run.hw.name))
+                    eval_max_new_tokens=0, device="cuda" if on_gpu else "cpu", gpu_family=gpu_family(run.hw.name),
+                    quantize=run.model.quantize, double_quant=run.model.double_quant)
 
 
 def step_down(plan_or_choices: Plan | Choices, run: RunConfig, arch, world_size: int) -> Choices | None:
@@ -114,7 +116,7 @@ def step_down(plan_or_choices: Plan | Choices, run: RunConfig, arch, world_size:
         return replace(c, loss_chunk_tokens=LOSS_CHUNK_SMALL)
     if c.gradient_checkpointing and not c.offload_checkpoints:
         return replace(c, offload_checkpoints=True)
-    if c.zero_stage == 0 and world_size > 1 and run.dist.strategy != "ddp":
+    if c.zero_stage == 0 and world_size > 1 and allows_zero3(run):
         return replace(c, zero_stage=3)
     return None
 
@@ -150,7 +152,8 @@ def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
 
     # Frozen weights alone exceed one card: only ZeRO-3 over several GPUs shards them.
     weights_only = peak(c).breakdown.get("frozen weights", 0)
-    if (budget is not None and weights_only > budget and world_size > 1 and run.dist.strategy == "auto"):
+    if (budget is not None and weights_only > budget and world_size > 1 and run.dist.strategy == "auto"
+            and allows_zero3(run)):
         c = replace(c, zero_stage=3)
     start = c
     # Training first: a smaller evaluation batch costs the training nothing, so it must not push the
@@ -216,6 +219,7 @@ def _advice(run, arch, c: Choices, budget: int, peak: int, world_size: int, data
                                     packed)).peak_bytes <= budget:
             out.append(f"shorten examples: data.max_length={length}")
             break
+    out += quantize_advice(run, c.max_length, lambda r: make_plan(r, arch, world_size, True, data_max_tokens))
     return out
 
 

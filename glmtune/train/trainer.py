@@ -25,6 +25,7 @@ from .zero3 import adapter_fingerprint, deepspeed_config
 from .lora import apply_lora, trainable_parameters
 from .timeline import MemoryTimeline
 from ..models import enable_checkpointing, load_model
+from ..models.quantize import load_quantized
 from ..plan.planner import Choices
 
 _TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -79,7 +80,11 @@ def training_args(cfg: TrainConfig, choices: Choices, run_dir: Path, has_eval: b
 
 
 def build_model(model_dir: Path, run: RunConfig, choices: Choices) -> torch.nn.Module:
-    model = load_model(model_dir, dtype=_TORCH_DTYPE[choices.dtype], trust_remote_code=run.model.trust_remote_code)
+    if run.model.quantize != "none":  # bitsandbytes weights in the GLM blocks, loaded straight to this rank's GPU
+        model = load_quantized(model_dir, run.model.quantize, _TORCH_DTYPE[choices.dtype],
+                               double_quant=run.model.double_quant)
+    else:
+        model = load_model(model_dir, dtype=_TORCH_DTYPE[choices.dtype], trust_remote_code=run.model.trust_remote_code)
     return prepare_model(model, run, choices)
 
 
