@@ -94,10 +94,16 @@ def _batch(encoded: list[tuple[list[int], str | None]], pad_id: int, image_size:
     return batch
 
 
+def reference_text(message: dict) -> str:
+    """An assistant message as the model writes it: the content, or `name\n{arguments}` for a tool call."""
+    metadata, content = message.get("metadata") or "", message.get("content") or ""
+    return f"{metadata}\n{content}" if metadata else content
+
+
 def split_reference(messages: list[dict]) -> tuple[list[dict], str | None]:
     """(the prompt, the reference answer): a conversation ending on an assistant message has one."""
     if messages and messages[-1]["role"] == "assistant":
-        return messages[:-1], messages[-1].get("content") or ""
+        return messages[:-1], reference_text(messages[-1])
     return messages, None
 
 

@@ -4,9 +4,9 @@ Training writes `glmtune_base.json` into the adapter folder: the identity of the
 trained on. Inference compares it with the base it is given, and writes `provenance.json` into its run dir.
 
 The identity of a base is read from its files, never from loaded weights (under ZeRO-3 a rank holds only a
-shard): a hash of config.json without its volatile keys (architecture and tokens), and a hash of one small
-tensor, the final layer norm (hidden_size values, ~16 KB for GLM-4), read from the safetensors file that holds
-it. Two checkpoints of one architecture (glm-4-9b vs glm-4-9b-chat) differ in the second hash.
+shard): a hash of config.json without its volatile keys (architecture and tokens), and a hash of the first
+4 rows of the output layer (4 x hidden values, 32 KB for GLM-4 in bf16), sliced out of the safetensors file
+that holds it. Two checkpoints of one architecture (glm-4-9b vs glm-4-9b-chat) differ in the second hash.
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ BASE_FILE = "glmtune_base.json"
 # Keys of config.json that change with the tool that wrote it, not with the model.
 _VOLATILE = ("_name_or_path", "name_or_path", "transformers_version", "torch_dtype", "use_cache", "architectures",
              "auto_map")
-_SAMPLE_TENSOR = "transformer.encoder.final_layernorm.weight"
+_SAMPLE_TENSOR = "transformer.output_layer.weight"
+_SAMPLE_ROWS = 4
 
 
 def config_hash(model_dir: Path) -> str:
@@ -31,7 +32,7 @@ def config_hash(model_dir: Path) -> str:
 
 
 def weights_sample_hash(model_dir: Path) -> str | None:
-    """sha256 of the final layer norm as stored (None for .bin checkpoints: reading one means reading all)."""
+    """sha256 of a few output-layer rows as stored (None for .bin checkpoints: reading one means reading all)."""
     from safetensors import safe_open
 
     folder = Path(model_dir)
@@ -44,7 +45,7 @@ def weights_sample_hash(model_dir: Path) -> str | None:
     for file in files:
         with safe_open(str(file), "pt") as f:
             if _SAMPLE_TENSOR in f.keys():
-                tensor = f.get_tensor(_SAMPLE_TENSOR)
+                tensor = f.get_slice(_SAMPLE_TENSOR)[:_SAMPLE_ROWS]
                 return hashlib.sha256(tensor.float().numpy().tobytes()).hexdigest()[:16]
     return None
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..config import EVAL_METRICS, EvalConfig, InferConfig
 from ..data.validate import read_conversations
-from ..infer.generate import generate
+from ..infer.generate import generate, reference_text
 from .metrics import generation_metrics
 
 MAX_LOG_PERPLEXITY = 50.0  # exp(50) ~ 5e21: beyond this the number says only "untrained", and exp overflows later
@@ -36,9 +36,7 @@ def eval_examples(val_file: str, limit: int = 0) -> list[tuple[int, list[dict], 
     for conversation in read_conversations(val_file, "data.val_file"):
         for i, message in enumerate(conversation.messages):
             if message["role"] == "assistant" and i > 0:
-                metadata, content = message.get("metadata") or "", message.get("content") or ""
-                examples.append((conversation.line, conversation.messages[:i],
-                                 f"{metadata}\n{content}" if metadata else content))
+                examples.append((conversation.line, conversation.messages[:i], reference_text(message)))
     return examples[:limit] if limit else examples
 
 
