@@ -61,3 +61,14 @@ def test_auto_batch_size_uses_the_kv_cache_term():
     assert auto_batch_size(arch, "bf16", 500, 256, prompts=3, free_bytes=10 * row) == 3
     assert auto_batch_size(arch, "bf16", 500, 256, prompts=1000, free_bytes=0) == 1
     assert auto_batch_size(arch, "bf16", 500, 256, prompts=1000, free_bytes=None) == 8  # CPU
+
+
+def test_generate_speed_bench_runs_tiny(repo):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "bench/generate_speed.py", "--tiny", "--prompt-len", "8", "--new-tokens",
+                           "2"], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) == 7 and "auto batch" in rows[-1]

@@ -103,6 +103,8 @@ class SelfAttention(nn.Module):
         if kv_cache is not None:
             k, v = torch.cat([kv_cache[0], k], dim=2), torch.cat([kv_cache[1], v], dim=2)
         new_cache = (k, v) if use_cache else None
+        if s == 1 and kv_cache is not None and self.groups != self.heads and not self.training:
+            return self.dense(self._decode_grouped(q, k, v, mask).reshape(b, 1, self.heads * hd)), new_cache
         if self.groups != self.heads:  # query head i reads KV group i // (heads / groups), as the reference
             rep = self.heads // self.groups
             k = k.unsqueeze(2).expand(b, self.groups, rep, k.shape[2], hd).reshape(b, self.heads, k.shape[2], hd)
@@ -111,6 +113,16 @@ class SelfAttention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                              dropout_p=self.dropout_p if self.training else 0.0)
         return self.dense(out.transpose(1, 2).reshape(b, s, self.heads * hd)), new_cache
+
+
+    def _decode_grouped(self, q, k, v, mask):
+        """One new token: the query heads that share a KV group become that group's rows, so attention reads the
+        cache as stored ([b, groups, past, d]) instead of a copy expanded to every head (16x the cache per
+        layer and step for GLM-4's 32 heads over 2 groups). A [b, 1, 1, past] mask broadcasts over the rows."""
+        b, _, _, hd = q.shape
+        rows = q.view(b, self.groups, self.heads // self.groups, hd)  # head i -> group i // rep, as below
+        out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask)
+        return out.reshape(b, self.heads, hd)
 
 
 class MLP(nn.Module):
