@@ -13,6 +13,8 @@ Rows:
   head at each decode step (the code before grouped decoding) — the issue's ~55 s on an H100;
 - 16 x 256 batch 4: the same batch with grouped decoding (attention reads the 2 KV groups as stored);
 - 16 x 256 auto: batch from the estimator's KV-cache term (infer.batch_size=0), grouped decoding.
+The batch rows also print the peak CUDA memory of generate() next to the estimator's generate phase
+(weights + batch x (KV cache of prompt + new tokens + one block's prefill working set)).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import time
 
 import torch
 
-from glmtune.infer.sampling import auto_batch_size, free_gpu_bytes
+from glmtune.infer.sampling import GIB, auto_batch_size, free_gpu_bytes, per_row_bytes
 from glmtune.models import ChatGLMForConditionalGeneration, GLMConfig, released_config
 from glmtune.models.layers import SelfAttention
 from glmtune.models.loading import TINY_ARCH
@@ -58,6 +60,8 @@ def sync() -> None:
 def run(model, batch: dict, batch_size: int, new_tokens: int) -> float:
     """Seconds to generate new_tokens for every row of `batch`, batch_size rows per generate() call."""
     sync()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for i in range(0, batch["input_ids"].shape[0], batch_size):
         part = {k: v[i:i + batch_size] for k, v in batch.items()}
@@ -95,11 +99,17 @@ def main() -> None:
     print(f"{name}; prompts up to {prompt_len} tokens, {new} new tokens each; torch {torch.__version__}\n")
     run(model, prompts(2, prompt_len, vocab, device), 2, 4)  # warm-up: kernels, allocator
 
-    print("| case | prompts | batch | decoding | seconds | new tokens/s | vs before |")
-    print("|---|---|---|---|---|---|---|")
+    print("| case | prompts | batch | decoding | seconds | new tokens/s | vs before | peak GiB measured | predicted |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    dtype = "fp32" if args.tiny else "bf16"
     for b in (1, 8, 32):
-        t = run(model, prompts(b, prompt_len, vocab, device, seed=b), b, new)
-        print(f"| batch {b} | {b} | {b} | grouped | {t:.2f} | {b * new / t:.1f} | |")
+        batch = prompts(b, prompt_len, vocab, device, seed=b)
+        t = run(model, batch, b, new)
+        # the estimator's generate phase: weights + per row (KV cache of prompt + new tokens, prefill working set)
+        predicted = (weights + b * per_row_bytes(model.config, dtype, batch["input_ids"].shape[1], new)) / GIB
+        measured = f"{torch.cuda.max_memory_allocated() / GIB:.2f}" if torch.cuda.is_available() else "-"
+        print(f"| batch {b} | {b} | {b} | grouped | {t:.2f} | {b * new / t:.1f} | | {measured} | {predicted:.2f} |")
     batch16 = prompts(16, prompt_len, vocab, device, seed=16)
     grouped = SelfAttention._decode_grouped
     SelfAttention._decode_grouped = expanded_decode
@@ -107,14 +117,13 @@ def main() -> None:
         before = run(model, batch16, 4, new)
     finally:
         SelfAttention._decode_grouped = grouped
-    print(f"| 16 x {new} before | 16 | 4 | expanded KV | {before:.2f} | {16 * new / before:.1f} | 1.00x |")
+    print(f"| 16 x {new} before | 16 | 4 | expanded KV | {before:.2f} | {16 * new / before:.1f} | 1.00x | | |")
     t = run(model, batch16, 4, new)
-    print(f"| 16 x {new} | 16 | 4 | grouped | {t:.2f} | {16 * new / t:.1f} | {before / t:.2f}x |")
-    dtype = "fp32" if args.tiny else "bf16"
+    print(f"| 16 x {new} | 16 | 4 | grouped | {t:.2f} | {16 * new / t:.1f} | {before / t:.2f}x | | |")
     auto = auto_batch_size(model.config, dtype, batch16["input_ids"].shape[1], new, 16,
                            free_gpu_bytes(None, 2 * 1024 ** 3))
     t = run(model, batch16, auto, new)
-    print(f"| 16 x {new} auto batch | 16 | {auto} | grouped | {t:.2f} | {16 * new / t:.1f} | {before / t:.2f}x |")
+    print(f"| 16 x {new} auto batch | 16 | {auto} | grouped | {t:.2f} | {16 * new / t:.1f} | {before / t:.2f}x | | |")
 
 
 if __name__ == "__main__":
