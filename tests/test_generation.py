@@ -72,3 +72,22 @@ def test_generate_speed_bench_runs_tiny(repo):
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(rows) == 7 and "auto batch" in rows[-1]
+
+
+def test_grouped_decode_step_equals_the_expanded_attention():
+    """One cached decode step (query heads grouped over the stored KV groups) against the same token in a full
+    forward (KV expanded to every head), with a left-padded row."""
+    from glmtune.models.modeling_glm4 import build_attention_mask
+
+    model, _ = _tiny()
+    attn = model.transformer.encoder.layers[0].self_attention.double().eval()
+    assert attn.groups < attn.heads
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, model.config.hidden_size, dtype=torch.float64)
+    keep = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
+    pos = (keep.cumsum(-1) - 1).clamp(min=0)
+    rope = model.transformer.rotary_pos_emb(pos, torch.float64).double()
+    full, _ = attn(x, build_attention_mask(keep, 6, 0), rope, None, False)
+    _, cache = attn(x[:, :5], build_attention_mask(keep[:, :5], 5, 0), rope[:, :5], None, True)
+    step, _ = attn(x[:, 5:], build_attention_mask(keep, 1, 5), rope[:, 5:], cache, True)
+    torch.testing.assert_close(step[:, 0], full[:, 5])
