@@ -9,10 +9,12 @@ through `model.generate` as mode=infer calls it (greedy, KV cache, return_last_l
 
 Rows:
 - batch 1 / 8 / 32: decode throughput (new tokens of all rows / wall time, prefill included);
-- 16 x 256 "before": batch 4 (the old infer.batch_size default) with the KV cache expanded to every query
-  head at each decode step (the code before grouped decoding) — the issue's ~55 s on an H100;
-- 16 x 256 batch 4: the same batch with grouped decoding (attention reads the 2 KV groups as stored);
-- 16 x 256 auto: batch from the estimator's KV-cache term (infer.batch_size=0), grouped decoding.
+- 16 x 256 "before": batch 4 (the old infer.batch_size default), the KV cache grown by torch.cat at every
+  token and expanded to every query head at each decode step (the code before this change) — the issue's
+  ~55 s on an H100;
+- 16 x 256 batch 4: the same batch with a preallocated cache and grouped decoding (attention reads the 2 KV
+  groups as stored);
+- 16 x 256 auto: batch from the estimator's KV-cache term (infer.batch_size=0), same decoding.
 The batch rows also print the peak CUDA memory of generate() next to the estimator's generate phase
 (weights + batch x (KV cache of prompt + new tokens + one block's prefill working set)).
 """
@@ -20,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import time
+from contextlib import nullcontext
 
 import torch
 
+from glmtune.infer.kvcache import preallocated_kv_cache
 from glmtune.infer.sampling import GIB, auto_batch_size, free_gpu_bytes, per_row_bytes
 from glmtune.models import ChatGLMForConditionalGeneration, GLMConfig, released_config
 from glmtune.models.layers import SelfAttention
@@ -57,15 +61,16 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def run(model, batch: dict, batch_size: int, new_tokens: int) -> float:
-    """Seconds to generate new_tokens for every row of `batch`, batch_size rows per generate() call."""
+def run(model, batch: dict, batch_size: int, new_tokens: int, before: bool = False) -> float:
+    """Seconds to generate new_tokens for every row of `batch`, batch_size rows per generate() call.
+    before=True: the cache grown by concatenation at each token, as before the preallocated cache."""
     sync()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for i in range(0, batch["input_ids"].shape[0], batch_size):
         part = {k: v[i:i + batch_size] for k, v in batch.items()}
-        with torch.no_grad():
+        with torch.no_grad(), (nullcontext() if before else preallocated_kv_cache(model, new_tokens)):
             out = model.generate(**part, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                                  eos_token_id=None, pad_token_id=0, use_cache=True)
         assert out.shape[1] == part["input_ids"].shape[1] + new_tokens
@@ -109,21 +114,21 @@ def main() -> None:
         # the estimator's generate phase: weights + per row (KV cache of prompt + new tokens, prefill working set)
         predicted = (weights + b * per_row_bytes(model.config, dtype, batch["input_ids"].shape[1], new)) / GIB
         measured = f"{torch.cuda.max_memory_allocated() / GIB:.2f}" if torch.cuda.is_available() else "-"
-        print(f"| batch {b} | {b} | {b} | grouped | {t:.2f} | {b * new / t:.1f} | | {measured} | {predicted:.2f} |")
+        print(f"| batch {b} | {b} | {b} | prealloc + grouped | {t:.2f} | {b * new / t:.1f} | | {measured} | {predicted:.2f} |")
     batch16 = prompts(16, prompt_len, vocab, device, seed=16)
     grouped = SelfAttention._decode_grouped
     SelfAttention._decode_grouped = expanded_decode
     try:
-        before = run(model, batch16, 4, new)
+        before = run(model, batch16, 4, new, before=True)
     finally:
         SelfAttention._decode_grouped = grouped
-    print(f"| 16 x {new} before | 16 | 4 | expanded KV | {before:.2f} | {16 * new / before:.1f} | 1.00x | | |")
+    print(f"| 16 x {new} before | 16 | 4 | cat + expanded KV | {before:.2f} | {16 * new / before:.1f} | 1.00x | | |")
     t = run(model, batch16, 4, new)
-    print(f"| 16 x {new} | 16 | 4 | grouped | {t:.2f} | {16 * new / t:.1f} | {before / t:.2f}x | | |")
+    print(f"| 16 x {new} | 16 | 4 | prealloc + grouped | {t:.2f} | {16 * new / t:.1f} | {before / t:.2f}x | | |")
     auto = auto_batch_size(model.config, dtype, batch16["input_ids"].shape[1], new, 16,
                            free_gpu_bytes(None, 2 * 1024 ** 3))
     t = run(model, batch16, auto, new)
-    print(f"| 16 x {new} auto batch | 16 | {auto} | grouped | {t:.2f} | {16 * new / t:.1f} | {before / t:.2f}x | | |")
+    print(f"| 16 x {new} auto batch | 16 | {auto} | prealloc + grouped | {t:.2f} | {16 * new / t:.1f} | {before / t:.2f}x | | |")
 
 
 if __name__ == "__main__":

@@ -91,3 +91,23 @@ def test_grouped_decode_step_equals_the_expanded_attention():
     _, cache = attn(x[:, :5], build_attention_mask(keep[:, :5], 5, 0), rope[:, :5], None, True)
     step, _ = attn(x[:, 5:], build_attention_mask(keep, 1, 5), rope[:, 5:], cache, True)
     torch.testing.assert_close(step[:, 0], full[:, 5])
+
+
+def test_preallocated_kv_cache_gives_the_same_tokens_and_is_freed():
+    from glmtune.infer.kvcache import preallocated_kv_cache
+
+    model, tok = _tiny()
+    batch = _batch([encode_prompt(p, tok) for p in PROMPTS], tok.pad_token_id, None, "cpu")
+    kwargs = dict(max_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=[])
+    attn = model.transformer.encoder.layers[0].self_attention
+    with torch.no_grad():
+        plain = model.generate(**batch, **kwargs)
+        with preallocated_kv_cache(model, 16):
+            fast = model.generate(**batch, **kwargs)
+            width = batch["input_ids"].shape[1]
+            assert attn._kv_buffer[0].shape == (3, attn.groups, width + 16, attn.head_dim)
+            past = model(**batch, use_cache=True).past_key_values  # the cache is a view of the buffer
+            assert past[0][0].data_ptr() == model.transformer.encoder.layers[0].self_attention._kv_buffer[0].data_ptr()
+            assert past[0][0].shape[2] == width
+    assert torch.equal(plain, fast)
+    assert attn._kv_buffer is None and attn.kv_reserve == 0

@@ -25,6 +25,7 @@ from transformers.generation.streamers import BaseStreamer
 from ..config import ConfigError, InferConfig, ModelConfig
 from ..models import load_config
 from .generate import _batch, encode_prompt, inference_dtype, load_merged, place
+from .kvcache import preallocated_kv_cache
 from .provenance import check_adapter_base
 from .sampling import generation_kwargs
 
@@ -64,7 +65,7 @@ def reply(model, tokenizer, messages: list[dict], cfg: InferConfig, out: TextIO)
     stops = list(tokenizer.stop_token_ids)
     batch = _batch([encode_prompt(messages, tokenizer)], tokenizer.pad_token_id,
                    vision["image_size"] if vision else None, model.get_input_embeddings().weight.device)
-    with torch.no_grad():
+    with torch.no_grad(), preallocated_kv_cache(model, cfg.max_new_tokens):
         ids = model.generate(**batch, max_new_tokens=cfg.max_new_tokens, eos_token_id=stops, use_cache=True,
                              pad_token_id=tokenizer.pad_token_id, streamer=PrintStreamer(tokenizer, stops, out),
                              **generation_kwargs(cfg))[0, batch["input_ids"].shape[1]:].tolist()

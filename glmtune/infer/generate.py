@@ -22,6 +22,7 @@ from ..config import ConfigError, InferConfig, ModelConfig
 from ..data.pipeline import encode_one
 from ..data.validate import Conversation, read_conversations
 from .devicemap import GIB, bytes_per_device, device_map
+from .kvcache import preallocated_kv_cache
 from .provenance import check_adapter_base, write_provenance
 from .sampling import CPU_BATCH, auto_batch_size, free_gpu_bytes, generation_kwargs, settings
 from ..models import load_config, load_model
@@ -121,7 +122,7 @@ def generate(model, tokenizer, prompts: list[list[dict]], cfg: InferConfig, batc
     for start in range(0, len(prompts), batch_size):
         encoded = [encode_prompt(p, tokenizer) for p in prompts[start:start + batch_size]]
         batch = _batch(encoded, tokenizer.pad_token_id, vision["image_size"] if vision else None, device)
-        with torch.no_grad():
+        with torch.no_grad(), preallocated_kv_cache(model, cfg.max_new_tokens):
             out = model.generate(**batch, max_new_tokens=cfg.max_new_tokens, eos_token_id=stops,
                                  pad_token_id=tokenizer.pad_token_id, use_cache=True, streamer=streamer,
                                  synced_gpus=synced_gpus, **generation_kwargs(cfg))
