@@ -15,7 +15,8 @@ Rows:
 - 16 x 256 batch 4: the same batch with a preallocated cache and grouped decoding (attention reads the 2 KV
   groups as stored);
 - 16 x 256 auto: batch from the estimator's KV-cache term (infer.batch_size=0), same decoding.
-The batch rows also print the peak CUDA memory of generate() next to the estimator's generate phase
+The batch rows also print the peak CUDA memory of generate() (CPU: peak live tensor bytes) next to the
+estimator's generate phase
 (weights + batch x (KV cache of prompt + new tokens + one block's prefill working set)).
 """
 from __future__ import annotations
@@ -78,6 +79,17 @@ def run(model, batch: dict, batch_size: int, new_tokens: int, before: bool = Fal
     return time.perf_counter() - start
 
 
+def cpu_peak(model, batch: dict, new_tokens: int) -> int:
+    """Peak live tensor bytes of one generate() on CPU (glmtune.probe.track; weights counted as baseline)."""
+    from glmtune.probe.track import LiveTensorTracker
+
+    with torch.no_grad(), preallocated_kv_cache(model, new_tokens), \
+            LiveTensorTracker(baseline=[*model.parameters(), *model.buffers()]) as tracker:
+        model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                       eos_token_id=None, pad_token_id=0, use_cache=True)
+    return tracker.peak_bytes
+
+
 def expanded_decode(self, q, k, v, mask):
     """The decode step before grouped decoding: K/V copied out to every query head, then SDPA."""
     b, _, _, hd = q.shape
@@ -102,19 +114,25 @@ def main() -> None:
     vocab = model.config.padded_vocab_size
     name = "tiny (CPU)" if args.tiny else f"glm-4-9b-chat random bf16, {torch.cuda.get_device_name(0)}"
     print(f"{name}; prompts up to {prompt_len} tokens, {new} new tokens each; torch {torch.__version__}\n")
-    run(model, prompts(2, prompt_len, vocab, device), 2, 4)  # warm-up: kernels, allocator
+    for before in (True, False):  # warm-up of both paths: kernels, allocator
+        SelfAttention._decode_grouped, saved = (expanded_decode if before else SelfAttention._decode_grouped,
+                                                SelfAttention._decode_grouped)
+        run(model, prompts(4, prompt_len, vocab, device), 4, 4, before=before)
+        SelfAttention._decode_grouped = saved
 
     print("| case | prompts | batch | decoding | seconds | new tokens/s | vs before | peak GiB measured | predicted |")
     print("|---|---|---|---|---|---|---|---|---|")
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    unit = 4 if args.tiny else 2  # GiB decimals
     dtype = "fp32" if args.tiny else "bf16"
     for b in (1, 8, 32):
         batch = prompts(b, prompt_len, vocab, device, seed=b)
         t = run(model, batch, b, new)
         # the estimator's generate phase: weights + per row (KV cache of prompt + new tokens, prefill working set)
         predicted = (weights + b * per_row_bytes(model.config, dtype, batch["input_ids"].shape[1], new)) / GIB
-        measured = f"{torch.cuda.max_memory_allocated() / GIB:.2f}" if torch.cuda.is_available() else "-"
-        print(f"| batch {b} | {b} | {b} | prealloc + grouped | {t:.2f} | {b * new / t:.1f} | | {measured} | {predicted:.2f} |")
+        measured = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else cpu_peak(model, batch, new)
+        measured = f"{measured / GIB:.{unit}f}"
+        print(f"| batch {b} | {b} | {b} | prealloc + grouped | {t:.2f} | {b * new / t:.1f} | | {measured} | {predicted:.{unit}f} |")
     batch16 = prompts(16, prompt_len, vocab, device, seed=16)
     grouped = SelfAttention._decode_grouped
     SelfAttention._decode_grouped = expanded_decode
