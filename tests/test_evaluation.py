@@ -86,3 +86,21 @@ def test_plan_counts_the_generate_phase():
     # 40 layers x 2 groups x 128 x K,V x 2 B = 40,960 B per token, for eval batch x (prompt + 512 new tokens)
     c = gen.choices
     assert gen.breakdown["eval KV cache"] == 40_960 * c.eval_batch_size * (c.max_length + 512)
+
+
+@pytest.mark.slow
+def test_eval_generate_under_zero3_on_two_ranks(tmp_path, repo):
+    """Every ZeRO-3 forward gathers weights from both ranks, so generation runs in lock-step (synced_gpus)."""
+    from pathlib import Path
+
+    out = tmp_path / "z3"
+    proc = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "2",
+                           "-m", "glmtune", "dist=zero3", f"data.val_file={VAL}", "eval.generate=true",
+                           "eval.max_new_tokens=6", "eval.max_examples=3", "train.max_steps=2",
+                           "train.eval_batch_size=2", "probe.enabled=false", f"hydra.run.dir={out}"],
+                          cwd=repo, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert {"eval_rouge-1", "eval_bleu-4", "eval_exact_match"} <= set(metrics)
+    (written,) = list((out / "eval").glob("*.jsonl"))  # rank 0 alone writes the replies
+    assert len(written.read_text().splitlines()) == 3
