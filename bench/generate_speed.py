@@ -132,7 +132,8 @@ def main() -> None:
         predicted = (weights + b * per_row_bytes(model.config, dtype, batch["input_ids"].shape[1], new)) / GIB
         measured = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else cpu_peak(model, batch, new)
         measured = f"{measured / GIB:.{unit}f}"
-        print(f"| batch {b} | {b} | {b} | prealloc + grouped | {t:.2f} | {b * new / t:.1f} | | {measured} | {predicted:.{unit}f} |")
+        print(f"| batch {b} | {b} | {b} | prealloc + grouped | {t:.2f} | {b * new / t:.1f} | | {measured} "
+              f"| {predicted:.{unit}f} |")
     batch16 = prompts(16, prompt_len, vocab, device, seed=16)
     grouped = SelfAttention._decode_grouped
     SelfAttention._decode_grouped = expanded_decode
@@ -146,7 +147,8 @@ def main() -> None:
     auto = auto_batch_size(model.config, dtype, batch16["input_ids"].shape[1], new, 16,
                            free_gpu_bytes(None, 2 * 1024 ** 3))
     t = run(model, batch16, auto, new)
-    print(f"| 16 x {new} auto batch | 16 | {auto} | prealloc + grouped | {t:.2f} | {16 * new / t:.1f} | {before / t:.2f}x | | |")
+    print(f"| 16 x {new} auto batch | 16 | {auto} | prealloc + grouped | {t:.2f} | {16 * new / t:.1f} "
+          f"| {before / t:.2f}x | | |")
 
 
 if __name__ == "__main__":
