@@ -6,6 +6,8 @@ fit the card; 4 out of memory during training; 5 NCCL error; 6 remote code / tra
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -21,7 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from .config import ConfigError, check_override_keys, parse_config
+from .config import EVAL_METRICS, ConfigError, check_override_keys, parse_config
 from .data.packing import format_packing, pack_datasets, planned_packing
 from .data.pipeline import DataCollator, build_datasets, format_stats, longest_length
 from .launch import export_slurm_env, rank, run_name, world_size
@@ -60,8 +62,16 @@ def execute(cfg: DictConfig) -> float | None:
         if run.mode == "infer":
             from .infer.generate import run_infer  # checks the prompts file before loading the weights
 
-            result = run_infer(run.infer, run.model, run.hw.memory_gib, model_dir, tokenizer, run_dir)
+            config_sha = hashlib.sha256(OmegaConf.to_yaml(cfg).encode()).hexdigest()[:16]  # as versions.json
+            result = run_infer(run.infer, run.model, run.hw.memory_gib, model_dir, tokenizer, run_dir, config_sha)
             console.print(result)
+            if run.infer.prompt and "predictions" in result:  # one-shot: the answer on the console too
+                console.print(json.loads(Path(result["predictions"]).read_text().splitlines()[0])["output"])
+            return None
+        if run.mode == "chat":
+            from .infer.chat import run_chat
+
+            run_chat(run.infer, run.model, run.hw.memory_gib, model_dir, tokenizer, run_dir)
             return None
         packing = None
         if data is None and run.mode != "plan":
@@ -106,10 +116,11 @@ def execute(cfg: DictConfig) -> float | None:
         return None
     record_memory_history()
     with diagnosed(run_dir, plan.breakdown, choices.to_dict(), run.probe.enabled):
-        metrics, _ = train(run, choices, run_dir, model_dir, data.train, data.val, collator, planned,
+        metrics, _ = train(run, choices, run_dir, model_dir, data.train, data.val, collator, tokenizer, planned,
                            plan.budget_bytes)
     if rank() == 0:
-        console.print(f"adapter saved to {metrics['adapter_dir']}  (train loss {metrics['train_loss']:.4f})")
+        evals = "".join(f", {k.removeprefix('eval_')} {metrics[k]:.4g}" for k in EVAL_METRICS if k in metrics)
+        console.print(f"adapter saved to {metrics['adapter_dir']}  (train loss {metrics['train_loss']:.4f}{evals})")
     return metrics["train_loss"]
 
 

@@ -96,12 +96,31 @@ class InferConfig:
     adapter: Optional[str] = None  # a run's adapter folder; None = the base model alone
     output_file: Optional[str] = None  # None = <run dir>/predictions.jsonl
     max_new_tokens: int = 256
-    batch_size: int = 4
+    batch_size: int = 0  # 0 = as many rows as the KV cache fits (the estimator's term); CPU: 8
     gpus: int = 0  # 0 = every visible GPU (CPU when there is none); N = split the model over the first N
     merge_to: Optional[str] = None  # also write base + adapter merged, in the official checkpoint layout
+    prompt: Optional[str] = None  # one user message: generate for it (mode=infer) or open chat with it (mode=chat)
+    system: Optional[str] = None  # system prompt put in front of infer.prompt and of every chat
+    tools_file: Optional[str] = None  # JSON list of GLM-4 tools for chat (official "tools" format)
+    image: Optional[str] = None  # GLM-4V: image for infer.prompt / the first chat turn
+    do_sample: bool = False  # False = greedy (reproducible); True = sample with the settings below
+    temperature: float = 0.8  # sampling only; < 1 sharpens the distribution
+    top_p: float = 0.8  # sampling only; nucleus mass kept
+    top_k: int = 0  # sampling only; 0 = no top-k cut
+    repetition_penalty: float = 1.0  # 1.0 = off; > 1 discourages tokens already in the text
+    seed: int = 42  # sampling seed: same seed, same prompts, same outputs
 
 
-MODES = ("train", "plan", "probe", "infer")
+@dataclass
+class EvalConfig:
+    generate: bool = False  # also generate a reply for each val example: ROUGE-1/2/L, BLEU-4, exact match
+    max_new_tokens: int = 128  # per val example; the plan counts the KV cache of prompt + these tokens
+    max_examples: int = 0  # 0 = the whole val set; N = the first N (generation costs ~N x max_new_tokens steps)
+    metric_for_best: str = "eval_loss"  # picks the best checkpoint: eval_loss, eval_perplexity, eval_rouge-l, ...
+    early_stopping_patience: int = 0  # 0 = off; N = stop after N evaluations without a better metric_for_best
+
+
+MODES = ("train", "plan", "probe", "infer", "chat")
 
 
 @dataclass
@@ -115,6 +134,7 @@ class RunConfig:
     hw: HwConfig = field(default_factory=HwConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     infer: InferConfig = field(default_factory=InferConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 # Linear layers of the GLM-4 / ChatGLM3 language model, by their official names (the estimator knows each).
@@ -134,7 +154,8 @@ _CHOICES = {
 _POSITIVE = ("data.max_length", "lora.r", "lora.alpha", "dist.nnodes", "dist.nproc_per_node",
              "train.per_device_batch_size", "train.grad_accum",
              "train.eval_batch_size", "train.logging_steps", "hw.gpus_per_node", "probe.steps",
-             "infer.max_new_tokens", "infer.batch_size")
+             "infer.max_new_tokens", "eval.max_new_tokens", "infer.temperature", "infer.top_p",
+             "infer.repetition_penalty")
 
 
 def parse_config(raw: dict[str, Any]) -> RunConfig:
@@ -149,6 +170,9 @@ def parse_config(raw: dict[str, Any]) -> RunConfig:
 
 
 GROUPS = ("model", "data", "lora", "dist", "train", "hw", "hparams_search")
+# Metrics an evaluation reports (eval.generate adds the generation ones); True = higher is better.
+EVAL_METRICS = {"eval_loss": False, "eval_perplexity": False, "eval_rouge-1": True, "eval_rouge-2": True,
+                "eval_rouge-l": True, "eval_bleu-4": True, "eval_exact_match": True}
 
 
 def check_override_keys(argv: list[str]) -> None:
@@ -251,8 +275,22 @@ def _check_values(cfg: RunConfig) -> list[str]:
                         f"{cfg.data.max_length}: a row must hold the longest example — raise it or leave it null")
     if cfg.hw.memory_gib is not None and cfg.hw.memory_gib <= 0:
         problems.append(f"hw.memory_gib must be > 0, got {cfg.hw.memory_gib}")
-    if cfg.mode == "infer" and not (cfg.infer.prompts_file or cfg.infer.merge_to):
-        problems.append("mode=infer needs infer.prompts_file=<jsonl> (and/or infer.merge_to=<folder>)")
+    if cfg.mode == "infer" and not (cfg.infer.prompts_file or cfg.infer.merge_to or cfg.infer.prompt):
+        problems.append("mode=infer needs infer.prompts_file=<jsonl> or infer.prompt=\"...\" "
+                        "(and/or infer.merge_to=<folder>)")
+    if cfg.infer.prompts_file and cfg.infer.prompt:
+        problems.append("set infer.prompts_file or infer.prompt, not both")
+    if cfg.infer.batch_size < 0 or cfg.infer.top_k < 0 or cfg.eval.max_examples < 0:
+        problems.append("infer.batch_size, infer.top_k and eval.max_examples must be >= 0")
+    if cfg.infer.top_p > 1.0:
+        problems.append(f"infer.top_p must be in (0, 1], got {cfg.infer.top_p}")
+    metric = cfg.eval.metric_for_best
+    if metric not in EVAL_METRICS or (metric not in ("eval_loss", "eval_perplexity") and not cfg.eval.generate):
+        usable = [m for m in EVAL_METRICS if cfg.eval.generate or m in ("eval_loss", "eval_perplexity")]
+        problems.append(f"eval.metric_for_best={metric!r} is not one of {', '.join(usable)}"
+                        + ("" if cfg.eval.generate else " (the generation metrics need eval.generate=true)"))
+    if cfg.eval.early_stopping_patience < 0:
+        problems.append("eval.early_stopping_patience must be >= 0")
     if cfg.data.num_proc < 0:
         problems.append(f"data.num_proc must be >= 0 (0 = every core), got {cfg.data.num_proc}")
     if cfg.model.quantize != "none" and (cfg.dist.strategy == "zero3" or cfg.model.trust_remote_code):

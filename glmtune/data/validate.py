@@ -164,9 +164,12 @@ def _parse_line(text: str, line_no: int, prompts: bool = False) -> list[dict[str
                         "(GLM-4V takes one image per conversation)",
                         "move the image to the first user message, or split the conversation")
     if prompts:
-        if messages[-1]["role"] not in ("user", "observation"):
+        # A final assistant message is the reference answer, written beside the prediction.
+        asked = messages[:-1] if messages[-1]["role"] == "assistant" else messages
+        if not asked or asked[-1]["role"] not in ("user", "observation"):
             return _Problem(line_no, f"the prompt ends on a \"{messages[-1]['role']}\" message",
-                            "end each prompt on the user (or observation) turn the model should answer")
+                            "end each prompt on the user (or observation) turn the model should answer, "
+                            "optionally followed by one assistant message: the reference answer")
     elif not any(m["role"] == "assistant" and m["content"] for m in messages):
         return _Problem(line_no, "no assistant message with non-empty content, so nothing would be trained",
                         "add the assistant reply the model should learn, or delete the line")

@@ -16,13 +16,17 @@ import json
 from pathlib import Path
 
 import torch
+import transformers
 
-from ..config import InferConfig, ModelConfig
+from ..config import ConfigError, InferConfig, ModelConfig
 from ..data.pipeline import encode_one
-from ..data.validate import read_conversations
+from ..data.validate import Conversation, read_conversations
 from .devicemap import GIB, bytes_per_device, device_map
-from ..models import load_model
+from ..models import load_config, load_model
 from ..models.quantize import load_quantized, weight_storage_bytes
+from .kvcache import preallocated_kv_cache
+from .provenance import check_adapter_base, write_provenance
+from .sampling import CPU_BATCH, auto_batch_size, free_gpu_bytes, generation_kwargs, settings
 from ..models.vision import load_image
 
 RESERVE = 2 * GIB  # per GPU, kept free for activations and the KV cache of a batch
@@ -103,26 +107,67 @@ def _batch(encoded: list[tuple[list[int], str | None]], pad_id: int, image_size:
     return batch
 
 
-def generate(model, tokenizer, prompts: list[list[dict]], cfg: InferConfig) -> list[str]:
+def reference_text(message: dict) -> str:
+    """An assistant message as the model writes it: the content, or `name\n{arguments}` for a tool call."""
+    metadata, content = message.get("metadata") or "", message.get("content") or ""
+    return f"{metadata}\n{content}" if metadata else content
+
+
+def split_reference(messages: list[dict]) -> tuple[list[dict], str | None]:
+    """(the prompt, the reference answer): a conversation ending on an assistant message has one."""
+    if messages and messages[-1]["role"] == "assistant":
+        return messages[:-1], reference_text(messages[-1])
+    return messages, None
+
+
+def generate(model, tokenizer, prompts: list[list[dict]], cfg: InferConfig, batch_size: int | None = None,
+             streamer=None, synced_gpus: bool = False) -> list[str]:
+    """Replies to each prompt (messages ending on the turn to answer), in order.
+
+    synced_gpus: every rank of a ZeRO-3 job runs the same number of forward steps (each one gathers weights
+    from all ranks), however early its own rows stop."""
     vision = getattr(model.config, "vision_config", None)
     device = model.get_input_embeddings().weight.device
     stops = list(tokenizer.stop_token_ids)
+    batch_size = batch_size or cfg.batch_size or CPU_BATCH
     outputs = []
-    for start in range(0, len(prompts), cfg.batch_size):
-        encoded = [encode_prompt(p, tokenizer) for p in prompts[start:start + cfg.batch_size]]
+    for start in range(0, len(prompts), batch_size):
+        encoded = [encode_prompt(p, tokenizer) for p in prompts[start:start + batch_size]]
         batch = _batch(encoded, tokenizer.pad_token_id, vision["image_size"] if vision else None, device)
-        with torch.no_grad():
-            out = model.generate(**batch, max_new_tokens=cfg.max_new_tokens, do_sample=False,
-                                 eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)
+        with torch.no_grad(), preallocated_kv_cache(model, cfg.max_new_tokens):
+            out = model.generate(**batch, max_new_tokens=cfg.max_new_tokens, eos_token_id=stops,
+                                 pad_token_id=tokenizer.pad_token_id, use_cache=True, streamer=streamer,
+                                 synced_gpus=synced_gpus, **generation_kwargs(cfg))
         for row in out[:, batch["input_ids"].shape[1]:].tolist():
             cut = next((i for i, t in enumerate(row) if t in stops), len(row))
             outputs.append(tokenizer.decode(row[:cut]).strip())
     return outputs
 
 
+def one_prompt(cfg: InferConfig) -> list[dict]:
+    """infer.prompt (with infer.system and infer.image) as a conversation."""
+    messages = [{"role": "system", "content": cfg.system}] if cfg.system else []
+    user = {"role": "user", "content": cfg.prompt}
+    if cfg.image:
+        user["image"] = cfg.image
+    return messages + [user]
+
+
+def read_prompts(cfg: InferConfig) -> list[Conversation]:
+    if cfg.prompts_file:
+        return read_conversations(cfg.prompts_file, "infer.prompts_file", prompts=True)
+    if cfg.prompt:
+        if cfg.image and not Path(cfg.image).is_file():
+            raise ConfigError(f"infer.image={cfg.image}: file not found — give the path of a .png/.jpg")
+        return [Conversation(0, one_prompt(cfg))]
+    return []
+
+
 def run_infer(cfg: InferConfig, model_cfg: ModelConfig, memory_gib: float | None, model_dir: Path, tokenizer,
-              run_dir: Path) -> dict:
-    prompts = read_conversations(cfg.prompts_file, "infer.prompts_file", prompts=True) if cfg.prompts_file else []
+              run_dir: Path, config_sha: str | None = None) -> dict:
+    prompts = read_prompts(cfg)  # bad prompts and a mismatched adapter stop the run before the weights load
+    if cfg.adapter:
+        check_adapter_base(cfg.adapter, model_dir, load_config(model_dir))
     quantized = model_cfg.quantize != "none"
     result: dict = {}
     if cfg.merge_to or not quantized:
@@ -137,11 +182,25 @@ def run_infer(cfg: InferConfig, model_cfg: ModelConfig, memory_gib: float | None
             model, placement = load_quantized_adapter(model_dir, cfg.adapter, model_cfg, inference_dtype())
         else:
             model, placement = place(model, cfg.gpus, memory_gib)
-        texts = generate(model, tokenizer, [c.messages for c in prompts], cfg)
+        pairs = [split_reference(c.messages) for c in prompts]
+        batch_size = cfg.batch_size or pick_batch_size(model, tokenizer, [p for p, _ in pairs], cfg, memory_gib)
+        transformers.set_seed(cfg.seed)  # sampling draws from torch's generator: same seed, same outputs
+        texts = generate(model, tokenizer, [p for p, _ in pairs], cfg, batch_size)
         out = Path(cfg.output_file) if cfg.output_file else run_dir / "predictions.jsonl"
+        out.parent.mkdir(parents=True, exist_ok=True)
         with out.open("w", encoding="utf-8") as f:
-            for conversation, text in zip(prompts, texts):
-                f.write(json.dumps({"line": conversation.line, "output": text}, ensure_ascii=False) + "\n")
-        result.update(predictions=str(out), count=len(texts),
+            for conversation, (prompt, reference), text in zip(prompts, pairs, texts):
+                row = {"line": conversation.line, "prompt": prompt, "reference": reference, "output": text}
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        provenance = write_provenance(run_dir, model_dir, config_sha, cfg.adapter, settings(cfg, batch_size))
+        result.update(predictions=str(out), count=len(texts), batch_size=batch_size, provenance=str(provenance),
                       placement={str(k): round(v / GIB, 3) for k, v in placement.items()})
     return result
+
+
+def pick_batch_size(model, tokenizer, prompts: list[list[dict]], cfg: InferConfig, memory_gib: float | None) -> int:
+    """infer.batch_size=0: as many rows as the estimator's KV-cache term fits beside the weights."""
+    longest = max(len(encode_prompt(p, tokenizer)[0]) for p in prompts)
+    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(model.dtype, "fp32")
+    return auto_batch_size(model.config, dtype, longest, cfg.max_new_tokens, len(prompts),
+                           free_gpu_bytes(memory_gib, RESERVE))

@@ -106,9 +106,13 @@ class SelfAttention(nn.Module):
         q = apply_rotary(q.view(b, s, self.heads, hd).transpose(1, 2), rope)
         k = apply_rotary(k.view(b, s, self.groups, hd).transpose(1, 2), rope)
         v = v.view(b, s, self.groups, hd).transpose(1, 2)
-        if kv_cache is not None:
+        if self.kv_reserve and use_cache:  # inside preallocated_kv_cache(): write into one buffer per layer
+            k, v = self._store(kv_cache, k, v)
+        elif kv_cache is not None:
             k, v = torch.cat([kv_cache[0], k], dim=2), torch.cat([kv_cache[1], v], dim=2)
         new_cache = (k, v) if use_cache else None
+        if s == 1 and kv_cache is not None and self.groups != self.heads and not self.training:
+            return self.dense(self._decode_grouped(q, k, v, mask).reshape(b, 1, self.heads * hd)), new_cache
         if self.groups != self.heads:  # query head i reads KV group i // (heads / groups), as the reference
             rep = self.heads // self.groups
             k = k.unsqueeze(2).expand(b, self.groups, rep, k.shape[2], hd).reshape(b, self.heads, k.shape[2], hd)
@@ -120,6 +124,38 @@ class SelfAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                                  dropout_p=self.dropout_p if self.training else 0.0)
         return self.dense(out.transpose(1, 2).reshape(b, s, self.heads * hd)), new_cache
+
+
+    # Set by glmtune.infer.kvcache.preallocated_kv_cache: new tokens to reserve room for (0 = off).
+    kv_reserve = 0
+    _kv_buffer: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _store(self, cache: KVCache | None, k: torch.Tensor, v: torch.Tensor) -> KVCache:
+        """Append k, v to a buffer allocated once (prompt + kv_reserve tokens) and return views of the filled
+        part, instead of concatenating (a fresh copy of the whole cache per layer and token). A cache that is
+        not the front of this layer's buffer (or a full buffer) falls back to concatenation."""
+        buffer = self._kv_buffer
+        past = 0 if cache is None else cache[0].shape[2]
+        mine = (cache is None or (buffer is not None and cache[0].data_ptr() == buffer[0].data_ptr()
+                                  and cache[0].shape[0] == buffer[0].shape[0]))
+        if cache is None:
+            shape = (k.shape[0], k.shape[1], k.shape[2] + self.kv_reserve, k.shape[3])
+            buffer = self._kv_buffer = (k.new_empty(shape), v.new_empty(shape))
+        elif not mine or past + k.shape[2] > buffer[0].shape[2]:
+            return torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
+        end = past + k.shape[2]
+        buffer[0][:, :, past:end] = k
+        buffer[1][:, :, past:end] = v
+        return buffer[0][:, :, :end], buffer[1][:, :, :end]
+
+    def _decode_grouped(self, q, k, v, mask):
+        """One new token: the query heads that share a KV group become that group's rows, so attention reads the
+        cache as stored ([b, groups, past, d]) instead of a copy expanded to every head (16x the cache per
+        layer and step for GLM-4's 32 heads over 2 groups). A [b, 1, 1, past] mask broadcasts over the rows."""
+        b, _, _, hd = q.shape
+        rows = q.view(b, self.groups, self.heads // self.groups, hd)  # head i -> group i // rep, as below
+        out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask)
+        return out.reshape(b, self.heads, hd)
 
 
 class MLP(nn.Module):

@@ -244,7 +244,10 @@ class ChatGLMForConditionalGeneration(GLMPreTrainedModel):
                 self._image_layout = (input_ids.shape[1], rows.tolist(), input_ids)
                 inputs.update(images=images, image_rows=image_rows)
         else:
-            input_ids, position_ids = input_ids[:, -1:], position_ids[:, -1:]
+            # Caller position_ids (the official tokenizer returns them) cover the prompt only and generate()
+            # passes them unchanged each step: advance the last one by the tokens generated since.
+            position_ids = position_ids[:, -1:] + (input_ids.shape[1] - position_ids.shape[1])
+            input_ids = input_ids[:, -1:]
             if self._image_layout is not None:  # the cache holds the spliced prompt: widen the mask to match
                 attention_mask = self._spliced_mask(attention_mask, past_key_values[0][0].shape[2] + 1)
         return {**inputs, "input_ids": input_ids, "past_key_values": past_key_values,

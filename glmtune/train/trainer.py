@@ -18,7 +18,9 @@ import torch
 import transformers
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from ..config import RunConfig, TrainConfig
+from ..config import EVAL_METRICS, RunConfig, TrainConfig
+from ..infer.provenance import write_base_identity
+from .evaluation import BestTracker, GenerationEval, keep_best_adapter, perplexity
 from ..launch import single_process_env
 from .compile import compile_blocks, resolve_compile, resolve_packed_attention, set_packed_attention
 from .zero3 import adapter_fingerprint, deepspeed_config
@@ -110,10 +112,13 @@ def prepare_model(model: torch.nn.Module, run: RunConfig, choices: Choices) -> t
     return model
 
 
-def make_trainer(args: TrainingArguments, model, train_set, val_set, collator, callbacks=()) -> Trainer:
+def make_trainer(args: TrainingArguments, model, train_set, val_set, collator, callbacks=(),
+                 generation_eval: GenerationEval | None = None, best: BestTracker | None = None) -> Trainer:
     """The Trainer for the run and for the probe; args carries train.learning_rate and train.weight_decay."""
-    return LoraTrainer(model=model, args=args, train_dataset=train_set, eval_dataset=val_set or None,
-                       data_collator=collator, callbacks=list(callbacks))
+    trainer = LoraTrainer(model=model, args=args, train_dataset=train_set, eval_dataset=val_set or None,
+                          data_collator=collator, callbacks=list(callbacks))
+    trainer.generation_eval, trainer.best = generation_eval, best
+    return trainer
 
 
 class LoraTrainer(Trainer):
@@ -131,6 +136,24 @@ class LoraTrainer(Trainer):
                                                weight_decay=self.args.weight_decay)
         return self.optimizer
 
+    generation_eval: GenerationEval | None = None
+    best: BestTracker | None = None
+    last_eval: dict | None = None  # the latest evaluation's metrics, with its "step"
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
+        """The Trainer's loss evaluation, then perplexity and (eval.generate) the generation metrics, logged as
+        a second line of the same step (TensorBoard eval/*, metrics.jsonl); the best-checkpoint bookkeeping."""
+        metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        extra = {"eval_perplexity": perplexity(metrics["eval_loss"])}
+        if self.generation_eval is not None:
+            extra.update(self.generation_eval(self.model, self.state.global_step, self.is_world_process_zero()))
+        self.log(extra)
+        metrics.update(extra)
+        if self.best is not None:
+            self.best.update(metrics, self.state.global_step, self.control)
+        self.last_eval = {**metrics, "step": self.state.global_step}
+        return metrics
+
 
 class MetricsFile(TrainerCallback):
     """Every log line of the Trainer, one JSON object per line, in run_dir/metrics.jsonl (rank 0)."""
@@ -145,20 +168,33 @@ class MetricsFile(TrainerCallback):
 
 
 def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, train_set, val_set,
-          collator, planned_bytes: int | None = None, budget_bytes: int | None = None) -> tuple[dict, torch.nn.Module]:
-    """Fine-tune, save the adapter (rank 0) and return (metrics, the trained PEFT model). planned_bytes and
-    budget_bytes (the plan's per-GPU peak and budget) are drawn on memory_timeline.png."""
+          collator, tokenizer=None, planned_bytes: int | None = None, budget_bytes: int | None = None
+          ) -> tuple[dict, torch.nn.Module]:
+    """Fine-tune, save the adapter (rank 0) and return (metrics, the trained PEFT model).
+
+    tokenizer: needed for eval.generate (replies are generated and decoded). planned_bytes and budget_bytes
+    (the plan's per-GPU peak and budget) are drawn on memory_timeline.png."""
     args = training_args(run.train, choices, run_dir, has_eval=bool(val_set))
     model = build_model(model_dir, run, choices)
+    generation_eval = None
+    if val_set and run.eval.generate and tokenizer is not None:
+        generation_eval = GenerationEval(run.eval, run.data.val_file, tokenizer, choices.eval_batch_size,
+                                         run_dir / "eval", synced_gpus=choices.zero_stage == 3)
+    best = BestTracker(run.eval) if val_set else None
     trainer = make_trainer(args, model, train_set, val_set, collator,
-                           callbacks=[MetricsFile(run_dir / "metrics.jsonl"), MemoryTimeline(run_dir, planned_bytes, budget_bytes)])
+                           callbacks=[MetricsFile(run_dir / "metrics.jsonl"),
+                                      MemoryTimeline(run_dir, planned_bytes, budget_bytes)],
+                           generation_eval=generation_eval, best=best)
     result = trainer.train()
     metrics = {"train_loss": result.training_loss, "steps": result.global_step,
                # ds_numel: under ZeRO-3 a parameter's local tensor is an empty placeholder
                "trainable_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in trainable_parameters(model)),
                "runtime_s": result.metrics.get("train_runtime")}
     if val_set:
-        metrics["eval_loss"] = trainer.evaluate()["eval_loss"]
+        # The last step's evaluation, when the loop just ran it (eval_steps divides the steps), is not repeated.
+        last = trainer.last_eval if trainer.last_eval and trainer.last_eval["step"] == result.global_step \
+            else trainer.evaluate()
+        metrics.update({k: v for k, v in last.items() if k in EVAL_METRICS})
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     metrics["first_logged_loss"], metrics["last_logged_loss"] = (losses[0], losses[-1]) if losses else (math.nan,) * 2
     adapter_dir = run_dir / "adapter"
@@ -170,6 +206,11 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
     logging.getLogger(__name__).info("adapter fingerprint %s (rank %d of %d)", metrics["adapter_sha256"],
                                      trainer.args.process_index, trainer.args.world_size)
     if trainer.is_world_process_zero():
+        write_base_identity(adapter_dir, model_dir)  # mode=infer/chat refuse this adapter on another base
+        if best is not None and best.step is not None:
+            kept = keep_best_adapter(best, Path(args.output_dir), adapter_dir, result.global_step,
+                                     run_dir / "adapter_best")
+            metrics["best"] = {**best.summary(), "adapter_dir": str(kept) if kept else None}
         (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     metrics["adapter_dir"] = str(adapter_dir)
     return metrics, model

@@ -1,0 +1,58 @@
+"""Decoding settings for generate(), and the batch size that the KV cache leaves room for.
+
+Greedy by default (the same prompts give the same outputs on every run); `infer.do_sample=true` samples
+with temperature / top-p / top-k / repetition penalty from `infer.seed`.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config import InferConfig
+from ..plan.estimate import RunShape, block_working, estimate
+
+GIB = 1024 ** 3
+MAX_AUTO_BATCH = 64  # above this, decode steps stop getting cheaper per token on a 9B model (weights-bound ends)
+CPU_BATCH = 8
+
+
+def generation_kwargs(cfg: InferConfig) -> dict:
+    """Keyword arguments for model.generate(); every value explicit so the checkpoint's generation_config
+    (top_k=50 by transformers' default) cannot change what the user asked for."""
+    if not cfg.do_sample:
+        return {"do_sample": False, "repetition_penalty": cfg.repetition_penalty, "temperature": None,
+                "top_p": None, "top_k": None}
+    return {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
+            "repetition_penalty": cfg.repetition_penalty}
+
+
+def settings(cfg: InferConfig, batch_size: int) -> dict:
+    """What decides the outputs, for provenance.json."""
+    return {"max_new_tokens": cfg.max_new_tokens, "batch_size": batch_size, "do_sample": cfg.do_sample,
+            "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
+            "repetition_penalty": cfg.repetition_penalty, "seed": cfg.seed}
+
+
+def per_row_bytes(arch, dtype: str, prompt_tokens: int, max_new_tokens: int) -> int:
+    """Memory one more row of a generate() batch costs: the estimator's KV-cache term for prompt + new tokens,
+    plus one block's prefill working set for the prompt (the estimator's `generate` phase, per row)."""
+    shape = RunShape(dtype=dtype, seq_len=prompt_tokens, eval_batch=1, eval_max_new_tokens=max_new_tokens,
+                     device="cpu")
+    return estimate(arch, shape).breakdown["eval KV cache"] + block_working(arch, shape, prompt_tokens)
+
+
+def auto_batch_size(arch, dtype: str, prompt_tokens: int, max_new_tokens: int, prompts: int,
+                    free_bytes: int | None) -> int:
+    """The largest batch whose KV cache fits `free_bytes` (None = CPU: a fixed small batch), capped by the
+    number of prompts and MAX_AUTO_BATCH."""
+    if free_bytes is None:
+        return max(1, min(prompts, CPU_BATCH))
+    rows = free_bytes // max(1, per_row_bytes(arch, dtype, prompt_tokens, max_new_tokens))
+    return int(max(1, min(prompts, MAX_AUTO_BATCH, rows)))
+
+
+def free_gpu_bytes(memory_gib: float | None, reserve: int) -> int | None:
+    """Bytes left on GPU 0 after the weights, minus `reserve`; None without a GPU."""
+    if not torch.cuda.is_available():
+        return None
+    total = int(memory_gib * GIB) if memory_gib else torch.cuda.get_device_properties(0).total_memory
+    return max(0, total - torch.cuda.memory_allocated(0) - reserve)
