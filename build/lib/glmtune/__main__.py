@@ -1,0 +1,157 @@
+"""glmtune [+hw=CARD] [group=option ...] [key=value ...]   (or python -m glmtune ...; glmtune --help)
+
+compose (Hydra) -> validate the config and every data line -> plan -> probe -> train. README.md: launches.
+Exit codes: 0 done; 2 bad config or input (one line, no traceback); 3 the plan or the probe says it does not
+fit the card; 4 out of memory during training; 5 NCCL error; 6 remote code / transformers version error.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from .cli import check_command_line, chosen_mode, is_multirun, wants_info
+from .config import ConfigError, check_override_keys, parse_config
+from .data.pipeline import DataCollator, build_datasets, format_stats, longest_length, validate_files
+from .launch import export_slurm_env, rank, run_name, world_size
+from .models import load_tokenizer
+from .models.presets import arch_config, resolve_model_dir
+from .plan.estimate import GIB
+from .plan.planner import Choices, format_plan, make_plan
+from .report import header, summary
+from .rundir import console, discard_unused, fail, remove_empty_dirs, report_probe, write_run_files
+from .sweep import final_line, run_trial
+
+# Every rank of one launch must agree on the run dir; ${now:} alone would differ by a second.
+OmegaConf.register_new_resolver("glmtune_run", run_name, replace=True)
+
+
+# Set by `cli` for mode=plan without hydra.run.dir: Hydra's run dir is then a temporary folder, removed after.
+PLAN_SCRATCH: str | None = None
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> float | None:
+    export_slurm_env()  # a SLURM task of the submitit launcher: RANK, WORLD_SIZE, ... from SLURM's variables
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN:  # a trial that fails or does not fit is recorded; the sweep goes on
+        return run_trial(lambda: execute(cfg), Path(hydra_cfg.sweep.dir), Path(hydra_cfg.runtime.output_dir),
+                         hydra_cfg.job.num, list(hydra_cfg.overrides.task))
+    return execute(cfg)
+
+
+def execute(cfg: DictConfig) -> float | None:
+    start = time.monotonic()
+    run_dir, overrides = Path(HydraConfig.get().runtime.output_dir), list(HydraConfig.get().overrides.task)
+    try:
+        run = parse_config(OmegaConf.to_container(cfg, resolve=True))
+        arch = arch_config(run.model)  # config.json or built-in facts: no weights read
+        data = None
+        if run.mode in ("train", "probe"):
+            validate_files(run.data)  # every line of every file, before any weights load
+        if run.mode != "plan":
+            model_dir = resolve_model_dir(run.model)
+            tokenizer = load_tokenizer(model_dir)
+        if run.mode == "infer":
+            from .infer.generate import run_infer  # checks the prompts file before loading the weights
+
+            result = run_infer(run.infer, run.model, run.hw.memory_gib, model_dir, tokenizer, run_dir)
+            console.print(result)
+            return None
+        if data is None and run.mode != "plan":
+            data = build_datasets(run.data, tokenizer, arch.vision_config)
+    except (ConfigError, ValueError, OSError) as err:  # bad input, or a device map that cannot place a tensor
+        discard_unused(run_dir)  # a run that never started leaves no folder behind
+        fail(str(err))
+    world = world_size() if run.mode != "plan" else run.dist.nnodes * run.dist.nproc_per_node
+    length_set = run.data.max_length != 500 or any(o.lstrip("+~").startswith("data.max_length=") for o in overrides)
+    plan = make_plan(run, arch, world, length_set, data_max_tokens=longest_length(data.stats) if data else None)
+    write_run_files(run_dir, OmegaConf.to_yaml(cfg), overrides, run.model.path or run.model.name, plan)
+    shown_dir = None if PLAN_SCRATCH else run_dir
+    if rank() == 0:
+        if run.mode == "plan" or not plan.fits:
+            console.print(format_plan(plan))
+        console.print(header(run, plan, shown_dir, len(data.train) if data else None), markup=False)
+    if not plan.fits:
+        fail(f"the plan does not fit: estimated peak {plan.peak_bytes / GIB:.1f} GiB > budget "
+             f"{plan.budget_bytes / GIB:.1f} GiB with every memory lever on; "
+             + ("what fits: " + "; ".join(plan.advice) if plan.advice else
+                "no preset card, GPU count or data.max_length fits: lower lora.r or train.per_device_batch_size"),
+             code=3)
+    if run.mode == "plan":
+        if rank() == 0:
+            console.print(f"plan.json written to {run_dir / 'plan.json'}" if not PLAN_SCRATCH else
+                          "plan.json not kept (add hydra.run.dir=DIR to keep it)", markup=False)
+        return None
+    # The Trainer stack costs ~0.7 s of imports that mode=plan does not need.
+    from .probe.diagnose import diagnosed, record_memory_history
+    from .probe.probe import run_probe
+    from .train.trainer import train
+
+    if rank() == 0:
+        console.print(format_stats(data.stats))
+    collator = DataCollator(tokenizer.pad_token_id, image_size=(arch.vision_config or {}).get("image_size"))
+    choices = plan.choices
+    if run.probe.enabled:
+        probe = run_probe(run, plan, arch, model_dir, longest_length(data.stats), tokenizer, collator,
+                          run_dir, world, evaluates=data.val is not None)
+        report_probe(probe, run_dir)
+        remove_empty_dirs(run_dir, "probe")  # the probe's Trainer makes an output folder it never writes to
+        if not probe.fits:
+            fail("the probe measured more than the budget on every rung: " + "; ".join(plan.advice), code=3)
+        choices = Choices(**probe.final)
+    if run.mode == "probe":
+        return None
+    record_memory_history()
+    with diagnosed(run_dir, plan.breakdown, choices.to_dict(), run.probe.enabled):
+        metrics, _ = train(run, choices, run_dir, model_dir, data.train, data.val, collator)
+    remove_empty_dirs(run_dir, "checkpoints")  # only train.save_steps > 0 writes checkpoints
+    if rank() == 0:
+        console.print(summary(metrics, time.monotonic() - start), markup=False)
+    return metrics["train_loss"]
+
+
+def cli() -> None:
+    """The `glmtune` command and `python -m glmtune`: --help/--version, command-line checks, then Hydra."""
+    global PLAN_SCRATCH
+    argv = sys.argv[1:]
+    info = wants_info(argv)
+    if info is not None:
+        print(info)
+        return
+    try:
+        check_command_line(argv)
+        check_override_keys(argv)
+    except ConfigError as err:
+        fail(str(err))
+    multirun = is_multirun(argv)
+    if chosen_mode(argv) == "plan" and not multirun and not any(a.startswith("hydra.run.dir=") for a in argv):
+        PLAN_SCRATCH = tempfile.mkdtemp(prefix="glmtune-plan-")
+        sys.argv.append(f"hydra.run.dir={PLAN_SCRATCH}")
+    # Hydra then raises its composition errors instead of printing them with exit code 1; below they become
+    # glmtune's one line with exit code 2 (the checks above catch the common ones with a better message).
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        main()
+    except (HydraException, OmegaConfBaseException) as err:
+        fail(" ".join(str(err).split()))
+    finally:
+        if PLAN_SCRATCH:
+            shutil.rmtree(PLAN_SCRATCH, ignore_errors=True)
+    if multirun and rank() == 0 and final_line():
+        console.print(final_line(), markup=False)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,268 @@
+"""Check every line of the training and validation files before any weights load.
+
+A bad line found after a 9B model has loaded (minutes) or inside a DataLoader worker (a traceback per
+rank) is expensive; here it costs a file read. Each problem becomes ONE line for the user:
+
+    data/train.jsonl:12: messages[2] has unknown role 'bot' — use one of: system, user, assistant, observation …
+
+Every line of a file is checked, so the message also says how many more lines are bad and which.
+The format is the official GLM-4 fine-tune format, one JSON object per line:
+    {"messages": [{"role": "system"|"user"|"assistant"|"observation", "content": "...",
+                   "metadata": "..." (optional), "tools": [...] (system only)}, ...]}
+ChatGLM3's `conversations` key is accepted as an alias of `messages`.
+GLM-4V: the first user message may carry `"image": "<path>"` (one image per conversation, as the official
+script); a relative path is relative to the data file's folder. Every image must exist and open as an image.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from ..config import ConfigError, DataConfig
+
+ROLES = ("system", "user", "assistant", "observation")
+MESSAGE_KEYS = ("messages", "conversations")  # GLM-4 name first, then the ChatGLM3 alias
+# Tool types the GLM-4 chat template renders: user functions plus its three built-in tools.
+TOOL_TYPES = ("function", "python", "simple_browser", "cogview")
+_SHOWN_LINES = 5  # how many further bad line numbers the one-line message lists
+_UTF8_BOM = b"\xef\xbb\xbf"  # written by some Windows editors; harmless, so it is skipped
+
+
+class DataError(ConfigError):
+    """A data file that cannot be trained on: one line `<file>:<line>: <what is wrong> — <what to do>`."""
+
+
+class Conversation(NamedTuple):
+    line: int  # 1-based line number in the file, for messages about this example later on
+    messages: list[dict[str, Any]]
+
+
+class _Problem(NamedTuple):
+    line: int
+    what: str
+    fix: str
+
+
+# The bundled sample sets live in the package (glmtune/data/samples*), so an installed glmtune finds them.
+SHIPPED = Path(__file__).resolve().parent
+SAMPLE_SETS = ("samples", "samples_vision")
+
+
+def locate(path: str | Path) -> Path:
+    """A data path as written, except that `data/samples/...` and `data/samples_vision/...` fall back to the
+    copies shipped inside glmtune when the launch directory has no such file (e.g. `pip install .`, then
+    glmtune from any folder). A file of the user's at that path always wins."""
+    given = Path(path).expanduser()
+    parts = given.parts
+    if not given.exists() and not given.is_absolute() and len(parts) > 2 and parts[0] == "data" \
+            and parts[1] in SAMPLE_SETS and SHIPPED.joinpath(*parts[1:]).exists():
+        return SHIPPED.joinpath(*parts[1:])
+    return given
+
+
+def validate_files(cfg: DataConfig) -> None:
+    """Read and check the train file and, when set, the validation file; raise DataError on the first bad one."""
+    read_conversations(cfg.train_file, "data.train_file")
+    if cfg.val_file is not None:
+        read_conversations(cfg.val_file, "data.val_file")
+
+
+def read_conversations(path: str | Path, key: str = "data.train_file", prompts: bool = False) -> list[Conversation]:
+    """All conversations of a JSONL file, or DataError naming the first bad line and counting the others.
+
+    `key` is the config key that named the file, so the message can say what to change. `prompts=True`
+    reads generation prompts: they end on a user or observation turn instead of containing a reply.
+    """
+    shown = str(path)  # as the user wrote it in the config, which is what they will recognise
+    path = locate(path)
+    raw = _read_bytes(path, shown, key)
+    conversations: list[Conversation] = []
+    problems: list[_Problem] = []
+    offset = 0  # byte offset of the current line's first byte in the file
+    for line_no, raw_line in enumerate(raw.split(b"\n"), start=1):
+        line_start, offset = offset, offset + len(raw_line) + 1
+        if line_no == 1 and raw_line.startswith(_UTF8_BOM):
+            raw_line, line_start = raw_line[len(_UTF8_BOM):], line_start + len(_UTF8_BOM)
+        try:
+            text = raw_line.decode("utf-8")
+        except UnicodeDecodeError as err:
+            bad_byte = raw_line[err.start]
+            problems.append(_Problem(line_no, f"not valid UTF-8 (byte 0x{bad_byte:02x} at byte offset "
+                                              f"{line_start + err.start} of the file)",
+                                     "re-save the file as UTF-8, e.g. `iconv -f GBK -t UTF-8`"))
+            continue
+        if not text.strip():
+            continue  # blank lines (and the newline at the end of the file) are allowed
+        result = _parse_line(text, line_no, prompts)
+        if not isinstance(result, _Problem):
+            result = _resolve_image(result, Path(path).parent, line_no)
+        if isinstance(result, _Problem):
+            problems.append(result)
+        else:
+            conversations.append(Conversation(line_no, result))
+    if problems:
+        raise DataError(_one_line(shown, problems))
+    if not conversations:
+        raise DataError(f"{shown}:1: file has no conversations — write one {{\"messages\": [...]}} JSON object "
+                        f"per line, or point {key} at another file")
+    return conversations
+
+
+def _read_bytes(path: Path, shown: str, key: str) -> bytes:
+    if not path.exists():
+        where = "" if path.is_absolute() else f" (relative to the launch directory {Path.cwd()})"
+        what = "validation file not found" if key == "data.val_file" else "file not found"
+        fix = f"fix {key}{where}"
+        if key == "data.val_file":
+            fix += ", or set data.val_file=null to train without evaluation"
+        raise DataError(f"{shown}: {what} — {fix}")
+    if path.is_dir():
+        raise DataError(f"{shown}: is a directory — point {key} at a .jsonl file")
+    try:
+        return path.read_bytes()
+    except OSError as err:
+        raise DataError(f"{shown}: cannot read ({err.strerror or err}) — check the file's permissions") from None
+
+
+def _one_line(shown: str, problems: list[_Problem]) -> str:
+    first, rest = problems[0], problems[1:]
+    message = f"{shown}:{first.line}: {first.what} — {first.fix}"
+    if rest:
+        lines = ", ".join(str(p.line) for p in rest[:_SHOWN_LINES]) + (", …" if len(rest) > _SHOWN_LINES else "")
+        plural = "line" if len(rest) == 1 else "lines"
+        message += f" (… and {len(rest)} more bad {plural}: {lines})"
+    return message
+
+
+def _parse_line(text: str, line_no: int, prompts: bool = False) -> list[dict[str, Any]] | _Problem:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as err:
+        return _Problem(line_no, f"invalid JSON: {err.msg} (column {err.colno})",
+                        "each line must be one complete JSON object; check quotes, commas and brackets")
+    if not isinstance(obj, dict):
+        return _Problem(line_no, f"line is {_kind(obj)}, not an object",
+                        'write one {"messages": [...]} object per line')
+    key = next((k for k in MESSAGE_KEYS if k in obj), None)
+    if key is None:
+        found = ", ".join(repr(k) for k in list(obj)[:5]) or "none"
+        return _Problem(line_no, f"no \"messages\" list (keys found: {found})",
+                        'put the conversation under "messages" (or ChatGLM3\'s "conversations")')
+    messages = obj[key]
+    if not isinstance(messages, list) or not messages:
+        got = "empty" if isinstance(messages, list) else _kind(messages)
+        return _Problem(line_no, f"\"{key}\" is {got}", f"make \"{key}\" a non-empty list of messages")
+    if "tools" in obj:  # ChatGLM3's top-level tools: its own demo refuses them too
+        return _Problem(line_no, "top-level \"tools\" is not supported",
+                        "move the tools list onto the system message: {\"role\": \"system\", \"content\": \"\", "
+                        "\"tools\": [...]}")
+    for index, message in enumerate(messages):
+        problem = _check_message(message, f"{key}[{index}]")
+        if problem is not None:
+            return _Problem(line_no, *problem)
+    with_image = [i for i, m in enumerate(messages) if "image" in m]
+    first_user = next(i for i, m in enumerate(messages) if m["role"] == "user") if with_image else None
+    if with_image and with_image != [first_user]:
+        late = next(i for i in with_image if i != first_user)
+        return _Problem(line_no, f"{key}[{late}] has an \"image\", but only the first user message may carry one "
+                        "(GLM-4V takes one image per conversation)",
+                        "move the image to the first user message, or split the conversation")
+    if prompts:
+        if messages[-1]["role"] not in ("user", "observation"):
+            return _Problem(line_no, f"the prompt ends on a \"{messages[-1]['role']}\" message",
+                            "end each prompt on the user (or observation) turn the model should answer")
+    elif not any(m["role"] == "assistant" and m["content"] for m in messages):
+        return _Problem(line_no, "no assistant message with non-empty content, so nothing would be trained",
+                        "add the assistant reply the model should learn, or delete the line")
+    return messages
+
+
+def _check_message(message: Any, where: str) -> tuple[str, str] | None:
+    """(what is wrong, what to do) for the first problem of one message, or None."""
+    if not isinstance(message, dict):
+        return f"{where} is {_kind(message)}, not an object", 'write each message as {"role": ..., "content": ...}'
+    role = message.get("role")
+    if role not in ROLES:
+        what = f"{where} has no role" if role is None else f"{where} has unknown role {_short(role)}"
+        return what, f"use one of: {', '.join(ROLES)}"
+    if "content" not in message:
+        return f"{where} ({role}) has no \"content\"", 'add "content": "" (an empty string is allowed)'
+    if not isinstance(message["content"], str):
+        return (f"{where} ({role}) content is {_kind(message['content'])}, not a string",
+                "write content as text; tool calls and tool results go in as JSON text (json.dumps)")
+    if "metadata" in message and not isinstance(message["metadata"], str):
+        return (f"{where} ({role}) metadata is {_kind(message['metadata'])}, not a string",
+                'write metadata as text (e.g. the called function name) or drop the key')
+    if "image" in message and (role != "user" or not isinstance(message["image"], str) or not message["image"]):
+        what = (f"{where} ({role}) has an \"image\"; only a user message may carry one" if role != "user"
+                else f"{where} image is {_kind(message['image'])}, not a file path")
+        return what, 'write "image": "path/to/picture.jpg" on the first user message'
+    if "tools" in message:
+        return _check_tools(message["tools"], role, where)
+    return None
+
+
+def _resolve_image(messages: list[dict[str, Any]], folder: Path, line_no: int) -> list[dict[str, Any]] | _Problem:
+    """Make a message's image path absolute (relative = to the data file's folder) and check that it opens.
+
+    Only the header is read here (Pillow opens lazily), so checking a large set costs one small read per image;
+    a file damaged further in fails later, in the collator, with the same file:line-free path message."""
+    for message in messages:
+        if "image" not in message:
+            continue
+        image = Path(message["image"]).expanduser()
+        image = image if image.is_absolute() else (folder / image).resolve()
+        try:
+            from PIL import Image
+
+            with Image.open(image):
+                pass
+        except FileNotFoundError:
+            return _Problem(line_no, f"image not found: {image}", "fix the path (relative paths are relative to "
+                                                                  "the data file's folder)")
+        except (OSError, ValueError) as err:  # PIL.UnidentifiedImageError is an OSError
+            return _Problem(line_no, f"image cannot be read: {image} ({type(err).__name__})",
+                            "check that the file is a PNG/JPEG/WebP image and is readable")
+        message["image"] = str(image)
+    return messages
+
+
+def _check_tools(tools: Any, role: str, where: str) -> tuple[str, str] | None:
+    if role != "system":
+        return (f"{where} ({role}) has \"tools\"; only the system message may carry them",
+                'move "tools" onto a system message {"role": "system", "content": "", "tools": [...]}')
+    if not isinstance(tools, list):
+        return (f"{where} tools is {_kind(tools)}, not a list",
+                'write "tools": [{"type": "function", "function": {...}}]')
+    for index, tool in enumerate(tools):
+        here = f"{where}.tools[{index}]"
+        if not isinstance(tool, dict) or tool.get("type") not in TOOL_TYPES:
+            what = (f"{here} has type {_short(tool.get('type'))}" if isinstance(tool, dict)
+                    else f"{here} is {_kind(tool)}")
+            return what, f"write an object whose type is one of: {', '.join(TOOL_TYPES)}"
+        if tool["type"] != "function":
+            continue
+        function = tool.get("function")
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            return (f"{here} has no function name",
+                    'write "function": {"name": ..., "description": ..., "parameters": {...}}')
+        parameters = function.get("parameters")
+        if parameters is not None and (not isinstance(parameters, dict)
+                                       or not isinstance(parameters.get("properties", {}), dict)):
+            return (f"{here} parameters is not a JSON-schema object",
+                    'write "parameters": {"type": "object", "properties": {...}, "required": [...]}')
+    return None
+
+
+def _kind(value: Any) -> str:
+    """JSON's name for a Python value's type with its article ("an object", "a string"), as written in the file."""
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+             float: "a number"}
+    return "null" if value is None else names.get(type(value), f"a {type(value).__name__}")
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    """A value quoted for a one-line message: repr, newlines escaped, cut to `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"

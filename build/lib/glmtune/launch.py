@@ -1,0 +1,77 @@
+"""Who this process is in a launch: rank, world size, the run dir name all ranks agree on, SLURM tasks.
+
+    python -m glmtune ...                                                   # one process
+    torchrun --standalone --nproc_per_node 4 -m glmtune +hw=rtx4090_24g ...   # one node, 4 GPUs
+    scripts/torchrun_multinode.sh        # several nodes: torchrun agents meeting at a c10d rendezvous
+    scripts/deepspeed_launch.sh          # several nodes: the deepspeed launcher (--no_local_rank, hostfile)
+    python -m glmtune -m hydra/launcher=slurm ...   # SLURM via hydra-submitit-launcher (conf/hydra/launcher)
+
+Every launch runs Hydra inside each rank. The ranks agree on one run dir (`run_name`), each logs to
+its own `rank<N>.log`, and only rank 0 writes shared files. Under SLURM no torchrun runs inside the
+job: srun starts one task per GPU and `export_slurm_env` turns SLURM's variables into torch's.
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+
+# torchrun --standalone names a launch with a random uuid4 (32 hex digits, with or without dashes).
+_UUID = re.compile(r"^[0-9a-f]{8}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{12}$")
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def run_name(now: str) -> str:
+    """The run dir's last part, identical on every rank of one launch.
+
+    torchrun gives every worker the same TORCHELASTIC_RUN_ID (a fresh id under --standalone, --rdzv_id
+    otherwise); other launchers set GLMTUNE_RUN_ID or pass hydra.run.dir. A lone process uses the time.
+    `now` is "DATE/TIME". A --standalone uuid becomes "DATE/torchrun-<first 8 hex digits>": readable, and
+    still the same on every rank (the time of day is not: workers start a second apart).
+    """
+    for var in ("GLMTUNE_RUN_ID", "TORCHELASTIC_RUN_ID"):
+        value = os.environ.get(var)
+        if value and value != "none":
+            if _UUID.match(value.lower()):
+                return f"{now.split('/')[0]}/torchrun-{value.replace('-', '')[:8]}"
+            return value
+    return now
+
+
+def export_slurm_env() -> bool:
+    """Inside a task that srun started (the submitit launcher, or `srun python -m glmtune` in an sbatch
+    script), set torch's env:// variables from SLURM's, as submitit's TorchDistributedEnvironment does.
+
+    Does nothing under torchrun or deepspeed (RANK is already set) and for a single task. Returns whether
+    it exported. CUDA_VISIBLE_DEVICES is left alone: each task sees the node's GPUs and the Trainer picks
+    cuda:LOCAL_RANK, which a one-GPU mask per task would turn into a missing device.
+    """
+    env = os.environ
+    if "RANK" in env or "SLURM_JOB_ID" not in env or int(env.get("SLURM_NTASKS", "1")) < 2:
+        return False
+    from submitit.slurm.slurm import SlurmJobEnvironment  # the [slurm] extra; parses "gpu[07-08],cpu3"
+
+    tasks, nodes = int(env["SLURM_NTASKS"]), int(env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", "1")))
+    env.update(RANK=env["SLURM_PROCID"], LOCAL_RANK=env["SLURM_LOCALID"], WORLD_SIZE=str(tasks),
+               LOCAL_WORLD_SIZE=str(tasks // nodes), MASTER_ADDR=SlurmJobEnvironment().hostnames[0],
+               # the same port on every task without talking: derived from the job id (submitit's rule)
+               MASTER_PORT=env.get("MASTER_PORT") or str(20000 + int(env["SLURM_JOB_ID"]) % 40000))
+    return True
+
+
+def single_process_env() -> None:
+    """DeepSpeed needs a process group even for one process; without a launcher's variables it falls back
+    to MPI discovery (mpi4py). Give a lone process the env a 1-process torchrun would."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -1,0 +1,179 @@
+"""Building blocks of the GLM-4 / ChatGLM3 decoder (the model class is in modeling_glm4.py).
+
+Behaviour follows the reference `modeling_chatglm.py` (facts: ../shared/reference/glm4-facts.md §2-§5):
+RMSNorm with an fp32 variance; rotary embedding on the first half of each head's dims with interleaved
+adjacent pairs, base 10000 * rope_ratio; grouped-query attention (multi_query_group_num KV heads) through
+a fused query_key_value projection with bias; SwiGLU MLP with a fused dense_h_to_4h; pre-norm residuals;
+final norm; untied output layer; loss on fp32 logits.
+
+Differences from the reference that change no result:
+- batch-first tensors everywhere (ChatGLM3's reference is sequence-first; the maths is the same);
+- the rotary table is built for the positions in use, not for all `seq_length` (131072) positions;
+- right-padded batches without a KV cache run SDPA with `is_causal=True` and no dense mask: a real token
+  can never see a later pad under a causal mask, so the result is identical and SDPA may use its
+  memory-efficient kernels (the reference builds a dense [B, 1, L, L] mask for any padded batch);
+- `gradient_checkpointing_enable()` really engages (the June-2024 reference silently ignores it, §5).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from .configuration import GLMConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (key, value), each [batch, kv_groups, seq, head_dim]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Variance in fp32 even for bf16 inputs; the product promotes to fp32 and is cast back, as the reference.
+        # (float64 inputs, used by the tests, keep float64.)
+        variance = x.to(torch.promote_types(x.dtype, torch.float32)).pow(2).mean(-1, keepdim=True)
+        return (self.weight * (x * torch.rsqrt(variance + self.eps))).to(x.dtype)
+
+
+def make_norm(config: GLMConfig) -> nn.Module:
+    if config.rmsnorm:
+        return RMSNorm(config.hidden_size, config.layernorm_epsilon)
+    return nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin table for the rotated half of each head (64 of 128 dims in the released models)."""
+
+    def __init__(self, config: GLMConfig):
+        super().__init__()
+        self.dim = config.kv_channels // 2
+        self.base = 10000.0 * config.rope_ratio
+        # Kept for device placement and checkpoint compatibility only (the reference uses it for dtype and
+        # device too); the frequencies are recomputed in fp32 on every call so a bf16 cast cannot degrade them.
+        self.register_buffer("inv_freq", self._theta(torch.device("cpu")), persistent=False)
+
+    def _theta(self, device: torch.device) -> torch.Tensor:
+        exponent = torch.arange(0, self.dim, 2, dtype=torch.float32, device=device) / self.dim
+        return 1.0 / (self.base ** exponent)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """position_ids [B, S] -> [B, S, dim/2, 2] with (cos, sin) in the last axis."""
+        angles = position_ids[..., None].to(torch.float32) * self._theta(self.inv_freq.device)
+        cache = torch.stack([torch.cos(angles), torch.sin(angles)], dim=-1)
+        return cache.to(dtype) if dtype in (torch.float16, torch.bfloat16) else cache
+
+
+def apply_rotary(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs (x[2i], x[2i+1]) of the first 2*rope.shape[-2] dims; pass the rest through."""
+    b, h, s, _ = x.shape
+    rot = rope.shape[-2] * 2
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    pairs = x_rot.reshape(b, h, s, rot // 2, 2)
+    rope = rope.view(rope.shape[0], 1, s, rot // 2, 2)
+    out = torch.stack(
+        [pairs[..., 0] * rope[..., 0] - pairs[..., 1] * rope[..., 1],
+         pairs[..., 1] * rope[..., 0] + pairs[..., 0] * rope[..., 1]],
+        dim=-1,
+    ).flatten(3)
+    return torch.cat([out, x_pass], dim=-1)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: GLMConfig):
+        super().__init__()
+        self.heads, self.groups, self.head_dim = config.num_attention_heads, config.kv_groups, config.kv_channels
+        self.query_key_value = nn.Linear(config.hidden_size, config.qkv_out,
+                                         bias=config.add_bias_linear or config.add_qkv_bias)
+        self.dense = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=config.add_bias_linear)
+        self.dropout_p = config.attention_dropout
+
+    def forward(self, x, mask, rope, kv_cache: KVCache | None, use_cache: bool):
+        b, s, _ = x.shape
+        hd = self.head_dim
+        q, k, v = self.query_key_value(x).split([self.heads * hd, self.groups * hd, self.groups * hd], dim=-1)
+        q = apply_rotary(q.view(b, s, self.heads, hd).transpose(1, 2), rope)
+        k = apply_rotary(k.view(b, s, self.groups, hd).transpose(1, 2), rope)
+        v = v.view(b, s, self.groups, hd).transpose(1, 2)
+        if kv_cache is not None:
+            k, v = torch.cat([kv_cache[0], k], dim=2), torch.cat([kv_cache[1], v], dim=2)
+        new_cache = (k, v) if use_cache else None
+        if self.groups != self.heads:  # query head i reads KV group i // (heads / groups), as the reference
+            rep = self.heads // self.groups
+            k = k.unsqueeze(2).expand(b, self.groups, rep, k.shape[2], hd).reshape(b, self.heads, k.shape[2], hd)
+            v = v.unsqueeze(2).expand(b, self.groups, rep, v.shape[2], hd).reshape(b, self.heads, v.shape[2], hd)
+        causal = mask is None and s > 1 and kv_cache is None
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                             dropout_p=self.dropout_p if self.training else 0.0)
+        return self.dense(out.transpose(1, 2).reshape(b, s, self.heads * hd)), new_cache
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GLMConfig):
+        super().__init__()
+        self.dense_h_to_4h = nn.Linear(config.hidden_size, 2 * config.ffn_hidden_size, bias=config.add_bias_linear)
+        self.dense_4h_to_h = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.dense_h_to_4h(x).chunk(2, dim=-1)
+        return self.dense_4h_to_h(F.silu(gate) * up)
+
+
+class GLMBlock(nn.Module):
+    def __init__(self, config: GLMConfig):
+        super().__init__()
+        self.post_ln_residual = config.apply_residual_connection_post_layernorm
+        self.input_layernorm = make_norm(config)
+        self.self_attention = SelfAttention(config)
+        self.post_attention_layernorm = make_norm(config)
+        self.mlp = MLP(config)
+        self.hidden_dropout = config.hidden_dropout
+
+    def forward(self, hidden, mask, rope, kv_cache=None, use_cache=False):
+        normed = self.input_layernorm(hidden)
+        attn, new_cache = self.self_attention(normed, mask, rope, kv_cache, use_cache)
+        residual = normed if self.post_ln_residual else hidden
+        hidden = F.dropout(attn, self.hidden_dropout, self.training) + residual
+        normed = self.post_attention_layernorm(hidden)
+        residual = normed if self.post_ln_residual else hidden
+        return F.dropout(self.mlp(normed), self.hidden_dropout, self.training) + residual, new_cache
+
+
+class GLMTransformer(nn.Module):
+    def __init__(self, config: GLMConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(GLMBlock(config) for _ in range(config.num_layers))
+        self.final_layernorm = make_norm(config) if config.post_layer_norm else None
+        # Set by PreTrainedModel.gradient_checkpointing_enable() through _set_gradient_checkpointing.
+        self.gradient_checkpointing = False
+        self._gradient_checkpointing_func = checkpoint
+
+    def forward(self, hidden, mask, rope, kv_caches, use_cache):
+        presents = [] if use_cache else None
+        for i, layer in enumerate(self.layers):
+            cache = kv_caches[i] if kv_caches is not None else None
+            if self.gradient_checkpointing and self.training:
+                hidden, present = self._gradient_checkpointing_func(layer.__call__, hidden, mask, rope, cache, use_cache)
+            else:
+                hidden, present = layer(hidden, mask, rope, cache, use_cache)
+            if use_cache:
+                presents.append(present)
+        if self.final_layernorm is not None:
+            hidden = self.final_layernorm(hidden)
+        return hidden, presents
+
+
+class Embedding(nn.Module):
+    def __init__(self, config: GLMConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.padded_vocab_size, config.hidden_size)
+        self.fp32_residual_connection = config.fp32_residual_connection
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        emb = self.word_embeddings(input_ids)
+        return emb.float() if self.fp32_residual_connection else emb

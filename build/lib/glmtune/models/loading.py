@@ -1,0 +1,141 @@
+"""Load official GLM-4 / ChatGLM3 checkpoint folders natively, and write tiny random ones.
+
+A checkpoint folder holds config.json plus `model*.safetensors` or `pytorch_model*.bin` (sharded with an
+index json or not) and tokenizer files. glmtune reads the weights into its own model class and never
+imports the Python files the folder ships (`modeling_chatglm.py`, ...); `trust_remote_code=True` is an
+explicit opt-in that does run them.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from transformers.integrations import is_deepspeed_zero3_enabled
+
+from .configuration import GLMConfig
+from .modeling_glm4 import ChatGLMForConditionalGeneration
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def load_config(path: str | os.PathLike) -> GLMConfig:
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file}: no config.json — point model.path at a GLM-4/ChatGLM3 checkpoint folder")
+    return GLMConfig.from_json_file(str(config_file))
+
+
+def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None,
+               trust_remote_code: bool = False) -> torch.nn.Module:
+    """Load a checkpoint folder into glmtune's model.
+
+    dtype None keeps the checkpoint's own dtype (config.json `torch_dtype`, bf16 for GLM-4).
+    device "meta" builds the model from config.json alone, without reading any weight file: the planner
+    and device maps use it to count and place parameters of a 9B model in milliseconds.
+    """
+    dtype = _as_dtype(dtype)
+    if trust_remote_code:
+        return _load_remote_code(path, dtype, device)
+    config = load_config(path)
+    if str(device) == "meta":
+        return build_meta_model(config, dtype)
+    model, info = ChatGLMForConditionalGeneration.from_pretrained(
+        str(path), config=config, torch_dtype=dtype or "auto", output_loading_info=True,
+        # ZeRO-3 builds the model inside deepspeed.zero.Init, which low_cpu_mem_usage would bypass.
+        low_cpu_mem_usage=not is_deepspeed_zero3_enabled(),
+    )
+    # With low_cpu_mem_usage, transformers 4.40 leaves a missing weight on the meta device without listing it.
+    missing = info["missing_keys"] or [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"{path}: checkpoint lacks {len(missing)} weights, e.g. "
+                         f"{', '.join(missing[:3])} — is it a complete GLM-4/ChatGLM3 checkpoint?")
+    model.config.name_or_path = str(path)
+    return model.to(device) if device is not None else model
+
+
+def build_meta_model(config: GLMConfig, dtype: torch.dtype | None = None) -> ChatGLMForConditionalGeneration:
+    with torch.device("meta"):
+        model = ChatGLMForConditionalGeneration(config)
+    return model.to(dtype) if dtype is not None else model
+
+
+def _load_remote_code(path, dtype, device):
+    """Opt-in path: the folder's own modeling code (what `trust_remote_code=True` means everywhere in HF)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), trust_remote_code=True, torch_dtype=dtype or "auto",
+                                                 empty_init=False)
+    return model.to(device) if device is not None else model
+
+
+def enable_checkpointing(model: torch.nn.Module, use_reentrant: bool = True) -> int:
+    """Turn gradient checkpointing on and make sure it engaged; returns how many modules use it.
+
+    The June-2024 reference code overrides `gradient_checkpointing_enable()` with a no-op, so after the HF
+    call every module that exposes the `gradient_checkpointing` flag (the reference's GLMTransformer does)
+    is set directly, and a model with none raises instead of silently training without it.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    flagged = [m for m in base.modules() if hasattr(m, "gradient_checkpointing")]
+    for module in flagged:
+        module.gradient_checkpointing = True
+    if not flagged:
+        raise RuntimeError("gradient checkpointing did not engage: no module exposes a gradient_checkpointing flag")
+    return len(flagged)
+
+
+# Small enough to train for the demo on 2 CPU cores in seconds, with the real model's structure:
+# GQA with 2 KV groups, partial rotary, fused QKV with bias, SwiGLU, untied output layer.
+TINY_ARCH = dict(num_layers=2, hidden_size=64, ffn_hidden_size=172, kv_channels=16, num_attention_heads=4,
+                 multi_query_attention=True, multi_query_group_num=2, add_qkv_bias=True, add_bias_linear=False,
+                 rmsnorm=True, post_layer_norm=True, apply_residual_connection_post_layernorm=False,
+                 # Wider than the usual 0.02: at hidden 64 that would cap logits near +-1.3, so no fine-tune
+                 # could move the loss far from ln(vocab); 0.1 gives a trained model's logit range.
+                 initializer_range=0.1)
+_FAMILY = {
+    "glm4": dict(rope_ratio=500.0, layernorm_epsilon=1.5625e-07, seq_length=8192),
+    "chatglm3": dict(rope_ratio=1.0, layernorm_epsilon=1e-05, seq_length=8192),
+    # glm-4v-9b has no rope_ratio (default 1). The tower keeps the real structure (post-norm ViT, conv 2x2,
+    # GLU) at 56 px: 4x4 patches of 14 px -> conv -> 2x2 = 4 image tokens, 6 embeddings with boi/eoi.
+    "glm4v": dict(rope_ratio=1.0, layernorm_epsilon=1.5625e-07, seq_length=8192, vision_config=dict(
+        dropout_prob=0.0, hidden_act="gelu", in_channels=3, num_hidden_layers=2, hidden_size=32, patch_size=14,
+        num_heads=4, intermediate_size=64, layer_norm_eps=1e-06, num_positions=17, image_size=56,
+        scaling_factor=8)),
+}
+
+
+def make_tiny_checkpoint(out_dir: str | os.PathLike, family: str = "glm4", seed: int = 0, **arch) -> Path:
+    """Write a small random checkpoint in the official layout: config.json, model.safetensors, tokenizer files.
+
+    `arch` overrides TINY_ARCH (e.g. hidden_size=768, num_layers=12 for a ~100M-parameter model).
+    """
+    from .tokenizer_files import load_tokenizer, write_tiny_tokenizer
+
+    if family not in _FAMILY:
+        raise ValueError(f"unknown family {family!r}; use one of {', '.join(_FAMILY)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = write_tiny_tokenizer(out, family)
+    tok = load_tokenizer(out)
+    config = GLMConfig(**{**TINY_ARCH, **_FAMILY[family], **arch},
+                       padded_vocab_size=-(-vocab // 64) * 64,  # padded like the real vocabularies
+                       eos_token_id=list(tok.stop_token_ids), pad_token_id=tok.pad_token_id,
+                       **(dict(boi_token_id=tok.get_command("<|begin_of_image|>"),
+                               eoi_token_id=tok.get_command("<|end_of_image|>")) if family == "glm4v" else {}),
+                       torch_dtype="float32", architectures=["ChatGLMForConditionalGeneration"])
+    torch.manual_seed(seed)
+    model = ChatGLMForConditionalGeneration(config)
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "glmtune_tiny.json").write_text(json.dumps({"family": family, "seed": seed}) + "\n")
+    return out

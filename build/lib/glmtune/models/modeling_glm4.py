@@ -1,0 +1,240 @@
+"""GLM-4 / ChatGLM3 causal LM with the official module tree, as a transformers PreTrainedModel.
+
+    ChatGLMForConditionalGeneration
+      transformer: ChatGLMModel
+        embedding.word_embeddings        [padded_vocab, hidden]
+        rotary_pos_emb (inv_freq buffer, not saved; accepted and ignored when a checkpoint has it)
+        encoder.layers.N.{input_layernorm, self_attention.{query_key_value, dense},
+                          post_attention_layernorm, mlp.{dense_h_to_4h, dense_4h_to_h}}
+        encoder.final_layernorm
+        output_layer                     [padded_vocab, hidden], untied
+        vision                           GLM-4V only (config.vision_config): EVA2-CLIP + GLU, see vision.py
+
+Works with HF `generate()` (legacy tuple KV cache holding the un-expanded KV groups: 2 heads, not 32),
+`gradient_checkpointing_enable()` (reentrant or not, via gradient_checkpointing_kwargs), PEFT and the Trainer.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .configuration import GLMConfig
+from .layers import Embedding, GLMBlock, GLMTransformer, RMSNorm, RotaryEmbedding
+from .vision import EVA2CLIPModel, splice_images
+
+
+def build_attention_mask(attention_mask: torch.Tensor | None, q_len: int, past_len: int) -> torch.Tensor | None:
+    """Boolean SDPA mask [B, 1, q, past+q] (True = attend), or None for the plain causal case.
+
+    None is returned when no pad can influence a real token: no padding, a single new token, or right
+    padding without a cache (causality already hides later pads). Query rows that are pads attend to
+    everything, so SDPA never sees an all-masked row (NaN); their outputs are never used.
+    """
+    total = past_len + q_len
+    if attention_mask is None or bool(attention_mask.all()):
+        if past_len == 0 or q_len == 1:
+            return None
+        keys = torch.ones(1, total, dtype=torch.bool, device=attention_mask.device if attention_mask is not None else None)
+    else:
+        keys = attention_mask.bool()
+        right_padded = bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all())
+        if past_len == 0 and right_padded:
+            return None
+    causal = torch.ones(q_len, total, dtype=torch.bool, device=keys.device).tril(diagonal=past_len)
+    mask = causal[None, None] & keys[:, None, None, -total:]
+    return mask | ~keys[:, None, -q_len:, None]
+
+
+class GLMPreTrainedModel(PreTrainedModel):
+    config_class = GLMConfig
+    base_model_prefix = "transformer"
+    supports_gradient_checkpointing = True
+    # The vision tower is listed too: split over GPUs it breaks (GLM-4 issues #200, #350).
+    _no_split_modules = ["GLMBlock", "EVA2CLIPModel"]
+    _keys_to_ignore_on_load_unexpected = [r"rotary_pos_emb\.inv_freq"]
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # Only tiny random checkpoints and meta-device models are ever initialised here; real weights are loaded.
+        std = getattr(self.config, "initializer_range", 0.02)
+        if isinstance(module, nn.Linear):
+            module.weight.data.normal_(0.0, std)
+            if module.bias is not None:
+                module.bias.data.zero_()
+        elif isinstance(module, nn.Embedding):
+            module.weight.data.normal_(0.0, std)
+        elif isinstance(module, (RMSNorm, nn.LayerNorm)):
+            module.weight.data.fill_(1.0)
+
+
+class ChatGLMModel(GLMPreTrainedModel):
+    def __init__(self, config: GLMConfig):
+        super().__init__(config)
+        self.embedding = Embedding(config)
+        self.rotary_pos_emb = RotaryEmbedding(config)
+        self.encoder = GLMTransformer(config)
+        self.output_layer = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
+        self.vision = EVA2CLIPModel(config) if config.vision_config else None
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embedding.word_embeddings
+
+    def set_input_embeddings(self, value):
+        self.embedding.word_embeddings = value
+
+    def merge_images(self, input_ids, inputs_embeds, position_ids, attention_mask, labels, images, image_rows):
+        """Run the vision tower on `images` (one per row listed in `image_rows`; all rows when None) and
+        splice its output into the embeddings. Returns (inputs_embeds, position_ids, attention_mask, labels)."""
+        if inputs_embeds is None:
+            inputs_embeds = self.embedding(input_ids)
+        b, s = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(s, device=inputs_embeds.device).expand(b, s)
+        if image_rows is None:
+            image_rows = torch.arange(b)
+        tower_dtype = self.vision.conv.weight.dtype
+        features = self.vision(images.to(self.vision.conv.weight.device, tower_dtype))
+        # A batch whose every row ends on a real token is left-padded (generation): pad text rows on the left.
+        pad_left = attention_mask is None or bool(attention_mask[:, -1].all())
+        return splice_images(inputs_embeds, input_ids, position_ids, attention_mask, labels, features, image_rows,
+                             self.config.boi_token_id, self.config.eoi_token_id, pad_left)
+
+    def forward(self, input_ids=None, position_ids=None, attention_mask=None, past_key_values=None,
+                inputs_embeds=None, use_cache=False, images=None, image_rows=None):
+        if images is not None and self.vision is not None and not past_key_values and len(images):
+            inputs_embeds, position_ids, attention_mask, _ = self.merge_images(
+                input_ids, inputs_embeds, position_ids, attention_mask, None, images, image_rows)
+        if inputs_embeds is None:
+            inputs_embeds = self.embedding(input_ids)
+        b, s = inputs_embeds.shape[:2]
+        past_len = past_key_values[0][0].shape[2] if past_key_values else 0
+        if position_ids is None:
+            position_ids = torch.arange(past_len, past_len + s, device=inputs_embeds.device).expand(b, s)
+        rope = self.rotary_pos_emb(position_ids, inputs_embeds.dtype)
+        mask = build_attention_mask(attention_mask, s, past_len)
+        return self.encoder(inputs_embeds, mask, rope, past_key_values, use_cache)
+
+
+class ChatGLMForConditionalGeneration(GLMPreTrainedModel):
+    def __init__(self, config: GLMConfig):
+        super().__init__(config)
+        self.transformer = ChatGLMModel(config)
+        # Tokens per chunk of the lower-memory loss; 0 = the reference loss (full fp32 logits, ~1.8 MB/token
+        # for the 151,552-token vocabulary). Set by the trainer from the plan; not part of config.json.
+        self.loss_chunk_tokens = 0
+        self._image_layout = None  # generation with images: (prompt length, image rows, prompt ids)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.transformer.embedding.word_embeddings
+
+    def set_input_embeddings(self, value):
+        self.transformer.embedding.word_embeddings = value
+
+    def get_output_embeddings(self):
+        return self.transformer.output_layer
+
+    def set_output_embeddings(self, value):
+        self.transformer.output_layer = value
+
+    def forward(self, input_ids=None, position_ids=None, attention_mask=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, output_attentions=None,
+                output_hidden_states=None, return_dict=None, return_last_logit=False, images=None, image_rows=None):
+        # A cache is only useful for generation; in training it would just hold K/V of every layer.
+        if use_cache is None:
+            use_cache = self.config.use_cache and not self.training
+        if images is not None and self.transformer.vision is not None and not past_key_values and len(images):
+            # GLM-4V: 3 placeholder ids become boi + N patches + eoi; labels grow with -100 over the patches.
+            inputs_embeds, position_ids, attention_mask, labels = self.transformer.merge_images(
+                input_ids, inputs_embeds, position_ids, attention_mask, labels, images, image_rows)
+            images = None
+        hidden, presents = self.transformer(input_ids, position_ids, attention_mask, past_key_values,
+                                            inputs_embeds, use_cache)
+        if return_last_logit:
+            hidden = hidden[:, -1:]
+        loss = logits = None
+        if labels is not None and self.loss_chunk_tokens > 0:
+            loss = self._chunked_loss(hidden, labels).to(hidden.dtype)
+        else:
+            logits = self.transformer.output_layer(hidden)
+            if labels is not None:
+                # The reference: fp32 logits, shift inside the model, mean over labelled tokens.
+                logits = logits.to(torch.float32)
+                shifted = logits[..., :-1, :].contiguous()
+                loss = F.cross_entropy(shifted.view(-1, shifted.size(-1)), labels[..., 1:].reshape(-1),
+                                       ignore_index=-100)
+                logits, loss = logits.to(hidden.dtype), loss.to(hidden.dtype)
+        return CausalLMOutputWithPast(loss=loss, logits=logits,
+                                      past_key_values=tuple(presents) if presents is not None else None)
+
+    def _chunked_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Same value as the reference loss, but fp32 logits exist for one chunk of tokens at a time:
+        each chunk's logits are recomputed in backward instead of being kept (peak ~chunk x vocab x 4 B x 3)."""
+        h = hidden[:, :-1].reshape(-1, hidden.size(-1))
+        y = labels[:, 1:].reshape(-1).to(h.device)
+        head = self.transformer.output_layer
+        ckpt = self.transformer.encoder._gradient_checkpointing_func
+        if ckpt is checkpoint:  # not configured by gradient_checkpointing_enable()
+            ckpt = partial(checkpoint, use_reentrant=False)
+
+        def chunk_sum(hs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(head(hs).to(torch.float32), ys, ignore_index=-100, reduction="sum")
+
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for start in range(0, h.size(0), self.loss_chunk_tokens):
+            hs, ys = h[start:start + self.loss_chunk_tokens], y[start:start + self.loss_chunk_tokens]
+            if bool((ys != -100).any()):
+                total = total + (ckpt(chunk_sum, hs, ys) if torch.is_grad_enabled() else chunk_sum(hs, ys))
+        return total / (y != -100).sum().clamp(min=1)
+
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
+                                      position_ids=None, use_cache=True, images=None, image_rows=None, **kwargs):
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if position_ids is None:
+            # Left padding: real tokens count from 0, as the official tokenizer's position_ids do. Image
+            # patches share one position, so text positions never count them.
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        inputs = {"use_cache": use_cache, "return_last_logit": True}
+        if past_key_values is None:
+            self._image_layout = None
+            if images is not None and len(images):
+                rows = image_rows if image_rows is not None else torch.arange(input_ids.shape[0])
+                self._image_layout = (input_ids.shape[1], rows.tolist(), input_ids)
+                inputs.update(images=images, image_rows=image_rows)
+        else:
+            input_ids, position_ids = input_ids[:, -1:], position_ids[:, -1:]
+            if self._image_layout is not None:  # the cache holds the spliced prompt: widen the mask to match
+                attention_mask = self._spliced_mask(attention_mask, past_key_values[0][0].shape[2] + 1)
+        return {**inputs, "input_ids": input_ids, "past_key_values": past_key_values,
+                "position_ids": position_ids, "attention_mask": attention_mask}
+
+    def _spliced_mask(self, mask: torch.Tensor, width: int) -> torch.Tensor:
+        """The text mask laid out as vision.splice_images laid out the left-padded prompt: N-1 more ones
+        after boi in image rows, N-1 zeros in front of the other rows; generated tokens follow."""
+        _, rows, prompt_ids = self._image_layout
+        grow = width - mask.shape[1]
+        boi = self.config.boi_token_id
+        out = []
+        for r in range(mask.shape[0]):
+            m = mask[r]
+            if r in rows:
+                at = int((prompt_ids[r] == boi).nonzero()[0]) + 1
+                out.append(torch.cat([m[:at], m.new_ones(grow), m[at:]]))
+            else:
+                out.append(torch.cat([m.new_zeros(grow), m]))
+        return torch.stack(out)
+
+    @staticmethod
+    def _reorder_cache(past_key_values, beam_idx):
+        return tuple((k.index_select(0, beam_idx.to(k.device)), v.index_select(0, beam_idx.to(v.device)))
+                     for k, v in past_key_values)
+
+
+__all__ = ["ChatGLMForConditionalGeneration", "ChatGLMModel", "GLMBlock", "GLMPreTrainedModel"]

@@ -1,0 +1,285 @@
+"""Per-GPU peak memory of a GLM LoRA training step, from the architecture and run shape alone.
+
+The tensor terms follow what glmtune's own model (models/layers.py) keeps for backward, counted per
+storage: RMSNorm keeps its input and (bf16/fp16) an fp32 copy; SDPA keeps q, the GQA-expanded K and V
+(expand+reshape copies to all heads), its output and an fp32 log-sum-exp; SwiGLU keeps the fused
+h_to_4h output (silu and the product reference it) and silu's output; frozen Linears keep nothing,
+a LoRA-wrapped one keeps its (dropped-out) input, the dropout mask and lora_A's output. Reentrant
+checkpointing keeps one [tokens, hidden] input per block and recomputes one block in backward. The
+reference loss keeps fp32 logits, a shifted contiguous copy and log_softmax's output at once
+(14 B/token/vocab in bf16, 12 in fp32); the chunked loss holds that for `loss_chunk_tokens` only.
+These are checked against measured live tensor bytes on CPU (tests/test_memory.py, bench/).
+
+Not measured here (no GPU lent): CUDA context, cuBLAS workspaces, NCCL buffers and caching-allocator
+slack are per-family constants, marked UNCALIBRATED. ZeRO-1/2 are not modelled on purpose: for LoRA they
+shard only adapter gradients and optimizer states (megabytes) and never the frozen weights that fill
+the card, so glmtune offers ZeRO stage 0 or 3 only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..models import GLMConfig
+
+BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+IMAGE_TOKENS = 1599  # GLM-4V at 1120 px: 1,602 image embeddings replace 3 placeholder tokens per image
+VISION_LAYER_TOKENS = 6401  # ViT: 80x80 patches + CLS at 1120 px
+GIB = 2**30
+
+# ZeRO-3 buffer sizes in elements. The prefetch bucket and the largest gathered layer are what ZeRO-3
+# adds to a card's peak; the estimator counts them with these same numbers.
+PREFETCH_BUCKET = 50_000_000  # 100 MB in bf16: a few projections of a 4096-wide block ahead
+REDUCE_BUCKET = 50_000_000  # LoRA gradients are tiny; this bounds the all-reduce buffer
+PERSISTENCE_THRESHOLD = 100_000  # parameters smaller than this (norms, biases) stay gathered
+MAX_LIVE_PARAMETERS = 1_000_000_000
+
+# Per GPU family, bytes. UNCALIBRATED: from public reports (memory-facts §3.5), not measured by glmtune.
+CUDA_CONTEXT = {"volta": 800 << 20, "turing": 700 << 20, "ampere": 600 << 20, "ada": 600 << 20,
+                "hopper": 700 << 20}
+CUBLAS_WORKSPACE = 8_519_680  # 2 x 4 MiB + 8 x 16 KiB, the `:4096:2:16:8` default
+CUBLASLT_WORKSPACE = {"hopper": 32 << 20}  # 4 MiB elsewhere (pytorch#120925)
+NCCL_PER_GPU = 512 << 20  # ~0.5 GB per communicator (Fujii et al. web estimator)
+ALLOCATOR_SLACK = 0.05  # caching-allocator rounding/fragmentation, fraction of tensor bytes
+
+
+def gpu_family(hw_name: str) -> str | None:
+    """GPU family from a conf/hw preset name; None = CPU / unknown (no CUDA overhead terms)."""
+    for key, fam in (("h100", "hopper"), ("h200", "hopper"), ("a100", "ampere"), ("a10", "ampere"),
+                     ("3090", "ampere"), ("4090", "ada"), ("l40", "ada"), ("v100", "volta"), ("t4", "turing")):
+        if key in hw_name:
+            return fam
+    return None
+
+
+def peft_adapter_dtype(dtype: str) -> str:
+    """glmtune.train.lora.apply_lora always keeps adapters in fp32, whatever the base dtype and peft version."""
+    return "fp32"
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What the estimator needs to know about a run (built by `planner.run_shape` from RunConfig + Choices)."""
+    dtype: str = "bf16"
+    micro_batch: int = 1
+    seq_len: int = 500  # padded tokens per sample incl. image tokens
+    lora_r: int = 8
+    lora_targets: tuple[str, ...] = ("query_key_value",)
+    lora_dropout: float = 0.1
+    adapter_dtype: str | None = None  # None = peft_adapter_dtype(dtype)
+    gradient_checkpointing: bool = False
+    loss_chunk_tokens: int = 0
+    zero_stage: int = 0
+    offload_params: bool = False
+    offload_optimizer: bool = False
+    world_size: int = 1
+    images_per_sample: int = 0
+    eval_batch: int = 0  # 0 = no evaluation
+    eval_max_new_tokens: int = 0  # 0 = loss-only evaluation
+    device: str = "cuda"  # "cpu": no CUDA terms; dropout keeps a full-dtype mask instead of a bool one
+    gpu_family: str | None = None
+
+
+@dataclass
+class Estimate:
+    breakdown: dict[str, int]
+    peak_bytes: int
+    phase: str  # which phase sets the peak
+    phases: dict[str, int] = field(default_factory=dict)
+
+
+def linear_shapes(arch: GLMConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each LoRA-targetable linear, by official module name."""
+    h, f = arch.hidden_size, arch.ffn_hidden_size
+    return {"query_key_value": (h, arch.qkv_out), "dense": (arch.num_attention_heads * arch.kv_channels, h),
+            "dense_h_to_4h": (h, 2 * f), "dense_4h_to_h": (f, h), "output_layer": (h, arch.padded_vocab_size)}
+
+
+def block_params(arch: GLMConfig) -> int:
+    h, f = arch.hidden_size, arch.ffn_hidden_size
+    qkv_bias = arch.qkv_out if (arch.add_qkv_bias or arch.add_bias_linear) else 0
+    bias = arch.add_bias_linear
+    return (h * arch.qkv_out + qkv_bias + arch.num_attention_heads * arch.kv_channels * h + h * bias
+            + h * 2 * f + 2 * f * bias + f * h + h * bias + 2 * h)
+
+
+def vision_params(arch: GLMConfig) -> int:
+    """EVA2-CLIP tower + GLU projector of GLM-4V (glm4-facts §6); 0 for text models."""
+    v = arch.vision_config
+    if not v:
+        return 0
+    w, i, h, f = v["hidden_size"], v["intermediate_size"], arch.hidden_size, arch.ffn_hidden_size
+    layer = w * 3 * w + 3 * w + w * w + w + w * i + i + i * w + w + 4 * w
+    embed = 3 * w * v["patch_size"] ** 2 + w + w + v["num_positions"] * w
+    proj = w * h * 4 + h + h * h + 2 * h + 3 * h * f + 2 * h
+    return v["num_hidden_layers"] * layer + embed + proj
+
+
+def image_extra_tokens(arch: GLMConfig) -> int:
+    """Sequence growth per image: boi + N patches + eoi replace 3 placeholders (1,599 at 1120 px); 0 for text."""
+    v = arch.vision_config
+    return (v["image_size"] // v["patch_size"] // 2) ** 2 - 1 if v else 0
+
+
+def vision_working(arch: GLMConfig, images: int, e: int) -> int:
+    """Transient bytes of the frozen tower's forward for `images` images. Nothing is kept for backward (no
+    adapters in the tower, frozen weights, pixels need no grad), so only one ViT layer's tensors are live:
+    its input, QKV [T, 3w], attention/dense/norm outputs and fc1 + GELU outputs [T, i] at T = patches + CLS
+    per image (6,401), about 0.48 GB per image in bf16; plus the fp32 and bf16 pixels (15 MB + 7.5 MB)."""
+    v = arch.vision_config
+    tokens = images * ((v["image_size"] // v["patch_size"]) ** 2 + 1)
+    pixels = images * 3 * v["image_size"] ** 2 * (4 + e)
+    return tokens * e * (6 * v["hidden_size"] + 2 * v["intermediate_size"]) + pixels
+
+
+def frozen_params(arch: GLMConfig) -> int:
+    h, v = arch.hidden_size, arch.padded_vocab_size
+    return arch.num_layers * block_params(arch) + 2 * v * h + h * arch.post_layer_norm + vision_params(arch)
+
+
+def lora_params(arch: GLMConfig, shape: RunShape) -> int:
+    shapes = linear_shapes(arch)
+    per = sum(shape.lora_r * (shapes[t][0] + shapes[t][1]) for t in shape.lora_targets if t != "output_layer")
+    head = shape.lora_r * sum(shapes["output_layer"]) if "output_layer" in shape.lora_targets else 0
+    return arch.num_layers * per + head
+
+
+def _lora_saved(tokens: int, d_in: int, shape: RunShape, a: int) -> int:
+    """Bytes a LoRA branch keeps: lora_A's input (dropped-out copy, or the input itself), the dropout
+    mask (bool on CUDA, a full-dtype noise tensor on CPU) and lora_A's [tokens, r] output."""
+    mask = 0 if shape.lora_dropout == 0 else (a if shape.device == "cpu" else 1)
+    return tokens * d_in * (a + mask) + tokens * shape.lora_r * a
+
+
+def block_saved(arch: GLMConfig, shape: RunShape, tokens: int, input_requires_grad: bool) -> int:
+    """Bytes one GLMBlock keeps for backward (no checkpointing inside it)."""
+    e, a = BYTES[shape.dtype], BYTES[shape.adapter_dtype or peft_adapter_dtype(shape.dtype)]
+    h, f, heads, g, d = (arch.hidden_size, arch.ffn_hidden_size, arch.num_attention_heads, arch.kv_groups,
+                         arch.kv_channels)
+    fp32_copy = 4 * tokens * h if e != 4 else 0  # RMSNorm's x.to(float32), kept by pow
+    targets, shapes = set(shape.lora_targets), linear_shapes(arch)
+    rg, total = input_requires_grad, 0
+    if rg:
+        total += e * tokens * h + fp32_copy  # input_layernorm: input (kept by the mul) + fp32 copy
+    if "query_key_value" in targets:
+        total += _lora_saved(tokens, h, shape, a)
+        rg = True
+    if rg:  # attention: q after rotary, K and V expanded to all heads, output, fp32 log-sum-exp
+        kv = 2 * e * tokens * heads * d if g != heads else e * tokens * (arch.qkv_out + g * d)
+        total += 2 * e * tokens * heads * d + kv + 4 * tokens * heads
+    if "dense" in targets:
+        total += _lora_saved(tokens, heads * d, shape, a)
+        rg = True
+    if rg:  # post_attention_layernorm: residual sum + fp32 copy
+        total += e * tokens * h + fp32_copy
+    if "dense_h_to_4h" in targets:
+        total += _lora_saved(tokens, h, shape, a)
+        rg = True
+    if rg:  # SwiGLU: fused [gate|up] output and silu(gate)
+        total += 3 * e * tokens * f
+    if "dense_4h_to_h" in targets:
+        total += _lora_saved(tokens, f, shape, a)
+    return total
+
+
+def block_working(arch: GLMConfig, shape: RunShape, tokens: int) -> int:
+    """Transient bytes on top of the saved ones while one block runs backward (or forward without grad):
+    the SwiGLU gradients ([tokens, 2f] for the fused h_to_4h plus two [tokens, f]) and a few [tokens, h]."""
+    e = BYTES[shape.dtype]
+    return e * tokens * (4 * arch.ffn_hidden_size + 3 * arch.hidden_size)
+
+
+def loss_bytes(arch: GLMConfig, shape: RunShape, tokens: int) -> int:
+    """Peak of the loss head. Reference: fp32 logits + shifted contiguous copy + log_softmax output
+    (+ the bf16/fp16 logits returned) in forward, log_softmax output + two fp32 gradients in backward:
+    12 B per token and vocab entry, 14 in bf16/fp16 with micro-batch > 1 (for one sample the shift is a
+    view, no copy). Chunked: 12 B per chunk token and vocab entry (measured on CPU)."""
+    e, v = BYTES[shape.dtype], arch.padded_vocab_size
+    if shape.loss_chunk_tokens > 0:
+        return 12 * min(tokens, shape.loss_chunk_tokens) * v + 2 * e * tokens * arch.hidden_size
+    return (12 + (e if e != 4 and shape.micro_batch > 1 else 0)) * tokens * v
+
+
+def eval_loss_bytes(arch: GLMConfig, shape: RunShape, tokens: int) -> int:
+    """Loss head without grad: the 16-bit logits die when rebound to fp32, nothing is kept for backward.
+    Reference: fp32 logits + shifted copy + log_softmax = 12 B per token and vocab entry. Chunked: one
+    chunk's head output, its fp32 copy and log_softmax."""
+    v = arch.padded_vocab_size
+    if shape.loss_chunk_tokens > 0:
+        return (BYTES[shape.dtype] + 8) * min(tokens, shape.loss_chunk_tokens) * v
+    return 12 * tokens * v
+
+
+def estimate(arch: GLMConfig, shape: RunShape) -> Estimate:
+    e = BYTES[shape.dtype]
+    a = BYTES[shape.adapter_dtype or peft_adapter_dtype(shape.dtype)]
+    n = max(1, shape.world_size) if shape.zero_stage == 3 else 1
+    tokens = shape.micro_batch * shape.seq_len
+    h, L = arch.hidden_size, arch.num_layers
+    b: dict[str, int] = {}
+
+    # --- model states ---
+    frozen = frozen_params(arch)
+    if shape.zero_stage == 3:
+        largest = max(block_params(arch), arch.padded_vocab_size * h)
+        gathered = min(MAX_LIVE_PARAMETERS, largest + PREFETCH_BUCKET) * e
+        b["frozen weights (ZeRO-3 shard)"] = 0 if shape.offload_params else frozen * e // n
+        b["ZeRO-3 gathered params + prefetch"] = gathered
+    else:
+        b["frozen weights"] = frozen * e
+    p_lora = lora_params(arch, shape)
+    if shape.zero_stage == 3:  # DeepSpeed: 16-bit params/grads + fp32 master, Adam m, v, grads, sharded
+        b["LoRA weights+grads"] = p_lora * (2 * e) // n
+        b["LoRA optimizer (fp32 master, Adam m+v)"] = 0 if shape.offload_optimizer else p_lora * 16 // n
+    else:
+        b["LoRA weights"] = p_lora * a
+        b["LoRA grads"] = p_lora * a * (2 if shape.world_size > 1 else 1)  # + DDP bucket copy
+        b["LoRA optimizer (Adam m+v)"] = 2 * p_lora * a
+
+    # --- activations ---
+    ckpt = shape.gradient_checkpointing
+    if ckpt:  # reentrant: inputs kept per block; input_require_grads makes every block's input need grad
+        kept = L * e * tokens * h
+        recompute = block_saved(arch, shape, tokens, True)
+    else:
+        kept = block_saved(arch, shape, tokens, False) + (L - 1) * block_saved(arch, shape, tokens, True)
+        recompute = 0
+    final_norm = e * tokens * h + (4 * tokens * h if e != 4 else 0)
+    b["activations kept for backward"] = kept + final_norm
+    b["recomputed block (checkpointing)"] = recompute
+    working = block_working(arch, shape, tokens)
+    loss = loss_bytes(arch, shape, tokens) + e * tokens * h  # + the final hidden state held by forward()
+    b["logits and loss"] = loss
+    b["block backward working set"] = working
+    if shape.images_per_sample and arch.vision_config:  # frozen ViT (weights in "frozen weights")
+        b["vision tower working set"] = vision_working(arch, shape.micro_batch * shape.images_per_sample, e)
+
+    states = sum(v for k, v in b.items() if k.startswith(("frozen", "ZeRO", "LoRA")))
+    phases = {
+        "loss": states + kept + final_norm + loss,
+        "backward": states + kept + recompute + working + e * tokens * h,
+    }
+    if "vision tower working set" in b:  # runs before the first GLM block: only the model states coexist
+        phases["vision"] = states + b["vision tower working set"]
+    # --- evaluation: loss forward without grad, and generation with a KV cache ---
+    if shape.eval_batch:
+        et = shape.eval_batch * shape.seq_len
+        # Without grad nothing is kept between blocks: a block's working set is gone before the loss head runs.
+        phases["eval"] = (states + max(eval_loss_bytes(arch, shape, et), block_working(arch, shape, et))
+                          + 2 * e * et * h)
+        if shape.eval_max_new_tokens:
+            kv_per_token = L * arch.kv_groups * arch.kv_channels * 2 * e  # 40,960 B for GLM-4 bf16
+            cache = kv_per_token * shape.eval_batch * (shape.seq_len + shape.eval_max_new_tokens)
+            phases["generate"] = states + cache + block_working(arch, shape, et)
+            b["eval KV cache"] = cache
+    tensor_peak = max(phases.values())
+    phase = max(phases, key=phases.get)
+
+    # --- outside the tensors: UNCALIBRATED per-family constants ---
+    fam = shape.gpu_family
+    if shape.device != "cpu" and fam is not None:
+        b["CUDA context (uncalibrated)"] = CUDA_CONTEXT.get(fam, 600 << 20)
+        b["cuBLAS/cuBLASLt workspaces (uncalibrated)"] = CUBLAS_WORKSPACE + CUBLASLT_WORKSPACE.get(fam, 4 << 20)
+        b["NCCL buffers (uncalibrated)"] = NCCL_PER_GPU if shape.world_size > 1 else 0
+        b["allocator slack (uncalibrated)"] = int(ALLOCATOR_SLACK * tensor_peak)
+    overhead = sum(v for k, v in b.items() if "uncalibrated" in k)
+    return Estimate(b, tensor_peak + overhead, phase, phases)

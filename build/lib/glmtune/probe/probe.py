@@ -1,0 +1,258 @@
+"""The probe: a few real optimizer steps on the worst batch the data can produce, measured on every rank.
+
+    python -m glmtune mode=probe +hw=a100_40g model.path=...   # plan + probe, no training
+    python -m glmtune probe.enabled=false ...                   # train without it
+
+An estimate is a promise; the probe keeps it. It builds the model exactly as the run will (world size,
+ZeRO stage, dtype, checkpointing, LoRA), runs `probe.steps` optimizer steps through the same HF Trainer
+on synthetic examples of micro-batch x the longest kept length (every token a target, so the loss head
+is at its largest), and reads the peak: reserved bytes on a GPU (what the card must hold), live tensor
+bytes on CPU (probe/track.py LiveTensorTracker, the estimator benchmark's method). Over budget, or an
+out-of-memory error inside the probe, moves one rung down the planner's ladder and probes again. All
+ranks exchange their peaks and take the same decision from the maximum.
+
+The probe's model, optimizer and Trainer are discarded before the real run builds its own, and the RNG
+states are restored, so the run starts exactly as it would without the probe. The price is one extra
+model load (from the page cache on the second read).
+"""
+from __future__ import annotations
+
+import gc
+import random
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as torch_dist
+
+from ..config import RunConfig
+from ..data.pipeline import IMAGE_PLACEHOLDERS
+from .diagnose import classify
+from ..plan.estimate import GIB, estimate
+from .track import LiveTensorTracker
+from ..plan.planner import Choices, Plan, run_shape, step_down
+from ..train.trainer import build_model, make_trainer, training_args
+
+
+@dataclass
+class Attempt:
+    choices: dict
+    outcome: str  # "fits" | "over budget" | "out of memory"
+    predicted_peak_bytes: int
+    measured_peak_bytes: int | None  # max over ranks; None when a rank ran out of memory
+    per_rank: list[int | None]
+    seconds: float
+    detail: dict = field(default_factory=dict)  # CUDA: peak allocated/active, allocation retries
+
+
+@dataclass
+class ProbeReport:
+    device: str
+    emulated: bool
+    method: str
+    budget_bytes: int | None
+    predicted_peak_bytes: int
+    measured_peak_bytes: int | None
+    per_rank: list[int | None]
+    attempts: list[Attempt]
+    final: dict
+    fits: bool
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def worst_case_examples(count: int, length: int, tokenizer, seed: int, image: Path | None = None) -> list[dict]:
+    """`count` examples of exactly `length` random text tokens (no special ones), each one a target.
+    With `image` (GLM-4V), every example carries it: its 3 placeholders right after [gMASK]<sop> become the
+    tower's embeddings, so the sequence is as long as the longest image example can be."""
+    gen = torch.Generator().manual_seed(seed)
+    plain = tokenizer.vocab_size - len(tokenizer.specials)  # specials are numbered after the plain tokens
+    rows = torch.randint(0, plain, (count, length), generator=gen).tolist()
+    if image is None:
+        return [{"input_ids": row, "labels": row} for row in rows]
+    marks = [tokenizer.get_command(t) for t in IMAGE_PLACEHOLDERS]
+    out = []
+    for row in rows:
+        row[2:5] = marks
+        out.append({"input_ids": row, "labels": row[:2] + [-100] * 3 + row[5:], "image": str(image)})
+    return out
+
+
+def _probe_image(size: int, folder: Path) -> Path:
+    """A noise image of the tower's input size; pixel values do not change the tower's memory."""
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "probe_image.png"
+    pixels = np.random.default_rng(0).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path)
+    return path
+
+
+def emulate_card(memory_gib: float | None) -> bool:
+    """Cap this process's CUDA allocator at the preset's memory, so `+hw=a100_40g` on an 80 GB card fails
+    where a 40 GB card would. Returns whether it is emulating."""
+    if memory_gib is None or not torch.cuda.is_available():
+        return False
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    if memory_gib * GIB >= total:
+        return False
+    torch.cuda.set_per_process_memory_fraction(memory_gib * GIB / total)
+    return True
+
+
+class _Meter:
+    """Peak memory of the block: reserved bytes on CUDA, live tensor bytes (weights included) on CPU."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.cuda = torch.cuda.is_available()
+        self.tracker = None
+        if not self.cuda:
+            # Under ZeRO-3 a parameter's data is a placeholder; its shard lives in ds_tensor.
+            weights = [getattr(p, "ds_tensor", p) for p in model.parameters()] + list(model.buffers())
+            self.tracker = LiveTensorTracker(baseline=weights)
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            self.tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.tracker is not None:
+            self.tracker.__exit__(*exc)
+        return False
+
+    def peak(self) -> tuple[int, dict]:
+        if not self.cuda:
+            return self.tracker.peak_bytes, {}
+        stats = torch.cuda.memory_stats()
+        return torch.cuda.max_memory_reserved(), {
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+            "peak_active_bytes": stats.get("active_bytes.all.peak", 0),
+            "alloc_retries": stats.get("num_alloc_retries", 0)}
+
+
+def _attempt(run: RunConfig, choices: Choices, model_dir: Path, examples: list[dict], eval_examples, collator,
+             scratch: Path) -> tuple[int | None, dict]:
+    """One probe attempt: training steps, then one evaluation batch when the run evaluates.
+    Returns (peak bytes, detail), or (None, detail) when it ran out of memory."""
+    args = training_args(run.train, choices, scratch, has_eval=False, probe_steps=run.probe.steps)
+    model = trainer = None
+    try:
+        model = build_model(model_dir, run, choices)
+        trainer = make_trainer(args, model, examples, None, collator)
+        with _Meter(model) as meter:
+            trainer.train()
+            if eval_examples:
+                trainer.evaluate(eval_dataset=eval_examples)
+        return meter.peak()
+    except Exception as err:  # noqa: BLE001 - only out-of-memory errors are an outcome; others re-raise
+        if classify(err) not in ("oom", "nvml_oom"):
+            raise
+        return None, {"error": str(err).splitlines()[0][:300]}
+    finally:
+        if trainer is not None and getattr(trainer, "deepspeed", None) is not None:
+            trainer.deepspeed.destroy()  # drops ZeRO-3's hooks so the real run's engine starts clean
+        del trainer, model
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _gather(value: int | None) -> list[int | None]:
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        out: list = [None] * torch_dist.get_world_size()
+        torch_dist.all_gather_object(out, value)
+        return out
+    return [value]
+
+
+def _rng_state() -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return torch.get_rng_state(), cuda, random.getstate(), np.random.get_state()
+
+
+def _restore_rng(state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
+    random.setstate(state[2])
+    np.random.set_state(state[3])
+
+
+def run_probe(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, tokenizer, collator,
+              run_dir: Path, world_size: int, evaluates: bool) -> ProbeReport:
+    start, rng = time.perf_counter(), _rng_state()
+    emulated = emulate_card(run.hw.memory_gib)
+    image = _probe_image(arch.vision_config["image_size"], run_dir / "probe") if arch.vision_config else None
+    choices, attempts = plan.choices, []
+    while True:
+        length = min(choices.max_length, longest)
+        count = choices.micro_batch_size * choices.grad_accum * run.probe.steps * world_size
+        examples = worst_case_examples(count, length, tokenizer, run.train.seed, image)
+        eval_examples = (worst_case_examples(choices.eval_batch_size * world_size, length, tokenizer,
+                                             run.train.seed, image) if evaluates else None)
+        shape = run_shape(run, arch, choices, longest)
+        if not torch.cuda.is_available():  # CPU: compare tensor terms only (no CUDA context, no allocator)
+            shape = replace(shape, device="cpu", gpu_family=None)
+        predicted = estimate(arch, shape).peak_bytes
+        t0 = time.perf_counter()
+        peak, detail = _attempt(run, choices, model_dir, examples, eval_examples, collator, run_dir)
+        per_rank = _gather(peak)
+        if any(p is None for p in per_rank):
+            outcome, measured = "out of memory", None
+        else:
+            measured = max(per_rank)
+            outcome = "fits" if plan.budget_bytes is None or measured <= plan.budget_bytes else "over budget"
+        attempts.append(Attempt(choices.to_dict(), outcome, predicted, measured, per_rank,
+                                round(time.perf_counter() - t0, 2), detail))
+        if outcome == "fits":
+            break
+        nxt = step_down(choices, run, arch, world_size)
+        if nxt is None:
+            break
+        choices = nxt
+    _restore_rng(rng)
+    last = attempts[-1]
+    return ProbeReport(device=_device_name(), emulated=emulated,
+                       method="torch.cuda max_memory_reserved" if torch.cuda.is_available()
+                       else "live tensor bytes (probe/track.py LiveTensorTracker)",
+                       budget_bytes=plan.budget_bytes, predicted_peak_bytes=last.predicted_peak_bytes,
+                       measured_peak_bytes=last.measured_peak_bytes, per_rank=last.per_rank, attempts=attempts,
+                       final=choices.to_dict(), fits=last.outcome == "fits",
+                       seconds=round(time.perf_counter() - start, 2))
+
+
+def _device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.cuda.current_device())
+    return "cpu"
+
+
+def format_probe(report: ProbeReport):
+    from rich.table import Table
+
+    def gib(x):
+        return "-" if x is None else f"{x / GIB:.3f}"
+
+    budget = "none" if report.budget_bytes is None else f"{report.budget_bytes / GIB:.3f} GiB"
+    title = (f"probe on {report.device}{' (emulated card)' if report.emulated else ''}: budget {budget}, "
+             f"{report.seconds:.1f} s")
+    table = Table(title=title)
+    for col in ("attempt", "micro x accum", "ckpt", "loss chunk", "zero", "offload", "predicted GiB",
+                "measured GiB", "error", "outcome"):
+        table.add_column(col)
+    for i, a in enumerate(report.attempts, 1):
+        c = a.choices
+        err = "-" if a.measured_peak_bytes is None else f"{(a.predicted_peak_bytes / a.measured_peak_bytes - 1):+.1%}"
+        table.add_row(str(i), f"{c['micro_batch_size']} x {c['grad_accum']}", str(c["gradient_checkpointing"]),
+                      str(c["loss_chunk_tokens"]), str(c["zero_stage"]), str(c["offload_params"]),
+                      gib(a.predicted_peak_bytes), gib(a.measured_peak_bytes), err, a.outcome)
+    return table

@@ -1,0 +1,93 @@
+"""What a run leaves in its run dir besides the adapter: config, versions, and the console summary.
+
+Written by rank 0 only, and only after the inputs validated, so a run that stops on bad input never
+overwrites the files of an earlier run in the same folder.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from rich.console import Console
+
+from .launch import rank
+
+# Logs and pipes get 120 columns instead of rich's 80, so paths and reasons stay on one line.
+ERROR_PREFIX = "glmtune: error: "  # the sweep summary picks a failed trial's reason out of stderr by it
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 120, soft_wrap=True)
+
+
+def fail(message: str, code: int = 2) -> None:
+    """One line on stderr, no traceback: what is wrong and what to do."""
+    print(f"{ERROR_PREFIX}{message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def _version(package: str) -> str | None:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def write_run_files(run_dir: Path, config_yaml: str, overrides: list[str], model: str, plan) -> str:
+    """.hydra/config.yaml, .hydra/overrides.yaml, versions.json and plan.json; returns the config hash."""
+    config_hash = hashlib.sha256(config_yaml.encode()).hexdigest()[:16]
+    if rank() != 0:
+        return config_hash
+    hydra_dir = run_dir / ".hydra"
+    hydra_dir.mkdir(parents=True, exist_ok=True)
+    (hydra_dir / "config.yaml").write_text(config_yaml)
+    (hydra_dir / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides) or "[]\n")
+    versions = {name: _version(name) for name in ("torch", "transformers", "peft", "deepspeed", "glmtune")}
+    versions.update(model_path=str(model), config_hash=config_hash)
+    (run_dir / "versions.json").write_text(json.dumps(versions, indent=2) + "\n")
+    (run_dir / "plan.json").write_text(plan.to_json() + "\n")
+    return config_hash
+
+
+def report_probe(report, run_dir: Path) -> None:
+    """probe.json in the run dir and the predicted-vs-measured table on the console (rank 0)."""
+    if rank() != 0:
+        return
+    from .probe.probe import format_probe
+
+    (run_dir / "probe.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    console.print(format_probe(report))
+
+
+def remove_empty_dirs(run_dir: Path, *names: str) -> None:
+    """Drop run-dir subfolders that a Trainer created and never wrote to (rank 0; README lists what stays)."""
+    if rank() != 0:
+        return
+    for name in names:
+        try:
+            (run_dir / name).rmdir()  # only succeeds when empty
+        except OSError:
+            pass
+
+
+def discard_unused(run_dir: Path) -> None:
+    """After bad input, undo what Hydra made for this run: empty rank logs, then the folders left empty.
+
+    Only empty files and folders go, so an earlier run's dir given again with hydra.run.dir keeps its files.
+    Parents are removed only inside ./outputs (Hydra's default DATE/TIME folders), never a folder of the user's."""
+    if not run_dir.is_dir():
+        return
+    for log in run_dir.glob("rank*.log"):
+        if log.stat().st_size == 0:
+            log.unlink(missing_ok=True)
+    outputs = (Path.cwd() / "outputs").resolve()
+    folder = run_dir.resolve()
+    while True:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (or already gone, from another rank)
+            if folder.exists():
+                return
+        folder = folder.parent
+        if folder != outputs and outputs not in folder.parents:
+            return

@@ -1,0 +1,164 @@
+"""Hydra multirun bookkeeping: every trial is recorded, a failed one does not stop the sweep.
+
+    python -m glmtune -m lora.r=4,8,16 train.learning_rate=1e-4,5e-4       # grid, one trial after another
+    python -m glmtune +hparams_search=lora_optuna                          # optuna (the [sweep] extra)
+    python -m glmtune -m hydra/launcher=slurm +hw=a100_80g lora.r=8,16     # each trial a SLURM job
+
+Hydra's basic sweeper re-raises the first failed trial and ends the sweep, and the optuna sweeper does
+the same unless `max_failure_rate` allows it. A trial that does not fit the card (exit 3), has a bad
+override (exit 2) or crashes is a result worth keeping ("r=64 does not fit on a 24 GB card"), so
+`run_trial` catches it, records it, and returns NaN, which optuna files as a failed trial.
+
+Each trial appends one JSON line to `<sweep dir>/trials.jsonl` (its overrides, status, the plan's fit and
+peak, the probe's measured peak, losses, run dir), then rewrites `<sweep dir>/summary.md` from all lines,
+so the table is current while the sweep runs and survives a sweep that is killed. Only rank 0 of a trial
+writes. The numbers come from the files the trial left in its run dir (plan.json, probe.json,
+metrics.json): the table shows exactly what each run dir holds.
+"""
+from __future__ import annotations
+
+import io
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Callable, TextIO
+
+from .launch import rank
+from .rundir import ERROR_PREFIX, console
+
+GIB = 2**30
+_SWEEP_DIR: Path | None = None  # where this process recorded trials, for the sweep's last line (final_line)
+
+
+class _Tee(io.TextIOBase):
+    """stderr that is also kept, so a trial's one-line `glmtune: error: ...` reaches the summary."""
+
+    def __init__(self, stream: TextIO):
+        self.stream, self.lines = stream, io.StringIO()
+
+    def write(self, text: str) -> int:
+        self.lines.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def error_line(self) -> str | None:
+        found = [line[len(ERROR_PREFIX):] for line in self.lines.getvalue().splitlines() if line.startswith(ERROR_PREFIX)]
+        return found[-1] if found else None
+
+
+def run_trial(task: Callable[[], float | None], sweep_dir: Path, run_dir: Path, num: int,
+              overrides: list[str]) -> float:
+    """Run one trial, record it, and return its metric (eval loss, else train loss; NaN if it failed)."""
+    start, tee = time.monotonic(), _Tee(sys.stderr)
+    status, error, code = "ok", None, 0
+    sys.stderr = tee
+    try:
+        task()
+    except SystemExit as exc:  # glmtune's own stops: 2 bad input, 3 does not fit, 4 out of memory, ...
+        code = exc.code if isinstance(exc.code, int) else 1
+        status = "ok" if code == 0 else "does not fit" if code == 3 else "failed"
+        error = tee.error_line() or f"exit code {code}"
+    except Exception as exc:  # noqa: BLE001 - any crash is one failed trial, not the end of the sweep
+        import logging
+        import traceback
+
+        logging.getLogger(__name__).error("trial %d failed:\n%s", num, traceback.format_exc())
+        status, error, code = "failed", f"{type(exc).__name__}: {exc}", 1
+    finally:
+        sys.stderr = tee.stream
+    record = trial_record(run_dir, num, overrides, status, error, code, time.monotonic() - start)
+    if rank() == 0:
+        global _SWEEP_DIR
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        with (sweep_dir / "trials.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        summary = write_summary(sweep_dir)
+        _SWEEP_DIR = sweep_dir
+        loss = "" if math.isnan(record["metric"]) else f", loss {record['metric']:.4f}"
+        console.print(f"trial {num}: {status}{loss} (table: {summary}; one line per trial: "
+                      f"{sweep_dir / 'trials.jsonl'})", markup=False)
+    return record["metric"]
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def trial_record(run_dir: Path, num: int, overrides: list[str], status: str, error: str | None, code: int,
+                 seconds: float) -> dict:
+    plan, probe, metrics = (_read(run_dir / name) for name in ("plan.json", "probe.json", "metrics.json"))
+    loss = metrics.get("eval_loss", metrics.get("train_loss"))
+    return {
+        "num": num, "overrides": overrides, "status": status, "exit_code": code, "error": error,
+        "fits": plan.get("fits"), "planned_peak_bytes": plan.get("peak_bytes"),
+        "measured_peak_bytes": probe.get("measured_peak_bytes"),
+        "train_loss": metrics.get("train_loss"), "last_logged_loss": metrics.get("last_logged_loss"),
+        "eval_loss": metrics.get("eval_loss"),
+        "metric": float(loss) if status == "ok" and loss is not None else math.nan,
+        "seconds": round(seconds, 1), "run_dir": str(run_dir),
+    }
+
+
+def read_trials(sweep_dir: Path) -> list[dict]:
+    path = sweep_dir / "trials.jsonl"
+    if not path.exists():
+        return []
+    return sorted((json.loads(line) for line in path.read_text().splitlines() if line.strip()), key=lambda r: r["num"])
+
+
+def _gib(value: int | None) -> str:
+    return "" if value is None else f"{value / GIB:.2f}"
+
+
+def _num(value: float | None) -> str:
+    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.4f}"
+
+
+def _first(*values: float | None) -> float | None:
+    """The last logged loss, or the run's mean train loss when fewer steps ran than logging_steps."""
+    return next((v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))), None)
+
+
+def format_summary(trials: list[dict]) -> str:
+    """A Markdown table, one row per trial, best metric first among the trials that finished."""
+    lines = ["| # | overrides | status | fits | planned peak GiB | measured peak GiB | final loss | eval loss | note |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for t in trials:
+        fits = "" if t["fits"] is None else "yes" if t["fits"] else "no"
+        note = (t["error"] or "").replace("|", "\\|")[:200]
+        lines.append(f"| {t['num']} | `{' '.join(t['overrides'])}` | {t['status']} | {fits} | "
+                     f"{_gib(t['planned_peak_bytes'])} | {_gib(t['measured_peak_bytes'])} | "
+                     f"{_num(_first(t['last_logged_loss'], t['train_loss']))} | {_num(t['eval_loss'])} | {note} |")
+    failed = sum(t["status"] != "ok" for t in trials)
+    return "\n".join([f"# sweep summary: {len(trials)} trials, {failed} failed or not fitting", "", *lines, "",
+                      best_trial(trials), ""])
+
+
+def best_trial(trials: list[dict]) -> str:
+    done = [t for t in trials if not math.isnan(t["metric"])]
+    best = min(done, key=lambda t: t["metric"], default=None)
+    return (f"best: trial {best['num']} (`{' '.join(best['overrides'])}`), loss {best['metric']:.4f}, "
+            f"run dir {best['run_dir']}" if best else "no trial finished")
+
+
+def final_line() -> str | None:
+    """The sweep's last console line: where its table is, and the best trial (None if no trial ran here)."""
+    if _SWEEP_DIR is None:
+        return None
+    trials = read_trials(_SWEEP_DIR)
+    failed = sum(t["status"] != "ok" for t in trials)
+    return (f"sweep done: {len(trials)} trials, {failed} failed or not fitting; summary {_SWEEP_DIR / 'summary.md'}, "
+            f"trials {_SWEEP_DIR / 'trials.jsonl'}; {best_trial(trials)}")
+
+
+def write_summary(sweep_dir: Path) -> Path:
+    path = sweep_dir / "summary.md"
+    path.write_text(format_summary(read_trials(sweep_dir)))
+    return path
