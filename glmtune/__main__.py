@@ -19,7 +19,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from .cli import check_command_line, chosen_mode, is_multirun, wants_info
-from .config import ConfigError, check_override_keys, parse_config
+from .config import CONF_DIR, ConfigError, check_override_keys, parse_config
 from .data.pipeline import DataCollator, build_datasets, format_stats, longest_length, validate_files
 from .launch import export_slurm_env, rank, run_name, world_size
 from .models import load_tokenizer
@@ -38,7 +38,9 @@ OmegaConf.register_new_resolver("glmtune_run", run_name, replace=True)
 PLAN_SCRATCH: str | None = None
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+# An absolute path: Hydra reads it as a folder. A relative one becomes pkg://glmtune.conf under the console
+# script, which Hydra only finds in a package with an __init__.py.
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> float | None:
     export_slurm_env()  # a SLURM task of the submitit launcher: RANK, WORLD_SIZE, ... from SLURM's variables
     hydra_cfg = HydraConfig.get()

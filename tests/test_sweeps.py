@@ -38,6 +38,8 @@ def test_grid_sweep_records_a_failed_trial_and_finishes_the_others(tmp_path, rep
     summary = (tmp_path / "summary.md").read_text()
     assert "3 trials, 1 failed" in summary and summary.count("| ok |") == 2 and "| failed |" in summary
     assert "lora.target_modules=[dense]" in summary and "best: trial" in summary
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("sweep done: 3 trials, 1 failed or not fitting") and "; best: trial " in last
 
 
 def test_plan_sweep_records_a_trial_that_does_not_fit(tmp_path, repo):
@@ -48,6 +50,11 @@ def test_plan_sweep_records_a_trial_that_does_not_fit(tmp_path, repo):
     assert [r["status"] for r in rows] == ["ok", "does not fit"] and rows[1]["exit_code"] == 3
     assert rows[1]["fits"] is False and "data.max_length=" in rows[1]["error"]  # the plan's advice
     assert "| does not fit | no |" in (tmp_path / "summary.md").read_text()
+    # each trial says where the table is; the sweep ends on the best trial
+    assert proc.stdout.count(f"(table: {tmp_path / 'summary.md'}; one line per trial: {tmp_path / 'trials.jsonl'})") == 2
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith(f"sweep done: 2 trials, 1 failed or not fitting; summary {tmp_path / 'summary.md'}")
+    assert last.endswith("no trial has a loss (none trained, or all failed)")  # plans train nothing
 
 
 @pytest.mark.slow
@@ -99,7 +106,7 @@ def test_slurm_task_exports_the_torch_distributed_env(repo):
     slurm = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1",
              "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[07-08]"}
     clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES")}
-    code = ("import json, os; from glmtune.dist import export_slurm_env; done = export_slurm_env(); "
+    code = ("import json, os; from glmtune.launch import export_slurm_env; done = export_slurm_env(); "
             "print(json.dumps([done, {k: os.environ.get(k) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', "
             "'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT', 'CUDA_VISIBLE_DEVICES')}]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=repo, env={**clean, **slurm}, capture_output=True,

@@ -19,7 +19,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from .cli import check_command_line, chosen_mode, is_multirun, wants_info
-from .config import ConfigError, check_override_keys, parse_config
+from .config import CONF_DIR, ConfigError, check_override_keys, parse_config
 from .data.pipeline import DataCollator, build_datasets, format_stats, longest_length, validate_files
 from .launch import export_slurm_env, rank, run_name, world_size
 from .models import load_tokenizer
@@ -38,7 +38,9 @@ OmegaConf.register_new_resolver("glmtune_run", run_name, replace=True)
 PLAN_SCRATCH: str | None = None
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+# An absolute path: Hydra reads it as a folder. A relative one becomes pkg://glmtune.conf under the console
+# script, which Hydra only finds in a package with an __init__.py.
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> float | None:
     export_slurm_env()  # a SLURM task of the submitit launcher: RANK, WORLD_SIZE, ... from SLURM's variables
     hydra_cfg = HydraConfig.get()
@@ -77,9 +79,9 @@ def execute(cfg: DictConfig) -> float | None:
     write_run_files(run_dir, OmegaConf.to_yaml(cfg), overrides, run.model.path or run.model.name, plan)
     shown_dir = None if PLAN_SCRATCH else run_dir
     if rank() == 0:
+        console.print(header(run, plan, shown_dir, len(data.train) if data else None), markup=False)
         if run.mode == "plan" or not plan.fits:
             console.print(format_plan(plan))
-        console.print(header(run, plan, shown_dir, len(data.train) if data else None), markup=False)
     if not plan.fits:
         fail(f"the plan does not fit: estimated peak {plan.peak_bytes / GIB:.1f} GiB > budget "
              f"{plan.budget_bytes / GIB:.1f} GiB with every memory lever on; "
@@ -87,9 +89,8 @@ def execute(cfg: DictConfig) -> float | None:
                 "no preset card, GPU count or data.max_length fits: lower lora.r or train.per_device_batch_size"),
              code=3)
     if run.mode == "plan":
-        if rank() == 0:
-            console.print(f"plan.json written to {run_dir / 'plan.json'}" if not PLAN_SCRATCH else
-                          "plan.json not kept (add hydra.run.dir=DIR to keep it)", markup=False)
+        if rank() == 0 and not PLAN_SCRATCH:
+            console.print(f"plan written to {run_dir / 'plan.json'}", markup=False)
         return None
     # The Trainer stack costs ~0.7 s of imports that mode=plan does not need.
     from .probe.diagnose import diagnosed, record_memory_history

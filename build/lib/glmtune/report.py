@@ -54,7 +54,8 @@ def header(run: RunConfig, plan: Plan, run_dir: Path | None, train_examples: int
     else:
         model = f"{run.model.name} (architecture facts only: training needs model.path)"
     data = f"{run.data.train_file}" + (f", val {run.data.val_file}" if run.data.val_file else ", no val")
-    where = f"run dir {run_dir}  (full config: .hydra/config.yaml)" if run_dir else "no run dir"
+    where = (f"run dir {run_dir}  (full config: .hydra/config.yaml)" if run_dir else
+             "nothing written (hydra.run.dir=DIR keeps plan.json)")
     lines = [f"glmtune {run.mode}: {where}",
              f"  model  {model}",
              f"  data   {data}, max_length {plan.choices.max_length}",

@@ -46,7 +46,7 @@ def advise(run: RunConfig, world_size: int, max_length: int, replan: Callable[[R
             continue
         plan = replan(replace(base, hw=replace(hw, margin=run.hw.margin)), world_size)
         if plan.fits:
-            out.append(_line([f"+hw={name}"], f"a {name} card", plan))
+            out.append(_line([f"+hw={name}"], f"the {name} preset ({hw.memory_gib} GiB per GPU)", plan))
 
     per_node = max(run.hw.gpus_per_node, 1)
     counts = [n for n in range(world_size + 1, per_node + 1)]
