@@ -24,6 +24,7 @@ from .data.pipeline import DataCollator, build_datasets, format_stats, longest_l
 from .launch import export_slurm_env, rank, run_name, world_size
 from .models import load_tokenizer
 from .models.presets import arch_config, resolve_model_dir
+from .plan.advice import cards_for_measured
 from .plan.estimate import GIB
 from .plan.planner import Choices, format_plan, make_plan
 from .report import header, summary
@@ -107,7 +108,10 @@ def execute(cfg: DictConfig) -> float | None:
         report_probe(probe, run_dir)
         remove_empty_dirs(run_dir, "probe")  # the probe's Trainer makes an output folder it never writes to
         if not probe.fits:
-            fail("the probe measured more than the budget on every rung: " + "; ".join(plan.advice), code=3)
+            measured = [a.measured_peak_bytes for a in probe.attempts if a.measured_peak_bytes]
+            fits = cards_for_measured(run, min(measured)) if measured else []
+            fail("the probe measured more than the budget on every rung"
+                 + (f"; what fits: {'; '.join(fits)}" if fits else ""), code=3)
         choices = Choices(**probe.final)
     if run.mode == "probe":
         return None
@@ -134,6 +138,7 @@ def cli() -> None:
     except ConfigError as err:
         fail(str(err))
     multirun = is_multirun(argv)
+    PLAN_SCRATCH = None
     if chosen_mode(argv) == "plan" and not multirun and not any(a.startswith("hydra.run.dir=") for a in argv):
         PLAN_SCRATCH = tempfile.mkdtemp(prefix="glmtune-plan-")
         sys.argv.append(f"hydra.run.dir={PLAN_SCRATCH}")

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from glmtune.config import CONF_DIR, parse_config
 from glmtune.models.presets import arch_config
-from glmtune.plan.advice import LENGTH_STEP, hw_presets
+from glmtune.plan.advice import LENGTH_STEP, cards_for_measured, hw_presets
 from glmtune.plan.estimate import GIB
 from glmtune.plan.planner import make_plan
 
@@ -91,3 +91,10 @@ def test_the_issues_t4_case_offers_an_h200_and_no_card_that_does_not_fit():
     assert "+hw=h200_141g" in offered and "+hw=a100_80g" not in offered  # 85.8 GiB does not fit 71.3
     assert not any(o.startswith("dist.") for o in offered)  # 131,072 tokens of activations: no GPU count helps
     assert any(o.startswith("data.max_length=") for o in offered)
+
+
+def test_after_the_probe_only_cards_whose_budget_holds_the_measured_peak_are_offered():
+    run, _ = plan_for(CASES[0])  # a T4; say the probe measured 30 GiB on its smallest rung
+    offered = [line.split(": ")[0] for line in cards_for_measured(run, 30 * GIB)]
+    assert offered[0] == "+hw=a100_40g"  # 39.4 x 0.9 = 35.5 GiB: the smallest card that holds 30 GiB
+    assert "+hw=v100_32g" not in offered and "+hw=h200_141g" in offered  # 31.7 x 0.9 = 28.5 GiB does not

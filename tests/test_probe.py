@@ -93,12 +93,8 @@ def _losses(run_dir):
     return [r["loss"] for r in rows if "loss" in r]
 
 
-def test_run_after_probe_equals_run_without_probe(tmp_path, repo):
-    common = ["train.max_steps=6", "train.logging_steps=1", "train.per_device_batch_size=2", "lora.dropout=0.1"]
-    with_probe, without = tmp_path / "with", tmp_path / "without"
-    a = run_cli(*common, f"hydra.run.dir={with_probe}", cwd=repo)
-    b = run_cli(*common, "probe.enabled=false", f"hydra.run.dir={without}", cwd=repo)
-    assert a.returncode == 0 and b.returncode == 0, (a.stderr[-2000:], b.stderr[-2000:])
+def test_run_after_probe_equals_run_without_probe(trained):
+    with_probe, without = trained.with_probe, trained.without_probe  # the same CLI run, probe on and off
     assert (with_probe / "probe.json").is_file() and not (without / "probe.json").exists()
     assert len(_losses(with_probe)) == 6 and _losses(with_probe) == _losses(without)
     wa = load_file(with_probe / "adapter" / "adapter_model.safetensors")

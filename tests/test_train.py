@@ -4,15 +4,13 @@ import math
 import re
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
-from peft import PeftModel
-
-from dataclasses import replace
-
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from peft import PeftModel
 
 from glmtune.config import CONF_DIR, DataConfig, HwConfig, LoraConfig, ModelConfig, RunConfig, TrainConfig, parse_config
 from glmtune.data.pipeline import DataCollator, build_datasets
@@ -21,6 +19,8 @@ from glmtune.models.presets import arch_config, ensure_tiny
 from glmtune.plan.planner import make_plan
 from glmtune.report import optimizer_steps
 from glmtune.train.trainer import train
+
+from conftest import glmtune
 
 FIXED = [("What is the capital of France?", "The capital of France is Paris."),
          ("你好，请介绍一下你自己。", "我是一个乐于助人的助手。"),
@@ -94,15 +94,13 @@ def run_cli(*args, cwd):
                           timeout=600)
 
 
-def test_cli_train_writes_a_complete_run_dir(tmp_path, repo):
-    out = tmp_path / "run"
-    proc = run_cli(f"hydra.run.dir={out}", "train.max_steps=3", "train.logging_steps=1", cwd=repo)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_cli_train_writes_a_complete_run_dir(trained, repo):
+    out, proc = trained.with_probe, trained.proc
     assert f"adapter saved to {out / 'adapter'}" in proc.stdout
     # the header says the step count overrides the epochs; the last line sums the run up
-    assert "3 optimizer steps (train.max_steps=3: 0.06 epochs of 51 examples)" in proc.stdout
+    assert "6 optimizer steps (train.max_steps=6: 0.23 epochs of 51 examples)" in proc.stdout
     last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("done in ") and "3 steps" in last and "train loss" in last and "eval loss" in last
+    assert last.startswith("done in ") and "6 steps" in last and "train loss" in last and "eval loss" in last
     assert "tokens/s" in last and "peak" in last
     # noise silenced at its source; the probe prints its table, not the Trainer's closing metrics
     assert "max_steps is given" not in proc.stdout + proc.stderr
@@ -113,13 +111,12 @@ def test_cli_train_writes_a_complete_run_dir(tmp_path, repo):
     section = readme.split("### What a run leaves in its run dir")[1].split("\n#")[0]
     for entry in out.iterdir():
         assert f"`{re.sub(r'^rank[0-9]+', 'rank<N>', entry.name)}" in section, f"{entry.name} is not documented in the README's run-dir section"
-    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (out / "adapter").iterdir()}
     config = (out / ".hydra" / "config.yaml").read_text()
     assert "train_file: data/samples/train.jsonl" in config
     versions = json.loads((out / "versions.json").read_text())
     assert set(versions) >= {"torch", "transformers", "peft", "deepspeed", "glmtune", "model_path", "config_hash"}
     assert versions["transformers"] == "4.40.2"
-    assert len((out / "metrics.jsonl").read_text().splitlines()) >= 3
+    assert len((out / "metrics.jsonl").read_text().splitlines()) >= 6
     assert list((out / "tensorboard").rglob("events.out.tfevents*"))
     plan = json.loads((out / "plan.json").read_text())
     assert plan["fits"] and plan["choices"]["max_length"] == 500
@@ -136,8 +133,12 @@ def test_cli_plan_for_glm4_9b_on_a100_needs_no_weights(tmp_path, repo):
     assert plan["breakdown"]["frozen weights"] == 9_399_951_360 * 2
 
 
-def test_cli_plan_that_cannot_fit_exits_3_with_advice(tmp_path, repo):
-    proc = run_cli("mode=plan", "model=glm4_9b_chat", "+hw=t4_16g", "data.max_length=131072",
-                   f"hydra.run.dir={tmp_path / 'p'}", cwd=repo)
+def test_cli_plan_that_cannot_fit_exits_3_with_advice_and_leaves_nothing(tmp_path, repo):
+    # launched from another folder, no hydra.run.dir: the configs come from the package, nothing is written
+    proc = glmtune("mode=plan", "model=glm4_9b_chat", "+hw=t4_16g", "data.max_length=131072", cwd=tmp_path)
     assert proc.returncode == 3
     assert "does not fit" in proc.stderr and "data.max_length=" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.count("\n") == 1 and "what fits: +hw=h200_141g" in proc.stderr
+    assert "t4_16g: 14.6 GiB x margin 0.9 = 13.1 GiB budget per GPU" in proc.stdout  # the header
+    assert "nothing written (hydra.run.dir=DIR keeps plan.json)" in proc.stdout
+    assert not list(tmp_path.iterdir())

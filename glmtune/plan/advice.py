@@ -84,3 +84,15 @@ def advise(run: RunConfig, world_size: int, max_length: int, replan: Callable[[R
     if best:
         out.append(_line([f"data.max_length={best[0]}"], "shorter examples (longer ones are cut)", best[1]))
     return out
+
+
+def cards_for_measured(run: RunConfig, measured_peak: int) -> list[str]:
+    """After the probe measured more than the budget on every rung: the presets whose budget holds the
+    smallest peak it measured. Measured, not re-planned: the estimate was already shown to be too low."""
+    out = []
+    for name, hw in sorted(hw_presets().items(), key=lambda item: item[1].memory_gib):
+        budget = hw.memory_gib * GIB * run.hw.margin
+        if name != run.hw.name and budget >= measured_peak:
+            out.append(f"+hw={name}: the {name} preset ({hw.memory_gib} GiB per GPU), measured "
+                       f"{measured_peak / GIB:.1f} of {budget / GIB:.1f} GiB")
+    return out

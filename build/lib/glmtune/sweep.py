@@ -145,7 +145,7 @@ def best_trial(trials: list[dict]) -> str:
     done = [t for t in trials if not math.isnan(t["metric"])]
     best = min(done, key=lambda t: t["metric"], default=None)
     return (f"best: trial {best['num']} (`{' '.join(best['overrides'])}`), loss {best['metric']:.4f}, "
-            f"run dir {best['run_dir']}" if best else "no trial finished")
+            f"run dir {best['run_dir']}" if best else "no trial has a loss (none trained, or all failed)")
 
 
 def final_line() -> str | None:
