@@ -3,6 +3,7 @@ no run dir for mode=plan or for a run that stops on bad input, readable launch i
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -122,8 +123,12 @@ def test_launch_ids_are_readable_and_agree_across_ranks(monkeypatch):
 @pytest.mark.slow
 def test_the_wheel_ships_configs_samples_and_the_command_and_runs_from_anywhere(tmp_path, repo):
     """pip builds a (non-editable) wheel; installed without the repo on the path, `glmtune` plans from /tmp."""
+    src = tmp_path / "src"  # a copy, so setuptools' build/ folder is not left in the checkout
+    shutil.copytree(repo / "glmtune", src / "glmtune", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(repo / name, src / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w",
-                    str(tmp_path / "dist"), str(repo)], check=True, capture_output=True, timeout=300)
+                    str(tmp_path / "dist"), str(src)], check=True, capture_output=True, timeout=300)
     wheel = next((tmp_path / "dist").glob("glmtune-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"glmtune/conf/config.yaml", "glmtune/conf/hw/a100_40g.yaml", "glmtune/conf/model/glm4_9b_chat.yaml",
