@@ -131,7 +131,8 @@ def version_text() -> str:
 
 
 def _wrap(label: str, text: str, width: int = 100) -> str:
-    return textwrap.fill(text, width, initial_indent=f"  {label:<17}", subsequent_indent=" " * 19)
+    return textwrap.fill(text, width, initial_indent=f"  {label:<17}", subsequent_indent=" " * 19,
+                         break_on_hyphens=False, break_long_words=False)
 
 
 def help_text() -> str:
