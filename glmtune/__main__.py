@@ -1,4 +1,4 @@
-"""python -m glmtune [+hw=CARD] [group=option ...] [key=value ...]
+"""glmtune [+hw=CARD] [group=option ...] [key=value ...]   (or python -m glmtune ...; glmtune --help)
 
 compose (Hydra) -> validate the config and every data line -> plan -> probe -> train. README.md: launches.
 Exit codes: 0 done; 2 bad config or input (one line, no traceback); 3 the plan or the probe says it does not
@@ -9,7 +9,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 # Before anything touches CUDA: expandable segments keep the allocator's reserve within ~3 % of what is
@@ -23,23 +26,31 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from .config import EVAL_METRICS, ConfigError, check_override_keys, parse_config
+from .cli import check_command_line, chosen_mode, is_multirun, wants_info
+from .config import CONF_DIR, ConfigError, check_override_keys, parse_config
 from .data.packing import format_packing, pack_datasets, planned_packing
 from .data.pipeline import DataCollator, build_datasets, format_stats, longest_length
 from .launch import export_slurm_env, rank, run_name, world_size
 from .models import load_tokenizer
 from .models.presets import arch_config, resolve_model_dir
-from .plan.estimate import image_extra_tokens
+from .plan.estimate import GIB, image_extra_tokens
 from .plan.planner import Choices, format_plan, make_plan
-from .rundir import console, fail, print_config, report_probe, write_run_files
-from .sweep import run_trial
+from .report import header, summary
+from .rundir import console, discard_unused, fail, remove_empty_dirs, report_probe, write_run_files
+from .sweep import final_line, run_trial
 from .train.compile import check_attention, describe
 
 # Every rank of one launch must agree on the run dir; ${now:} alone would differ by a second.
 OmegaConf.register_new_resolver("glmtune_run", run_name, replace=True)
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+# Set by `cli` for mode=plan without hydra.run.dir: Hydra's run dir is then a temporary folder, removed after.
+PLAN_SCRATCH: str | None = None
+
+
+# An absolute path: Hydra reads it as a folder. A relative one becomes pkg://glmtune.conf under the console
+# script, which Hydra only finds in a package with an __init__.py.
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> float | None:
     export_slurm_env()  # a SLURM task of the submitit launcher: RANK, WORLD_SIZE, ... from SLURM's variables
     hydra_cfg = HydraConfig.get()
@@ -50,6 +61,7 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def execute(cfg: DictConfig) -> float | None:
+    start = time.monotonic()
     run_dir, overrides = Path(HydraConfig.get().runtime.output_dir), list(HydraConfig.get().overrides.task)
     try:
         run = parse_config(OmegaConf.to_container(cfg, resolve=True))
@@ -80,6 +92,7 @@ def execute(cfg: DictConfig) -> float | None:
             data, packing = pack_datasets(run.data, data, image_extra_tokens(arch), run.train.per_device_batch_size,
                                           on_gpu=torch.cuda.is_available())
     except (ConfigError, ValueError, OSError) as err:  # bad input, or a device map that cannot place a tensor
+        discard_unused(run_dir)  # a run that never started leaves no folder behind
         fail(str(err))
     world = world_size() if run.mode != "plan" else run.dist.nnodes * run.dist.nproc_per_node
     length_set = run.data.max_length != 500 or any(o.lstrip("+~").startswith("data.max_length=") for o in overrides)
@@ -87,12 +100,20 @@ def execute(cfg: DictConfig) -> float | None:
     plan = make_plan(run, arch, world, length_set, data_max_tokens=longest_length(data.stats) if data else None,
                      packed=packed)
     write_run_files(run_dir, OmegaConf.to_yaml(cfg), overrides, run.model.path or run.model.name, plan)
-    print_config(run, run_dir)
+    shown_dir = None if PLAN_SCRATCH else run_dir
     if rank() == 0:
-        console.print(format_plan(plan))
+        console.print(header(run, plan, shown_dir, len(data.train) if data else None), markup=False)
+        if run.mode == "plan" or not plan.fits:
+            console.print(format_plan(plan))
     if not plan.fits:
-        fail("the plan does not fit: " + "; ".join(plan.advice), code=3)
+        fail(f"the plan does not fit: estimated peak {plan.peak_bytes / GIB:.1f} GiB > budget "
+             f"{plan.budget_bytes / GIB:.1f} GiB with every memory lever on; "
+             + ("what fits: " + "; ".join(plan.advice) if plan.advice else
+                "no preset card, GPU count or data.max_length fits: lower lora.r or train.per_device_batch_size"),
+             code=3)
     if run.mode == "plan":
+        if rank() == 0 and not PLAN_SCRATCH:
+            console.print(f"plan written to {run_dir / 'plan.json'}", markup=False)
         return None
     # The Trainer stack costs ~0.7 s of imports that mode=plan does not need.
     from .probe.diagnose import diagnosed, record_memory_history
@@ -109,8 +130,9 @@ def execute(cfg: DictConfig) -> float | None:
         probe = run_probe(run, plan, arch, model_dir, longest_length(data.stats), tokenizer, collator,
                           run_dir, world, evaluates=data.val is not None, packed=packed)
         report_probe(probe, run_dir)
+        remove_empty_dirs(run_dir, "probe")  # the probe's Trainer makes an output folder it never writes to
         if not probe.fits:
-            fail(probe_shortfall(probe, run, arch, world, longest_length(data.stats)), code=3)
+            fail(probe_shortfall(probe, run), code=3)
         choices, planned = Choices(**probe.final), probe.predicted_peak_bytes
     if run.mode == "probe":
         return None
@@ -118,15 +140,46 @@ def execute(cfg: DictConfig) -> float | None:
     with diagnosed(run_dir, plan.breakdown, choices.to_dict(), run.probe.enabled):
         metrics, _ = train(run, choices, run_dir, model_dir, data.train, data.val, collator, tokenizer, planned,
                            plan.budget_bytes)
+    remove_empty_dirs(run_dir, "checkpoints")  # only train.save_steps > 0 writes checkpoints
     if rank() == 0:
-        evals = "".join(f", {k.removeprefix('eval_')} {metrics[k]:.4g}" for k in EVAL_METRICS if k in metrics)
-        console.print(f"adapter saved to {metrics['adapter_dir']}  (train loss {metrics['train_loss']:.4f}{evals})")
+        console.print(summary(metrics, time.monotonic() - start), markup=False)
     return metrics["train_loss"]
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The `glmtune` command and `python -m glmtune`: --help/--version, command-line checks, then Hydra."""
+    global PLAN_SCRATCH
+    argv = sys.argv[1:]
+    info = wants_info(argv)
+    if info is not None:
+        print(info)
+        return
     try:
-        check_override_keys(sys.argv[1:])
+        check_command_line(argv)
+        check_override_keys(argv)
     except ConfigError as err:
         fail(str(err))
-    main()
+    multirun = is_multirun(argv)
+    PLAN_SCRATCH = None
+    if chosen_mode(argv) == "plan" and not multirun and not any(a.startswith("hydra.run.dir=") for a in argv):
+        PLAN_SCRATCH = tempfile.mkdtemp(prefix="glmtune-plan-")
+        sys.argv.append(f"hydra.run.dir={PLAN_SCRATCH}")
+    # Hydra then raises its composition errors instead of printing them with exit code 1; below they become
+    # glmtune's one line with exit code 2 (the checks above catch the common ones with a better message).
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        main()
+    except (HydraException, OmegaConfBaseException) as err:
+        fail(" ".join(str(err).split()))
+    finally:
+        if PLAN_SCRATCH:
+            shutil.rmtree(PLAN_SCRATCH, ignore_errors=True)
+    if multirun and rank() == 0 and final_line():
+        console.print(final_line(), markup=False)
+
+
+if __name__ == "__main__":
+    cli()

@@ -11,7 +11,11 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
+
+# The Hydra config tree, shipped inside the package (pyproject package-data) so an installed glmtune finds it.
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
 class ConfigError(ValueError):
@@ -55,7 +59,7 @@ class DistConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 40  # > 0 wins over num_epochs
+    max_steps: int = 0  # 0 = train whole epochs (num_epochs); > 0 = exactly this many optimizer steps instead
     num_epochs: float = 1.0
     learning_rate: float = 5e-4
     per_device_batch_size: int = 1  # micro-batch; global batch = this x grad_accum x world size
@@ -298,8 +302,10 @@ def _check_values(cfg: RunConfig) -> list[str]:
                         "weights cannot be sharded): use dist.strategy=auto|ddp and model.trust_remote_code=false")
     if cfg.infer.gpus < 0:
         problems.append(f"infer.gpus must be >= 0, got {cfg.infer.gpus}")
+    if cfg.train.max_steps < 0:
+        problems.append(f"train.max_steps must be >= 0 (0 = whole epochs), got {cfg.train.max_steps}")
     if cfg.train.max_steps <= 0 and cfg.train.num_epochs <= 0:
-        problems.append("set train.max_steps > 0 or train.num_epochs > 0")
+        problems.append("set train.num_epochs > 0 (or train.max_steps > 0)")
     if cfg.train.learning_rate <= 0:
         problems.append(f"train.learning_rate must be > 0, got {cfg.train.learning_rate}")
     return problems

@@ -13,7 +13,11 @@ job: srun starts one task per GPU and `export_slurm_env` turns SLURM's variables
 from __future__ import annotations
 
 import os
+import re
 import socket
+
+# torchrun --standalone names a launch with a random uuid4 (32 hex digits, with or without dashes).
+_UUID = re.compile(r"^[0-9a-f]{8}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{12}$")
 
 
 def rank() -> int:
@@ -29,10 +33,15 @@ def run_name(now: str) -> str:
 
     torchrun gives every worker the same TORCHELASTIC_RUN_ID (a fresh id under --standalone, --rdzv_id
     otherwise); other launchers set GLMTUNE_RUN_ID or pass hydra.run.dir. A lone process uses the time.
+    `now` is "DATE/TIME". A --standalone uuid becomes "DATE/torchrun-<first 8 hex digits>": readable, and
+    still the same on every rank (the time of day is not: workers start a second apart).
     """
     for var in ("GLMTUNE_RUN_ID", "TORCHELASTIC_RUN_ID"):
-        if os.environ.get(var) and os.environ[var] != "none":
-            return os.environ[var]
+        value = os.environ.get(var)
+        if value and value != "none":
+            if _UUID.match(value.lower()):
+                return f"{now.split('/')[0]}/torchrun-{value.replace('-', '')[:8]}"
+            return value
     return now
 
 

@@ -8,14 +8,11 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-from dataclasses import asdict
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from rich.console import Console
-from rich.tree import Tree
 
-from .config import RunConfig
 from .launch import rank
 
 # Logs and pipes get 120 columns instead of rich's 80, so paths and reasons stay on one line.
@@ -52,18 +49,6 @@ def write_run_files(run_dir: Path, config_yaml: str, overrides: list[str], model
     return config_hash
 
 
-def print_config(run: RunConfig, run_dir: Path) -> None:
-    if rank() != 0:
-        return
-    tree = Tree(f"[bold]glmtune[/bold] mode={run.mode}  run dir: {run_dir}")
-    for group, values in asdict(run).items():
-        if isinstance(values, dict):
-            branch = tree.add(f"[cyan]{group}[/cyan]")
-            for key, value in values.items():
-                branch.add(f"{key}: {value}")
-    console.print(tree)
-
-
 def report_probe(report, run_dir: Path) -> None:
     """probe.json in the run dir and the predicted-vs-measured table on the console (rank 0)."""
     if rank() != 0:
@@ -72,3 +57,37 @@ def report_probe(report, run_dir: Path) -> None:
 
     (run_dir / "probe.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     console.print(format_probe(report))
+
+
+def remove_empty_dirs(run_dir: Path, *names: str) -> None:
+    """Drop run-dir subfolders that a Trainer created and never wrote to (rank 0; README lists what stays)."""
+    if rank() != 0:
+        return
+    for name in names:
+        try:
+            (run_dir / name).rmdir()  # only succeeds when empty
+        except OSError:
+            pass
+
+
+def discard_unused(run_dir: Path) -> None:
+    """After bad input, undo what Hydra made for this run: empty rank logs, then the folders left empty.
+
+    Only empty files and folders go, so an earlier run's dir given again with hydra.run.dir keeps its files.
+    Parents are removed only inside ./outputs (Hydra's default DATE/TIME folders), never a folder of the user's."""
+    if not run_dir.is_dir():
+        return
+    for log in run_dir.glob("rank*.log"):
+        if log.stat().st_size == 0:
+            log.unlink(missing_ok=True)
+    outputs = (Path.cwd() / "outputs").resolve()
+    folder = run_dir.resolve()
+    while True:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (or already gone, from another rank)
+            if folder.exists():
+                return
+        folder = folder.parent
+        if folder != outputs and outputs not in folder.parents:
+            return

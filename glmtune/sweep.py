@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from .launch import rank
-from .rundir import ERROR_PREFIX
+from .rundir import ERROR_PREFIX, console
 
 GIB = 2**30
+_SWEEP_DIR: Path | None = None  # where this process recorded trials, for the sweep's last line (final_line)
 
 
 class _Tee(io.TextIOBase):
@@ -71,10 +72,15 @@ def run_trial(task: Callable[[], float | None], sweep_dir: Path, run_dir: Path, 
         sys.stderr = tee.stream
     record = trial_record(run_dir, num, overrides, status, error, code, time.monotonic() - start)
     if rank() == 0:
+        global _SWEEP_DIR
         sweep_dir.mkdir(parents=True, exist_ok=True)
         with (sweep_dir / "trials.jsonl").open("a") as f:
             f.write(json.dumps(record) + "\n")
-        write_summary(sweep_dir)
+        summary = write_summary(sweep_dir)
+        _SWEEP_DIR = sweep_dir
+        loss = "" if math.isnan(record["metric"]) else f", loss {record['metric']:.4f}"
+        console.print(f"trial {num}: {status}{loss} (table: {summary}; one line per trial: "
+                      f"{sweep_dir / 'trials.jsonl'})", markup=False)
     return record["metric"]
 
 
@@ -130,13 +136,26 @@ def format_summary(trials: list[dict]) -> str:
         lines.append(f"| {t['num']} | `{' '.join(t['overrides'])}` | {t['status']} | {fits} | "
                      f"{_gib(t['planned_peak_bytes'])} | {_gib(t['measured_peak_bytes'])} | "
                      f"{_num(_first(t['last_logged_loss'], t['train_loss']))} | {_num(t['eval_loss'])} | {note} |")
-    done = [t for t in trials if not math.isnan(t["metric"])]
-    best = min(done, key=lambda t: t["metric"], default=None)
-    footer = (f"best: trial {best['num']} (`{' '.join(best['overrides'])}`), loss {best['metric']:.4f}"
-              if best else "no trial finished")
     failed = sum(t["status"] != "ok" for t in trials)
     return "\n".join([f"# sweep summary: {len(trials)} trials, {failed} failed or not fitting", "", *lines, "",
-                      footer, ""])
+                      best_trial(trials), ""])
+
+
+def best_trial(trials: list[dict]) -> str:
+    done = [t for t in trials if not math.isnan(t["metric"])]
+    best = min(done, key=lambda t: t["metric"], default=None)
+    return (f"best: trial {best['num']} (`{' '.join(best['overrides'])}`), loss {best['metric']:.4f}, "
+            f"run dir {best['run_dir']}" if best else "no trial has a loss (none trained, or all failed)")
+
+
+def final_line() -> str | None:
+    """The sweep's last console line: where its table is, and the best trial (None if no trial ran here)."""
+    if _SWEEP_DIR is None:
+        return None
+    trials = read_trials(_SWEEP_DIR)
+    failed = sum(t["status"] != "ok" for t in trials)
+    return (f"sweep done: {len(trials)} trials, {failed} failed or not fitting; summary {_SWEEP_DIR / 'summary.md'}, "
+            f"trials {_SWEEP_DIR / 'trials.jsonl'}; {best_trial(trials)}")
 
 
 def write_summary(sweep_dir: Path) -> Path:

@@ -1,8 +1,10 @@
 """Every malformed data file gives ONE DataError line `<file>:<line>: <what> — <what to do>`.
 
-Each case is checked twice: in-process (`read_conversations` / `validate_files`) and through the real
-command line (`python -m glmtune data.train_file=...`), which must exit 2 with the same `file:line` on
-stderr, no traceback, and leave an existing run dir alone.
+Each case is checked in-process (`read_conversations` / `validate_files`), where it must raise a DataError.
+The command line turns every DataError into exit 2 the same way, so a representative few (file-level,
+bytes, JSON, conversation structure, the validation file) also run through the real command line
+(`python -m glmtune data.train_file=...`): exit 2, the same `file:line` on stderr, no traceback, and an
+existing run dir left alone. One process per case costs seconds of torch import each.
 """
 import importlib.util
 import json
@@ -155,13 +157,14 @@ def test_blank_lines_bom_crlf_metadata_and_alias_are_accepted(tmp_path):
 
 def test_shipped_sample_files_validate():
     for name in ("train.jsonl", "val.jsonl", "chatglm3_train.jsonl"):
-        assert read_conversations(REPO / "data" / "samples" / name)
+        assert read_conversations(REPO / "glmtune" / "data" / "samples" / name)
 
 
 # --- the same cases through `python -m glmtune` -------------------------------------------------------
 
 HAS_CLI = importlib.util.find_spec("glmtune.__main__") is not None
-CLI_CASES = [*CASES, Case("missing_val_file", None, None, ("validation file not found", "data.val_file"))]
+CLI_CASES = [*(c for c in CASES if c.name in ("missing_file", "not_utf8", "invalid_json", "no_assistant")),
+             Case("missing_val_file", None, None, ("validation file not found", "data.val_file"))]
 
 
 class CliResult(NamedTuple):

@@ -27,10 +27,8 @@ def write_jsonl(path, rows):
     return path
 
 
-def test_infer_with_adapter_and_merged_checkpoint(tmp_path, repo):
-    run = tmp_path / "run"
-    assert run_cli(f"hydra.run.dir={run}", "train.max_steps=4", "train.learning_rate=5e-3", "lora=all_linear",
-                   "probe.enabled=false", cwd=repo).returncode == 0
+def test_infer_with_adapter_and_merged_checkpoint(tmp_path, repo, trained):
+    run = trained.without_probe  # a CLI training: lora=all_linear, lr 5e-3
     prompts = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
     merged, out = tmp_path / "merged", tmp_path / "inf"
     proc = run_cli("mode=infer", f"infer.prompts_file={prompts}", f"infer.adapter={run / 'adapter'}",
@@ -61,7 +59,7 @@ def test_infer_with_adapter_and_merged_checkpoint(tmp_path, repo):
 def test_vision_batches_with_and_without_images_match_single_prompts(repo):
     model_dir = ensure_tiny("glm4v")
     model, tok = load_model(model_dir).eval(), load_tokenizer(model_dir)
-    image = str(repo / "data" / "samples_vision" / "images" / "red_square.png")
+    image = str(repo / "glmtune" / "data" / "samples_vision" / "images" / "red_square.png")
     prompts = [[{"role": "user", "content": "What shape is this?", "image": image}],
                [{"role": "user", "content": "Who are you? Answer in one sentence."}],
                [{"role": "user", "content": "图片里是什么？", "image": image}]]

@@ -11,7 +11,7 @@ from glmtune.infer.generate import reference_text
 from glmtune.models import make_tiny_checkpoint
 from glmtune.models.presets import ensure_tiny
 
-SAMPLE_PROMPTS = "data/prompts.jsonl"
+SAMPLE_PROMPTS = "data/samples/prompts.jsonl"
 
 
 def run_cli(*args, cwd):

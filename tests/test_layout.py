@@ -25,7 +25,10 @@ ALLOWED = {
     "infer": {"config", "models", "data", "plan"},
     "rundir": {"config", "launch", "probe"},
     "sweep": {"launch", "rundir"},
-    "__main__": {"config", "launch", "models", "data", "plan", "probe", "train", "infer", "rundir", "sweep"},
+    "report": {"config", "plan"},
+    "cli": {"config", "__init__"},
+    "__main__": {"config", "launch", "models", "data", "plan", "probe", "train", "infer", "rundir", "sweep",
+                 "report", "cli"},
     "__init__": set(),
 }
 

@@ -38,6 +38,8 @@ def test_grid_sweep_records_a_failed_trial_and_finishes_the_others(tmp_path, rep
     summary = (tmp_path / "summary.md").read_text()
     assert "3 trials, 1 failed" in summary and summary.count("| ok |") == 2 and "| failed |" in summary
     assert "lora.target_modules=[dense]" in summary and "best: trial" in summary
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("sweep done: 3 trials, 1 failed or not fitting") and "; best: trial " in last
 
 
 def test_plan_sweep_records_a_trial_that_does_not_fit(tmp_path, repo):
@@ -48,6 +50,11 @@ def test_plan_sweep_records_a_trial_that_does_not_fit(tmp_path, repo):
     assert [r["status"] for r in rows] == ["ok", "does not fit"] and rows[1]["exit_code"] == 3
     assert rows[1]["fits"] is False and "data.max_length=" in rows[1]["error"]  # the plan's advice
     assert "| does not fit | no |" in (tmp_path / "summary.md").read_text()
+    # each trial says where the table is; the sweep ends on the best trial
+    assert proc.stdout.count(f"(table: {tmp_path / 'summary.md'}; one line per trial: {tmp_path / 'trials.jsonl'})") == 2
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith(f"sweep done: 2 trials, 1 failed or not fitting; summary {tmp_path / 'summary.md'}")
+    assert last.endswith("no trial has a loss (none trained, or all failed)")  # plans train nothing
 
 
 @pytest.mark.slow
@@ -66,7 +73,7 @@ def test_optuna_preset_runs_trials_and_summarises(tmp_path, repo):
 def test_slurm_preset_submission(tmp_path, repo, monkeypatch):
     import submitit
 
-    with initialize_config_dir(version_base="1.3", config_dir=str(repo / "conf")):
+    with initialize_config_dir(version_base="1.3", config_dir=str(repo / "glmtune" / "conf")):
         cfg = compose("config", return_hydra_config=True, overrides=[
             "hydra/launcher=slurm", "hydra.launcher.nodes=2", "hydra.launcher.gpus_per_node=4",
             "hydra.launcher.partition=gpu", f"hydra.sweep.dir={tmp_path}"])

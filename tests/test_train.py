@@ -1,19 +1,26 @@
 """End-to-end training on the tiny model: the loss falls, the adapter reloads, the run dir is complete."""
 import json
 import math
+import re
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 from peft import PeftModel
 
-from glmtune.config import DataConfig, LoraConfig, RunConfig, TrainConfig
+from glmtune.config import CONF_DIR, DataConfig, HwConfig, LoraConfig, ModelConfig, RunConfig, TrainConfig, parse_config
 from glmtune.data.pipeline import DataCollator, build_datasets
 from glmtune.models import load_config, load_model, load_tokenizer
-from glmtune.models.presets import ensure_tiny
+from glmtune.models.presets import arch_config, ensure_tiny
 from glmtune.plan.planner import make_plan
+from glmtune.report import optimizer_steps
 from glmtune.train.trainer import train
+
+from conftest import glmtune
 
 FIXED = [("What is the capital of France?", "The capital of France is Paris."),
          ("你好，请介绍一下你自己。", "我是一个乐于助人的助手。"),
@@ -56,23 +63,60 @@ def test_finetune_drives_loss_far_down_and_adapter_reproduces_logits(tmp_path):
     assert (again - base).abs().max() > 1.0  # the adapter really changed the model
 
 
+def test_a_real_model_config_trains_whole_epochs_when_max_steps_is_not_set(tmp_path):
+    """The README's real-model command with epochs set and no max_steps: the run is exactly its epochs' steps."""
+    data = tmp_path / "train.jsonl"
+    data.write_text(write_fixed(tmp_path / "four.jsonl").read_text() * 3, encoding="utf-8")  # 12 examples
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
+        cfg = compose(config_name="config", overrides=[
+            "model=glm4_9b_chat", "+hw=a100_40g", f"data.train_file={data}", "data.val_file=null",
+            "train.num_epochs=2", "train.per_device_batch_size=2", "train.grad_accum=2"])
+    run = parse_config(OmegaConf.to_container(cfg, resolve=True))
+    assert run.train.max_steps == 0  # no step cap hidden in the defaults
+    plan = make_plan(run, arch_config(run.model), 1, user_set_max_length=False)
+    assert (plan.choices.micro_batch_size, plan.choices.grad_accum) == (2, 2)
+    # 12 examples / micro-batch 2 = 6 micro-batches / accumulation 2 = 3 optimizer steps an epoch, 2 epochs.
+    assert optimizer_steps(run.train, plan.choices, 12) == (6, 2)
+
+    # The same train settings on the tiny model (CPU): the Trainer runs those 6 steps and 2 whole epochs.
+    model_dir = ensure_tiny("glm4")
+    tiny = replace(run, model=ModelConfig(), hw=HwConfig())
+    tokenizer = load_tokenizer(model_dir)
+    train_set, _, _ = build_datasets(tiny.data, tokenizer)
+    choices = make_plan(tiny, load_config(model_dir), 1, user_set_max_length=False).choices
+    metrics, _ = train(tiny, choices, tmp_path / "run", model_dir, train_set, None, DataCollator(tokenizer.pad_token_id))
+    assert (metrics["steps"], metrics["epochs"]) == (6, 2.0)
+    assert metrics["tokens_per_s"] > 0 and metrics["measured_peak_bytes"] > 0
+
+
 def run_cli(*args, cwd):
     return subprocess.run([sys.executable, "-m", "glmtune", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=600)
 
 
-def test_cli_train_writes_a_complete_run_dir(tmp_path, repo):
-    out = tmp_path / "run"
-    proc = run_cli(f"hydra.run.dir={out}", "train.max_steps=3", "train.logging_steps=1", cwd=repo)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_cli_train_writes_a_complete_run_dir(trained, repo):
+    out, proc = trained.with_probe, trained.proc
     assert f"adapter saved to {out / 'adapter'}" in proc.stdout
-    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (out / "adapter").iterdir()}
+    # the header says the step count overrides the epochs; the last line sums the run up
+    assert "6 optimizer steps (train.max_steps=6: 0.23 epochs of 51 examples)" in proc.stdout
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("done in ") and "6 steps" in last and "train loss" in last and "eval loss" in last
+    assert "tokens/s" in last and "peak" in last
+    # noise silenced at its source; the probe prints its table, not the Trainer's closing metrics
+    assert "max_steps is given" not in proc.stdout + proc.stderr
+    assert "Could not find a config file" not in proc.stdout + proc.stderr
+    assert proc.stdout.count("'train_loss'") <= 1  # the real run's progress bar only
+    # every file and folder the run leaves is listed in the README's run-dir section
+    readme = (repo / "README.md").read_text()
+    section = readme.split("### What a run leaves in its run dir")[1].split("\n#")[0]
+    for entry in out.iterdir():
+        assert f"`{re.sub(r'^rank[0-9]+', 'rank<N>', entry.name)}" in section, f"{entry.name} is not documented in the README's run-dir section"
     config = (out / ".hydra" / "config.yaml").read_text()
     assert "train_file: data/samples/train.jsonl" in config
     versions = json.loads((out / "versions.json").read_text())
     assert set(versions) >= {"torch", "transformers", "peft", "deepspeed", "glmtune", "model_path", "config_hash"}
     assert versions["transformers"] == "4.40.2"
-    assert len((out / "metrics.jsonl").read_text().splitlines()) >= 3
+    assert len((out / "metrics.jsonl").read_text().splitlines()) >= 6
     assert list((out / "tensorboard").rglob("events.out.tfevents*"))
     plan = json.loads((out / "plan.json").read_text())
     assert plan["fits"] and plan["choices"]["max_length"] == 500
@@ -89,8 +133,12 @@ def test_cli_plan_for_glm4_9b_on_a100_needs_no_weights(tmp_path, repo):
     assert plan["breakdown"]["frozen weights"] == 9_399_951_360 * 2
 
 
-def test_cli_plan_that_cannot_fit_exits_3_with_advice(tmp_path, repo):
-    proc = run_cli("mode=plan", "model=glm4_9b_chat", "+hw=t4_16g", "data.max_length=131072",
-                   f"hydra.run.dir={tmp_path / 'p'}", cwd=repo)
+def test_cli_plan_that_cannot_fit_exits_3_with_advice_and_leaves_nothing(tmp_path, repo):
+    # launched from another folder, no hydra.run.dir: the configs come from the package, nothing is written
+    proc = glmtune("mode=plan", "model=glm4_9b_chat", "+hw=t4_16g", "data.max_length=131072", cwd=tmp_path)
     assert proc.returncode == 3
     assert "does not fit" in proc.stderr and "data.max_length=" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.count("\n") == 1 and "what fits: +hw=h200_141g" in proc.stderr
+    assert "t4_16g: 14.6 GiB x margin 0.9 = 13.1 GiB budget per GPU" in proc.stdout  # the header
+    assert "nothing written (hydra.run.dir=DIR keeps plan.json)" in proc.stdout
+    assert not list(tmp_path.iterdir())

@@ -36,7 +36,7 @@ from ..config import DataConfig
 from ..models.presets import cache_root
 from .build import build_split, default_num_proc, write_lines
 from .tokenized import TokenizedSplit
-from .validate import DataError, _read_bytes
+from .validate import DataError, _read_bytes, locate
 
 FORMAT = 1  # the entry layout (tokenized.COLUMNS, meta.json); bump on a change the source hash would not catch
 # Code whose change changes the rows: its source text is part of the key (no version number to forget).
@@ -54,8 +54,9 @@ def load_split(cfg: DataConfig, path: str, config_key: str, tokenizer: Any, has_
     """The split of data file `path` (named by `config_key`, e.g. data.train_file): opened from its cache entry,
     or validated, encoded with `encode` (pipeline.encode_example) and cached first. DataError on a bad file."""
     started = time.time()
-    raw = _read_bytes(Path(path), str(path), config_key)  # the validation messages for missing/unreadable files
-    folder = Path(path).expanduser().resolve().parent
+    located = locate(path)  # data/samples/... falls back to the copy shipped inside glmtune
+    raw = _read_bytes(located, str(path), config_key)  # the validation messages for missing/unreadable files
+    folder = located.expanduser().resolve().parent
     fields = {"format": FORMAT, "data_sha256": hashlib.sha256(raw).hexdigest(), "folder": str(folder),
               "tokenizer_sha256": tokenizer_sha256(tokenizer), "max_length": cfg.max_length,
               "family": tokenizer.family, "vision": has_vision, "code_sha256": code_sha256()}

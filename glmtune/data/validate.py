@@ -44,6 +44,23 @@ class _Problem(NamedTuple):
     fix: str
 
 
+# The bundled sample sets live in the package (glmtune/data/samples*), so an installed glmtune finds them.
+SHIPPED = Path(__file__).resolve().parent
+SAMPLE_SETS = ("samples", "samples_vision")
+
+
+def locate(path: str | Path) -> Path:
+    """A data path as written, except that `data/samples/...` and `data/samples_vision/...` fall back to the
+    copies shipped inside glmtune when the launch directory has no such file (e.g. `pip install .`, then
+    glmtune from any folder). A file of the user's at that path always wins."""
+    given = Path(path).expanduser()
+    parts = given.parts
+    if not given.exists() and not given.is_absolute() and len(parts) > 2 and parts[0] == "data" \
+            and parts[1] in SAMPLE_SETS and SHIPPED.joinpath(*parts[1:]).exists():
+        return SHIPPED.joinpath(*parts[1:])
+    return given
+
+
 def validate_files(cfg: DataConfig) -> None:
     """Read and check the train file and, when set, the validation file; raise DataError on the first bad one."""
     read_conversations(cfg.train_file, "data.train_file")
@@ -58,7 +75,8 @@ def read_conversations(path: str | Path, key: str = "data.train_file", prompts: 
     reads generation prompts: they end on a user or observation turn instead of containing a reply.
     """
     shown = str(path)  # as the user wrote it in the config, which is what they will recognise
-    raw = _read_bytes(Path(path), shown, key)
+    path = locate(path)
+    raw = _read_bytes(path, shown, key)
     conversations: list[Conversation] = []
     problems: list[_Problem] = []
     offset = 0  # byte offset of the current line's first byte in the file

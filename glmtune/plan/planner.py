@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from ..config import RunConfig
+from .advice import advise
 from .estimate import GIB, RunShape, estimate, gpu_family, image_extra_tokens
 from .quantized import allows_zero3, quantize_advice
 
@@ -132,7 +133,7 @@ def _budget(run: RunConfig, margin: float) -> int | None:
 
 def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
               data_max_tokens: int | None = None, margin: float | None = None,
-              packed: tuple[int, int] | None = None) -> Plan:
+              packed: tuple[int, int] | None = None, advice: bool = True) -> Plan:
     budget = _budget(run, run.hw.margin if margin is None else margin)
     dtype, why_dtype = local_dtype(run)
     max_length = run.data.max_length if user_set_max_length else DEFAULT_MAX_LENGTH
@@ -173,8 +174,8 @@ def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
     ok = budget is None or est.peak_bytes <= budget
     reasons.update(_reasons(run, start, c, budget, weights_only, world_size))
     plan = Plan(ok, budget, est.peak_bytes, est.breakdown, c, reasons)
-    if not ok:
-        plan.advice = _advice(run, arch, c, budget, est.peak_bytes, world_size, data_max_tokens, packed)
+    if not ok and advice:
+        plan.advice = _advice(run, arch, world_size, c.max_length, data_max_tokens, margin, packed)
     return plan
 
 
@@ -204,24 +205,15 @@ def _reasons(run, start: Choices, c: Choices, budget, weights: int, world_size: 
     return r
 
 
-def _advice(run, arch, c: Choices, budget: int, peak: int, world_size: int, data_max_tokens,
+def _advice(run, arch, world_size: int, max_length: int, data_max_tokens, margin,
             packed: tuple[int, int] | None = None) -> list[str]:
-    gib = (lambda x: f"{x / GIB:.1f} GiB")
-    out = [f"estimated peak {gib(peak)} exceeds the budget {gib(budget)} even with every memory lever on"]
-    if world_size == 1:
-        out.append("use more GPUs with ZeRO-3: torchrun --nproc_per_node 2 -m glmtune ... dist=zero3")
-    out.append(f"use a larger card: +hw=a100_80g (or hw.memory_gib=<GiB of your card>)")
-    if packed is not None:
-        out.append(f"shorter packed rows: data.pack_length={max(packed[0] // 2, c.max_length)} (or data.packing=off)")
-    length = c.max_length
-    while length > 64:
-        length //= 2
-        if estimate(arch, run_shape(run, arch, replace(c, max_length=length), data_max_tokens,
-                                    packed)).peak_bytes <= budget:
-            out.append(f"shorten examples: data.max_length={length}")
-            break
-    out += quantize_advice(run, c.max_length, lambda r: make_plan(r, arch, world_size, True, data_max_tokens))
-    return out
+    """The overrides that would fit, each one planned again (plan/advice.py, plan/quantized.py); empty when
+    none does."""
+    def replan(changed: RunConfig, world: int) -> Plan:
+        return make_plan(changed, arch, world, True, data_max_tokens, margin, packed, advice=False)
+
+    return advise(run, world_size, max_length, replan) + quantize_advice(run, max_length,
+                                                                         lambda r: replan(r, world_size))
 
 
 def format_plan(plan: Plan):

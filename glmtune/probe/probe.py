@@ -31,7 +31,8 @@ from ..config import RunConfig
 from ..data.packing import join_row
 from ..data.pipeline import IMAGE_PLACEHOLDERS
 from ..plan.estimate import CUDA_CONTEXT_DEFAULT, GIB, estimate, image_extra_tokens
-from ..plan.planner import Choices, Plan, _advice, run_shape, step_down
+from ..plan.advice import cards_for_measured
+from ..plan.planner import Choices, Plan, run_shape, step_down
 from ..train.gpumem import outside_allocator_bytes
 from ..train.trainer import build_model, make_trainer, training_args
 from .diagnose import classify
@@ -268,15 +269,14 @@ def run_probe(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, t
                        seconds=round(time.perf_counter() - start, 2))
 
 
-def probe_shortfall(report: ProbeReport, run: RunConfig, arch, world_size: int, longest: int) -> str:
-    """The exit-3 line when no rung fit: what was measured against what budget, and what would fit."""
-    last = report.attempts[-1]
-    seen = ("ran out of memory" if last.measured_peak_bytes is None
-            else f"measured {last.measured_peak_bytes / GIB:.2f} GiB")
-    advice = _advice(run, arch, Choices(**report.final), report.budget_bytes,
-                     last.measured_peak_bytes or last.predicted_peak_bytes, world_size, longest)
-    return (f"the probe found no rung that fits: the last one ({seen}, budget {report.budget_bytes / GIB:.2f} GiB) "
-            "— " + "; ".join(advice[1:] or advice))
+def probe_shortfall(report: ProbeReport, run: RunConfig) -> str:
+    """The exit-3 line when no rung fit: what was measured against which budget, and the presets whose budget
+    holds the smallest measured peak (measured, not re-planned: the estimate was already shown too low)."""
+    measured = [a.measured_peak_bytes for a in report.attempts if a.measured_peak_bytes]
+    seen = (f"measured {min(measured) / GIB:.2f} GiB at best" if measured else "every rung ran out of memory")
+    fits = cards_for_measured(run, min(measured)) if measured else []
+    return (f"the probe found no rung that fits: {seen}, budget {report.budget_bytes / GIB:.2f} GiB"
+            + (f"; what fits: {'; '.join(fits)}" if fits else "; no preset holds it: shorten data.max_length"))
 
 
 def _device_name() -> str:

@@ -41,6 +41,14 @@ class MemoryTimeline(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         self.steps.append({"step": state.global_step, **_sample()})
 
+    def peak(self) -> dict:
+        """The run's measured peak for the summary: reserved bytes on a GPU, the process's resident set on CPU."""
+        key = "peak_reserved" if self.steps and "peak_reserved" in self.steps[0] else "peak_rss"
+        if not self.steps:
+            return {}
+        return {"measured_peak_bytes": max(s[key] for s in self.steps),
+                "peak_kind": "GPU reserved" if key == "peak_reserved" else "CPU resident set"}
+
     def on_train_end(self, args, state, control, **kwargs):
         if state.is_world_process_zero and self.steps:
             save_timeline(self.steps, self.run_dir, self.planned_bytes, self.budget_bytes)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
 from ..config import EVAL_METRICS, RunConfig, TrainConfig
 from ..infer.provenance import write_base_identity
@@ -43,10 +43,13 @@ def training_args(cfg: TrainConfig, choices: Choices, run_dir: Path, has_eval: b
     if choices.zero_stage == 3:
         single_process_env()
     quiet = probe_steps > 0
+    max_steps = probe_steps or (cfg.max_steps if cfg.max_steps > 0 else -1)
     return TrainingArguments(
         output_dir=str(run_dir / ("probe" if quiet else "checkpoints")),
-        max_steps=probe_steps or (cfg.max_steps if cfg.max_steps > 0 else -1),
-        num_train_epochs=cfg.num_epochs,
+        max_steps=max_steps,
+        # Whole epochs unless a step count is given. With one, epochs are unused: 0 keeps the Trainer from
+        # warning "max_steps is given, it will override any value given in num_train_epochs" on every run.
+        num_train_epochs=0 if max_steps > 0 else cfg.num_epochs,
         learning_rate=cfg.learning_rate,
         warmup_steps=cfg.warmup_steps,
         weight_decay=cfg.weight_decay,
@@ -72,6 +75,7 @@ def training_args(cfg: TrainConfig, choices: Choices, run_dir: Path, has_eval: b
         prediction_loss_only=True,
         dataloader_num_workers=0,
         disable_tqdm=quiet,
+        include_num_input_tokens_seen=not quiet,  # tokens/s in the summary (padded tokens, all ranks)
         save_safetensors=True,
         deepspeed=deepspeed_config(choices),
         # Without a GPU, accelerate 1.x starts no gloo group unless told the run is CPU-only: every rank of
@@ -118,6 +122,8 @@ def make_trainer(args: TrainingArguments, model, train_set, val_set, collator, c
     trainer = LoraTrainer(model=model, args=args, train_dataset=train_set, eval_dataset=val_set or None,
                           data_collator=collator, callbacks=list(callbacks))
     trainer.generation_eval, trainer.best = generation_eval, best
+    if args.logging_strategy == "no":  # the probe: its closing {'train_loss': ..., 'epoch': 1.0} reads like a result
+        trainer.remove_callback(PrinterCallback)
     return trainer
 
 
@@ -154,6 +160,16 @@ class LoraTrainer(Trainer):
         self.last_eval = {**metrics, "step": self.state.global_step}
         return metrics
 
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        """The adapter, as Trainer._save writes a PeftModel, but with save_embedding_layers=False: glmtune never
+        trains embeddings (config.LORA_TARGETS), and PEFT's "auto" check looks the local base-model folder up
+        on the Hub and warns "Could not find a config file" at every save."""
+        output_dir = output_dir or self.args.output_dir
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=self.args.save_safetensors,
+                                   save_embedding_layers=False)
+        torch.save(self.args, Path(output_dir) / "training_args.bin")
+
 
 class MetricsFile(TrainerCallback):
     """Every log line of the Trainer, one JSON object per line, in run_dir/metrics.jsonl (rank 0)."""
@@ -181,15 +197,18 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
         generation_eval = GenerationEval(run.eval, run.data.val_file, tokenizer, choices.eval_batch_size,
                                          run_dir / "eval", synced_gpus=choices.zero_stage == 3)
     best = BestTracker(run.eval) if val_set else None
+    timeline = MemoryTimeline(run_dir, planned_bytes, budget_bytes)
     trainer = make_trainer(args, model, train_set, val_set, collator,
-                           callbacks=[MetricsFile(run_dir / "metrics.jsonl"),
-                                      MemoryTimeline(run_dir, planned_bytes, budget_bytes)],
+                           callbacks=[MetricsFile(run_dir / "metrics.jsonl"), timeline],
                            generation_eval=generation_eval, best=best)
     result = trainer.train()
-    metrics = {"train_loss": result.training_loss, "steps": result.global_step,
+    runtime = result.metrics.get("train_runtime")
+    metrics = {"train_loss": result.training_loss, "steps": result.global_step, "epochs": trainer.state.epoch,
                # ds_numel: under ZeRO-3 a parameter's local tensor is an empty placeholder
                "trainable_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in trainable_parameters(model)),
-               "runtime_s": result.metrics.get("train_runtime")}
+               "runtime_s": runtime,
+               "tokens_per_s": trainer.state.num_input_tokens_seen / runtime if runtime else None,
+               **timeline.peak()}
     if val_set:
         # The last step's evaluation, when the loop just ran it (eval_steps divides the steps), is not repeated.
         last = trainer.last_eval if trainer.last_eval and trainer.last_eval["step"] == result.global_step \

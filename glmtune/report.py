@@ -1,0 +1,87 @@
+"""What a person reads on the console: a few header lines before the run, one summary line after it.
+
+The whole composed config is in <run dir>/.hydra/config.yaml (and `glmtune --cfg job` prints it); the
+header keeps what decides a run: model, data, card and budget, the plan's decisions, and how many optimizer
+steps the run will take, so a run that trains 40 steps of a 3-epoch request cannot pass unnoticed.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from .config import EVAL_METRICS, RunConfig, TrainConfig
+from .plan.estimate import GIB
+from .plan.planner import Choices, Plan
+
+
+def optimizer_steps(cfg: TrainConfig, choices: Choices, examples: int) -> tuple[int, float]:
+    """(optimizer steps, epochs) as the HF Trainer 4.40 counts them for `examples` training examples.
+
+    Each rank gets ceil(batches / world) micro-batches of an epoch (accelerate shards the batches), an epoch
+    is max(those // grad_accum, 1) steps, and without train.max_steps the run is ceil(epochs x that) steps."""
+    batches = math.ceil(math.ceil(examples / choices.micro_batch_size) / choices.world_size)
+    per_epoch = max(batches // choices.grad_accum, 1)
+    if cfg.max_steps > 0:
+        return cfg.max_steps, cfg.max_steps / per_epoch
+    return math.ceil(cfg.num_epochs * per_epoch), cfg.num_epochs
+
+
+def _card(run: RunConfig, plan: Plan) -> str:
+    if plan.budget_bytes is None:
+        return f"{run.hw.name}: CPU, no memory budget"
+    size = f"{run.hw.memory_gib} GiB" if run.hw.memory_gib is not None else "this GPU's memory"
+    return f"{run.hw.name}: {size} x margin {run.hw.margin} = {plan.budget_bytes / GIB:.1f} GiB budget per GPU"
+
+
+def _decisions(c: Choices) -> str:
+    parts = [c.dtype, f"checkpointing {'on' if c.gradient_checkpointing else 'off'}",
+             "ZeRO-3" if c.zero_stage == 3 else "no ZeRO"]
+    if c.offload_params:
+        parts.append("CPU offload")
+    if c.loss_chunk_tokens:
+        parts.append(f"chunked loss ({c.loss_chunk_tokens} tokens)")
+    parts.append(f"micro-batch {c.micro_batch_size} x accum {c.grad_accum} x {c.world_size} GPU(s) = global batch "
+                 f"{c.micro_batch_size * c.grad_accum * c.world_size}")
+    return ", ".join(parts)
+
+
+def header(run: RunConfig, plan: Plan, run_dir: Path | None, train_examples: int | None = None) -> str:
+    """Plain lines (no markup) for the console before the probe and the training."""
+    if run.model.path:
+        model = f"{run.model.name} from {run.model.path}"
+    elif run.model.name.endswith("_tiny"):
+        model = f"{run.model.name} (built-in random tiny model)"
+    else:
+        model = f"{run.model.name} (architecture facts only: training needs model.path)"
+    data = f"{run.data.train_file}" + (f", val {run.data.val_file}" if run.data.val_file else ", no val")
+    where = (f"run dir {run_dir}  (full config: .hydra/config.yaml)" if run_dir else
+             "nothing written (hydra.run.dir=DIR keeps plan.json)")
+    lines = [f"glmtune {run.mode}: {where}",
+             f"  model  {model}",
+             f"  data   {data}, max_length {plan.choices.max_length}",
+             f"  card   {_card(run, plan)}",
+             f"  plan   {_decisions(plan.choices)}; estimated peak {plan.peak_bytes / GIB:.2f} GiB"
+             + ("" if plan.fits else "  DOES NOT FIT")]
+    if train_examples is not None and run.mode == "train":
+        steps, epochs = optimizer_steps(run.train, plan.choices, train_examples)
+        why = (f"train.max_steps={run.train.max_steps}: {epochs:.2f} epochs" if run.train.max_steps > 0
+               else f"{epochs:g} epoch(s)")
+        lines.append(f"  steps  {steps} optimizer steps ({why} of {train_examples} examples)")
+    return "\n".join(lines)
+
+
+def summary(metrics: dict, wall_s: float) -> str:
+    """One line after training: losses, steps, time, throughput, measured peak, where the adapter is."""
+    parts = [f"done in {wall_s:.0f} s: {metrics['steps']} steps ({metrics.get('epochs', 0):.2f} epochs)",
+             f"train loss {metrics['train_loss']:.4f}"]
+    if "eval_loss" in metrics:
+        parts.append(f"eval loss {metrics['eval_loss']:.4f} (perplexity {math.exp(min(metrics['eval_loss'], 50)):.1f})")
+    generated = [f"{k.removeprefix('eval_')} {metrics[k]:.4g}" for k in EVAL_METRICS
+                 if k in metrics and k not in ("eval_loss", "eval_perplexity")]
+    if generated:  # eval.generate: ROUGE/BLEU/exact match of the last evaluation
+        parts.append(", ".join(generated))
+    if metrics.get("tokens_per_s"):
+        parts.append(f"{metrics['tokens_per_s']:,.0f} tokens/s")
+    if metrics.get("measured_peak_bytes"):
+        parts.append(f"peak {metrics['measured_peak_bytes'] / GIB:.2f} GiB ({metrics['peak_kind']})")
+    return ", ".join(parts) + f"; adapter saved to {metrics['adapter_dir']}"

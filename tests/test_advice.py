@@ -1,0 +1,100 @@
+"""Exit-3 advice is computed: every line, pasted onto the command line, composes a run whose plan fits.
+
+Each case is composed by Hydra from the same overrides a user would type; each advice line's overrides are
+then applied as the user would (a new +hw= replaces the old one, a key replaces the same key) and planned
+again. The levers are also checked for being the best ones: every preset not offered does not fit, one GPU
+fewer than offered does not fit, and 64 tokens more than the offered length does not fit.
+"""
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from glmtune.config import CONF_DIR, parse_config
+from glmtune.models.presets import arch_config
+from glmtune.plan.advice import LENGTH_STEP, cards_for_measured, hw_presets
+from glmtune.plan.estimate import GIB
+from glmtune.plan.planner import make_plan
+
+CASES = [
+    ["mode=plan", "model=glm4_9b_chat", "+hw=t4_16g", "data.max_length=131072"],  # the issue's T4 case
+    ["mode=plan", "model=glm4_9b_chat", "+hw=a100_80g", "data.max_length=131072"],  # must not offer itself
+    ["mode=plan", "model=glm4v_9b", "+hw=t4_16g", "dist=ddp"],  # 26 GiB of frozen weights, no offload under ddp
+    ["mode=plan", "model=glm4_9b_chat", "+hw=rtx4090_24g", "dist=ddp", "dist.nproc_per_node=2",
+     "data.max_length=16384"],  # ddp never shards: the GPU advice switches to ZeRO-3
+    ["mode=plan", "model=chatglm3_6b", "+hw=t4_16g", "lora=all_linear", "train.per_device_batch_size=8",
+     "data.max_length=8192", "train.gradient_checkpointing=off"],
+]
+
+
+def plan_for(overrides: list[str]):
+    return _plan_for(tuple(overrides))
+
+
+@lru_cache(maxsize=None)
+def _plan_for(overrides: tuple[str, ...]):
+    """What `glmtune mode=plan <overrides>` plans (the world size and length rule of glmtune.__main__)."""
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    run = parse_config(OmegaConf.to_container(cfg, resolve=True))
+    length_set = run.data.max_length != 500 or any(o.startswith("data.max_length=") for o in overrides)
+    return run, make_plan(run, arch_config(run.model), run.dist.nnodes * run.dist.nproc_per_node, length_set)
+
+
+def apply(overrides: list[str], line: str) -> list[str]:
+    """The command line after pasting an advice line's overrides (the text before ': ')."""
+    added = line.split(": ", 1)[0].split()
+    keys = {a.split("=", 1)[0] for a in added}
+    return [o for o in overrides if o.split("=", 1)[0] not in keys] + added
+
+
+@pytest.mark.parametrize("overrides", CASES, ids=lambda o: " ".join(o[1:]))
+def test_every_advice_line_fits_when_applied_and_is_the_best_of_its_kind(overrides):
+    run, plan = plan_for(overrides)
+    assert not plan.fits and plan.advice, plan.advice
+    for line in plan.advice:
+        assert re.fullmatch(r"\S+(?: \S+)*: .+, estimated [\d.]+ of [\d.]+ GiB", line), line
+        _, again = plan_for(apply(overrides, line))
+        assert again.fits, f"{line!r} does not fit when applied: {again.peak_bytes / GIB:.1f} GiB"
+        shown = re.search(r"estimated ([\d.]+) of ([\d.]+) GiB$", line).groups()
+        assert shown == (f"{again.peak_bytes / GIB:.1f}", f"{again.budget_bytes / GIB:.1f}"), line
+    # ... and the best of each lever: every card that fits, the fewest GPUs, the longest length.
+    offered = {line.split(": ")[0] for line in plan.advice}
+    for name in hw_presets():
+        if f"+hw={name}" not in offered and name != run.hw.name:
+            assert not plan_for(apply(overrides, f"+hw={name}: x"))[1].fits, name
+    assert f"+hw={run.hw.name}" not in offered
+    world = run.dist.nnodes * run.dist.nproc_per_node
+    for line in (line for line in plan.advice if "dist.nproc_per_node=" in line.split(": ")[0]):
+        typed = line.split(": ")[0]
+        procs = int(re.search(r"dist.nproc_per_node=(\d+)", typed)[1])
+        nodes = int(m[1]) if (m := re.search(r"dist.nnodes=(\d+)", typed)) else 1
+        fewer = (typed.replace(f"dist.nproc_per_node={procs}", f"dist.nproc_per_node={procs - 1}") if nodes == 1
+                 else typed.replace(f"dist.nnodes={nodes}", f"dist.nnodes={nodes - 1}"))
+        if (nodes - 1 if nodes > 1 else 0) * procs + (procs - 1 if nodes == 1 else 0) > world:
+            assert not plan_for(apply(overrides, fewer + ": x"))[1].fits, line
+    lengths = [int(m[1]) for line in plan.advice if (m := re.match(r"data.max_length=(\d+):", line))]
+    for length in lengths:
+        assert length % LENGTH_STEP == 0 and length < plan.choices.max_length
+        longer = length + LENGTH_STEP
+        if longer < plan.choices.max_length:
+            assert not plan_for(apply(overrides, f"data.max_length={longer}: x"))[1].fits
+
+
+def test_the_issues_t4_case_offers_an_h200_and_no_card_that_does_not_fit():
+    _, plan = plan_for(CASES[0])
+    offered = [line.split(": ")[0] for line in plan.advice]
+    assert "+hw=h200_141g" in offered and "+hw=a100_80g" not in offered  # 85.8 GiB does not fit 71.3
+    assert not any(o.startswith("dist.") for o in offered)  # 131,072 tokens of activations: no GPU count helps
+    assert any(o.startswith("data.max_length=") for o in offered)
+
+
+def test_after_the_probe_only_cards_whose_budget_holds_the_measured_peak_are_offered():
+    run, _ = plan_for(CASES[0])  # a T4; say the probe measured 30 GiB on its smallest rung
+    offered = [line.split(": ")[0] for line in cards_for_measured(run, 30 * GIB)]
+    assert offered[0] == "+hw=a100_40g"  # 39.4 x 0.9 = 35.5 GiB: the smallest card that holds 30 GiB
+    assert "+hw=v100_32g" not in offered and "+hw=h200_141g" in offered  # 31.7 x 0.9 = 28.5 GiB does not
