@@ -7,8 +7,9 @@ Each run is the real command (`python -m glmtune mode=probe ...`, under `torchru
 fresh data cache folder for the first run and the same folder for the cached run. Printed per run: wall time of
 the whole command; per rank the data stage (the `data: ... in X s` line of its rank log: read + sha256 of the
 file, then build or memory-mapped open) and its peak RSS; the peak RSS of any other process of the command
-(torchrun's agent, the datasets.map workers of the builder). Peak RSS is the kernel's VmHWM of each process,
-sampled every 50 ms from /proc until it exits.
+(torchrun's agent). The datasets.map workers a builder forks have the rank's command line and environment, so a
+rank's peak is the largest of the rank process and its workers: the per-process peak that must stay under 1 GB.
+Peak RSS is the kernel's VmHWM of each process, sampled every 50 ms from /proc until it exits.
 
 The conversations are the shipped samples (data/samples/train.jsonl) cycled, each with a numbered tag in the user
 turn so that no two lines are equal.
