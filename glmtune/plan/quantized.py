@@ -89,6 +89,6 @@ def quantize_advice(run, max_length: int, replan) -> list[str]:
         plan = replan(trial)
         if plan.fits:
             also = " dist.strategy=auto" if run.dist.strategy == "zero3" else ""
-            return [f"quantize the frozen base weights (QLoRA; changes the numerics): model.quantize={mode}{also} "
-                    f"plans {plan.peak_bytes / 2**30:.1f} of {plan.budget_bytes / 2**30:.1f} GiB"]
+            return [f"model.quantize={mode}{also}: quantize the frozen base weights (QLoRA; changes the numerics), "
+                    f"estimated {plan.peak_bytes / 2**30:.1f} of {plan.budget_bytes / 2**30:.1f} GiB"]
     return []
