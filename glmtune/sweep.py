@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Callable, TextIO
 
+from .atomic import append_line, read_jsonl, write_text
 from .launch import rank
 from .rundir import ERROR_PREFIX
 
@@ -72,8 +73,7 @@ def run_trial(task: Callable[[], float | None], sweep_dir: Path, run_dir: Path, 
     record = trial_record(run_dir, num, overrides, status, error, code, time.monotonic() - start)
     if rank() == 0:
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        with (sweep_dir / "trials.jsonl").open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_line(sweep_dir / "trials.jsonl", json.dumps(record))
         write_summary(sweep_dir)
     return record["metric"]
 
@@ -101,10 +101,7 @@ def trial_record(run_dir: Path, num: int, overrides: list[str], status: str, err
 
 
 def read_trials(sweep_dir: Path) -> list[dict]:
-    path = sweep_dir / "trials.jsonl"
-    if not path.exists():
-        return []
-    return sorted((json.loads(line) for line in path.read_text().splitlines() if line.strip()), key=lambda r: r["num"])
+    return sorted(read_jsonl(sweep_dir / "trials.jsonl"), key=lambda r: r["num"])  # a torn last line is skipped
 
 
 def _gib(value: int | None) -> str:
@@ -141,5 +138,5 @@ def format_summary(trials: list[dict]) -> str:
 
 def write_summary(sweep_dir: Path) -> Path:
     path = sweep_dir / "summary.md"
-    path.write_text(format_summary(read_trials(sweep_dir)))
+    write_text(path, format_summary(read_trials(sweep_dir)))
     return path

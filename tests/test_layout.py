@@ -15,17 +15,20 @@ ROOT = Path(__file__).resolve().parent.parent / "glmtune"
 # What each part may import (besides itself). Top-level modules are listed by name; a subpackage by its
 # folder. The order reads like the pipeline: compose -> validate -> plan -> probe -> train.
 ALLOWED = {
+    "atomic": set(),
     "config": set(),
     "launch": set(),
+    "runlock": {"atomic", "config"},
     "models": {"config"},
     "data": {"config", "models"},
     "plan": {"config", "models"},
-    "train": {"config", "launch", "models", "plan"},
+    "train": {"atomic", "config", "launch", "models", "plan"},
     "probe": {"config", "launch", "models", "data", "plan", "train"},
-    "infer": {"config", "models", "data"},
-    "rundir": {"config", "launch", "probe"},
-    "sweep": {"launch", "rundir"},
-    "__main__": {"config", "launch", "models", "data", "plan", "probe", "train", "infer", "rundir", "sweep"},
+    "infer": {"atomic", "config", "models", "data"},
+    "rundir": {"atomic", "config", "launch", "probe"},
+    "sweep": {"atomic", "launch", "rundir"},
+    "__main__": {"atomic", "config", "launch", "runlock", "models", "data", "plan", "probe", "train", "infer",
+                 "rundir", "sweep"},
     "__init__": set(),
 }
 

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import torch
 
+from ..atomic import folder_as_one_unit, write_text
 from ..config import InferConfig, ModelConfig
+from .adapter import check_outputs, load_adapter
 from ..data.pipeline import encode_one
 from ..data.validate import read_conversations
 from .devicemap import GIB, bytes_per_device, device_map
@@ -36,9 +38,7 @@ def inference_dtype() -> torch.dtype:
 def load_merged(model_dir: Path, adapter: str | None, model_cfg: ModelConfig, dtype: torch.dtype):
     model = load_model(model_dir, dtype=dtype, trust_remote_code=model_cfg.trust_remote_code)
     if adapter:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+        model = load_adapter(model, adapter).merge_and_unload()  # safetensors / weights_only: no pickled code
     return model.eval()
 
 
@@ -50,8 +50,9 @@ def save_merged(model, tokenizer, out: str) -> Path:
     state = dict(model.state_dict())
     state["transformer.rotary_pos_emb.inv_freq"] = (
         1.0 / 10000 ** (torch.arange(0, rotary.dim, 2, dtype=torch.float32) / rotary.dim)).to(model.dtype)
-    model.save_pretrained(folder, state_dict=state, safe_serialization=True)
-    tokenizer.save_pretrained(folder)
+    with folder_as_one_unit(folder) as tmp:  # whole or not at all; an existing folder only with infer.overwrite
+        model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
     return folder
 
 
@@ -110,6 +111,7 @@ def generate(model, tokenizer, prompts: list[list[dict]], cfg: InferConfig) -> l
 
 def run_infer(cfg: InferConfig, model_cfg: ModelConfig, memory_gib: float | None, model_dir: Path, tokenizer,
               run_dir: Path) -> dict:
+    out = check_outputs(cfg, model_dir, run_dir)  # before any weights load: never overwrite an input
     prompts = read_conversations(cfg.prompts_file, "infer.prompts_file", prompts=True) if cfg.prompts_file else []
     model = load_merged(model_dir, cfg.adapter, model_cfg, inference_dtype())
     result: dict = {}
@@ -118,10 +120,8 @@ def run_infer(cfg: InferConfig, model_cfg: ModelConfig, memory_gib: float | None
     if prompts:
         model, placement = place(model, cfg.gpus, memory_gib)
         texts = generate(model, tokenizer, [c.messages for c in prompts], cfg)
-        out = Path(cfg.output_file) if cfg.output_file else run_dir / "predictions.jsonl"
-        with out.open("w", encoding="utf-8") as f:
-            for conversation, text in zip(prompts, texts):
-                f.write(json.dumps({"line": conversation.line, "output": text}, ensure_ascii=False) + "\n")
+        write_text(out, "".join(json.dumps({"line": c.line, "output": text}, ensure_ascii=False) + "\n"
+                                for c, text in zip(prompts, texts)))
         result.update(predictions=str(out), count=len(texts),
                       placement={str(k): round(v / GIB, 3) for k, v in placement.items()})
     return result

@@ -6,12 +6,15 @@ size stands in; the plot says which it shows.
 """
 from __future__ import annotations
 
+import io
 import json
 import resource
 from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
+
+from ..atomic import write_bytes, write_text
 
 GIB = 2**30
 
@@ -46,7 +49,7 @@ def save_timeline(steps: list[dict], run_dir: Path) -> Path:
     matplotlib.use("Agg")  # no display on training nodes
     import matplotlib.pyplot as plt
 
-    (run_dir / "memory_timeline.json").write_text(json.dumps(steps) + "\n")
+    write_text(run_dir / "memory_timeline.json", json.dumps(steps) + "\n")
     fig, ax = plt.subplots(figsize=(8, 4))
     x = [s["step"] for s in steps]
     for key in (k for k in steps[0] if k != "step"):
@@ -58,6 +61,8 @@ def save_timeline(steps: list[dict], run_dir: Path) -> Path:
     ax.legend()
     path = run_dir / "memory_timeline.png"
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    write_bytes(path, buffer.getvalue())
     plt.close(fig)
     return path
