@@ -9,6 +9,7 @@ diverged (NaN/inf loss or weights).
 """
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
@@ -170,6 +171,9 @@ def _execute(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | No
 
 
 if __name__ == "__main__":
+    # A log line that cannot be written (full disk) must not print a traceback per line; the write that
+    # matters fails too and is reported as one line (Python's docs advise this setting in production).
+    logging.raiseExceptions = False
     try:
         check_override_keys(sys.argv[1:])
     except ConfigError as err:

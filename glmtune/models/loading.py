@@ -119,7 +119,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None, 
             # ZeRO-3 builds the model inside deepspeed.zero.Init, which low_cpu_mem_usage would bypass.
             low_cpu_mem_usage=not is_deepspeed_zero3_enabled(),
         )
-    except (OSError, pickle.UnpicklingError, RuntimeError) as err:
+    except (OSError, ValueError, pickle.UnpicklingError, RuntimeError) as err:
         raise ConfigError(_load_error(path, err)) from None
     # With low_cpu_mem_usage, transformers 4.40 leaves a missing weight on the meta device without listing it.
     missing = info["missing_keys"] or [n for n, p in model.named_parameters() if p.is_meta]
@@ -132,12 +132,17 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None, 
 
 def _load_error(path, err: BaseException) -> str:
     """One line for a weight file transformers could not read, without its advice to "set from_tf=True"."""
-    cause = err.__cause__ or err.__context__ or err
-    if isinstance(cause, pickle.UnpicklingError) or "weights_only" in str(cause) or "Unsupported global" in str(cause):
+    chain, seen = [], set()
+    while err is not None and id(err) not in seen:  # transformers re-raises while handling the real cause
+        chain.append(err)
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    if any(isinstance(e, pickle.UnpicklingError) or "weights_only" in str(e) for e in chain):
         return (f"{path}: a .bin weight file holds pickled objects other than tensors, which torch refuses to load "
                 "(weights_only=True) because unpickling runs code — use the checkpoint's .safetensors files, or "
                 "convert the .bin with safetensors on a machine you trust")
-    first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    root = chain[-1]
+    first = str(root).strip().splitlines()[0] if str(root).strip() else type(root).__name__
     return f"{path}: weights cannot be read ({first[:200]}) — re-download the checkpoint"
 
 
