@@ -18,7 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from .atomic import is_disk_full
+from .atomic import disk_nearly_full, is_disk_full
 from .config import ConfigError, check_override_keys, parse_config
 from .data.pipeline import DataCollator, build_datasets, format_stats, longest_length, validate_files
 from .launch import export_slurm_env, rank, run_name, world_size
@@ -63,10 +63,11 @@ def execute(cfg: DictConfig) -> float | None:
              "from the last complete one" if STOP.deferred else f"stopped by {sig.name} before training began; "
              "nothing to save — re-run the same command to start again", code=EXIT_INTERRUPTED)
     except Exception as err:  # noqa: BLE001 - only a full disk is turned into one line; the rest re-raises
-        if not is_disk_full(err):
+        if not (is_disk_full(err) or disk_nearly_full(run_dir)):
             raise
         fail(f"disk full or over quota writing {getattr(err, 'filename', None) or 'a run file'} in {run_dir} "
-             f"({err}) — free space, then re-run the same command: it resumes from the last complete checkpoint")
+             f"({str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__}) — free space, "
+             "then re-run the same command: it resumes from the last complete checkpoint")
     finally:
         lock.release()
         STOP.uninstall()

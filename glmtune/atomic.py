@@ -142,3 +142,12 @@ def is_disk_full(err: BaseException) -> bool:
             return True
         err = err.__cause__ or err.__context__
     return False
+
+
+def disk_nearly_full(folder: Path, below_bytes: int = 2**20) -> bool:
+    """Under 1 MiB free where `folder` lives. torch.save's zip writer reports a failed write as "unexpected
+    pos 64 vs 0", naming no errno; a crash while the disk is this full is reported as a full disk."""
+    try:
+        return shutil.disk_usage(folder).free < below_bytes
+    except OSError:
+        return False

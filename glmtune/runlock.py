@@ -121,8 +121,19 @@ def move_aside(run_dir: Path, names: list[str]) -> Path:
 def decide(run_dir: Path, mode: str, config: dict, last_checkpoint: Path | None, leader: bool) -> Start:
     """What this launch does with `run_dir`; raises ConfigError (exit 2) where it must not touch it.
 
-    `last_checkpoint` is the newest *complete* checkpoint there. Only the leader (rank 0) moves files;
-    every rank reaches the same decision from the same files, and the leader's moves never change it."""
+    `last_checkpoint` is the newest *complete* checkpoint there. Only the leader (rank 0) refuses or moves
+    files. The other ranks may look while the leader is already writing the new run's files, so they never
+    refuse (where the leader refuses, it exits 2 and the launcher stops them); what they need from here, the
+    checkpoint to resume from, is the same whether they look before or after the leader's writes."""
+    try:
+        return _decide(run_dir, mode, config, last_checkpoint, leader)
+    except ConfigError:
+        if leader:
+            raise
+        return Start()
+
+
+def _decide(run_dir: Path, mode: str, config: dict, last_checkpoint: Path | None, leader: bool) -> Start:
     state, found = read_state(run_dir), earlier_files(run_dir)
     if mode == "restart" or not found:
         if found and leader:

@@ -65,7 +65,8 @@ def logged_steps(run_dir: Path) -> int:
 
 def error_line(stderr: str) -> str:
     assert "Traceback" not in stderr, stderr[-3000:]
-    lines = [line for line in stderr.splitlines() if line.startswith("glmtune: error: ")]
+    # A line may start with a progress bar's last update (tqdm ends its lines with \r, not \n).
+    lines = [line[line.index("glmtune: error: "):] for line in stderr.splitlines() if "glmtune: error: " in line]
     assert len(lines) == 1, stderr[-3000:]
     return lines[0]
 
@@ -206,8 +207,8 @@ def can_mount_tmpfs() -> bool:
 @pytest.mark.slow
 @pytest.mark.skipif(not can_mount_tmpfs(), reason="needs unprivileged user+mount namespaces for a small tmpfs")
 def test_a_full_disk_mid_run_is_one_line_and_leaves_no_empty_files(tmp_path):
-    """The run dir is on a 32 MiB tmpfs (in a private mount namespace); once training runs, a filler file takes
-    every free byte, so the next checkpoint or log write fails with ENOSPC."""
+    """The run dir is on a 32 MiB tmpfs (in a private mount namespace); once the first checkpoint is complete, a
+    filler file takes every free byte, so the next checkpoint or log write fails with ENOSPC."""
     ensure_tiny("glm4")
     disk = tmp_path / "disk"
     disk.mkdir()
@@ -215,7 +216,8 @@ def test_a_full_disk_mid_run_is_one_line_and_leaves_no_empty_files(tmp_path):
     command = " ".join([sys.executable, "-m", "glmtune", *ARGS, "train.max_steps=100000", "train.save_steps=1",
                         f"hydra.run.dir={out}"])
     script = (f"mount -t tmpfs -o size=32m tmpfs {disk} && ({command} & pid=$!; "
-              f"while [ ! -s {out}/metrics.jsonl ] && kill -0 $pid 2>/dev/null; do sleep 0.05; done; "
+              f"while [ -z \"$(find {out} -name COMPLETE 2>/dev/null)\" ] && kill -0 $pid 2>/dev/null; do sleep 0.05; "
+              "done; "
               f"cat /dev/zero > {disk}/filler 2>/dev/null; wait $pid; echo exit=$? >&2; "
               f"for f in $(find {out} -name '*.json' -o -name '*.yaml'); do [ -s $f ] || echo EMPTY $f >&2; done; "
               f"find {out}/checkpoints -name COMPLETE | sed 's/^/MARKED /' >&2)")
