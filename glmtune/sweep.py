@@ -46,7 +46,9 @@ class _Tee(io.TextIOBase):
         self.stream.flush()
 
     def error_line(self) -> str | None:
-        found = [line[len(ERROR_PREFIX):] for line in self.lines.getvalue().splitlines() if line.startswith(ERROR_PREFIX)]
+        # anywhere in a line: a progress bar's last update (ended by \r, not \n) may precede it
+        found = [line[line.index(ERROR_PREFIX) + len(ERROR_PREFIX):] for line in self.lines.getvalue().splitlines()
+                 if ERROR_PREFIX in line]
         return found[-1] if found else None
 
 
