@@ -175,7 +175,7 @@ def args(*values: str) -> Callable[[Path], list[str]]:
 
 ROWS = [
     Row("huge_png", vision(huge_png), 2, ("train.jsonl:2:", "megapixel limit", "downscale")),
-    Row("truncated_png", vision(truncated_png), 2, ("train.jsonl:2:", "cannot be decoded", "complete PNG")),
+    Row("truncated_png", vision(truncated_png), 2, ("train.jsonl:2:", "image cannot be read", "complete PNG")),
     Row("fifo_image", vision(fifo_image), 2, ("train.jsonl:2:", "not a regular file")),
     Row("fifo_train_file", fifo_train_file, 2, ("pipe.jsonl", "not a regular file")),
     Row("deeply_nested_json", nested_json, 2, ("train.jsonl:2:", "nested too deeply")),

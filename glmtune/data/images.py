@@ -38,6 +38,6 @@ def image_problem(image: Path) -> tuple[str, str] | None:
         return (f"image is over the {MAX_PIXELS / 1e6:.0f}-megapixel limit: {image}",
                 "downscale it (GLM-4V sees every image at 1120x1120 anyway)")
     except (OSError, ValueError, SyntaxError) as err:  # UnidentifiedImageError is an OSError; truncation too
-        return (f"image cannot be decoded: {image} ({str(err).splitlines()[0][:80] if str(err) else type(err).__name__})",
+        return (f"image cannot be read: {image} ({str(err).splitlines()[0][:80] if str(err) else type(err).__name__})",
                 "check that the file is a complete PNG/JPEG/WebP image")
     return None
