@@ -8,6 +8,7 @@ turns it into these dataclasses. Every unknown key, wrong type and bad value is 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -67,6 +68,9 @@ class TrainConfig:
     eval_batch_size: int = 4
     eval_steps: int = 0  # 0 = no evaluation during training
     save_steps: int = 0  # 0 = save only at the end
+    save_minutes: float = 30.0  # also checkpoint every this many minutes of training; 0 = off
+    keep_checkpoints: int = 2  # complete checkpoints kept in <run dir>/checkpoints (older ones deleted)
+    resume: str = "auto"  # auto | always | restart: what to do with an earlier run in the same run dir
     logging_steps: int = 5
     warmup_steps: int = 0
     weight_decay: float = 0.0
@@ -113,6 +117,7 @@ class InferConfig:
     top_k: int = 0  # sampling only; 0 = no top-k cut
     repetition_penalty: float = 1.0  # 1.0 = off; > 1 discourages tokens already in the text
     seed: int = 42  # sampling seed: same seed, same prompts, same outputs
+    overwrite: bool = False  # replace an existing output_file / merge_to; the inputs are never written
 
 
 @dataclass
@@ -154,12 +159,16 @@ _CHOICES = {
     "train.packed_attention": ("auto", "sdpa", "flex"),
     "data.packing": ("auto", "on", "off"),
     "hw.interconnect": ("pcie", "nvlink", "none"),
+    "train.resume": ("auto", "always", "restart"),
 }
 _POSITIVE = ("data.max_length", "lora.r", "lora.alpha", "dist.nnodes", "dist.nproc_per_node",
              "train.per_device_batch_size", "train.grad_accum",
              "train.eval_batch_size", "train.logging_steps", "hw.gpus_per_node", "probe.steps",
              "infer.max_new_tokens", "eval.max_new_tokens", "infer.temperature", "infer.top_p",
-             "infer.repetition_penalty")
+             "infer.repetition_penalty", "train.keep_checkpoints")
+# Counts and sizes where 0 means "off" or "use the other key", but a negative value means nothing.
+_NON_NEGATIVE = ("train.max_steps", "train.num_epochs", "train.save_steps", "train.save_minutes",
+                 "train.eval_steps", "train.warmup_steps", "train.weight_decay", "train.seed")
 
 
 def parse_config(raw: dict[str, Any]) -> RunConfig:
@@ -189,7 +198,10 @@ def check_override_keys(argv: list[str]) -> None:
         if arg.startswith("-") or "=" not in arg:
             continue
         key = arg.split("=", 1)[0].lstrip("+~")
-        if key.startswith(("hydra.", "hydra/")) or key in GROUPS or key == "hydra":
+        if key in GROUPS:
+            problems += _group_problems(arg)
+            continue
+        if key.startswith(("hydra.", "hydra/")) or key == "hydra":
             continue
         cls, parts = RunConfig, key.split(".")
         for i, part in enumerate(parts):
@@ -204,6 +216,25 @@ def check_override_keys(argv: list[str]) -> None:
             cls = hint
     if problems:
         raise ConfigError("invalid command line: " + "; ".join(problems))
+
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+
+
+def _group_problems(arg: str) -> list[str]:
+    """`model=nonexistent`, `+hw=nonexistent`, `hw=a100_40g` (no `+`): named here with the valid options,
+    instead of Hydra's multi-line "Could not find" / "Could not override" and exit code 1."""
+    raw_key, value = arg.split("=", 1)
+    key = raw_key.lstrip("+~")
+    if raw_key.startswith("~") or not (CONF / key).is_dir():
+        return []
+    options = sorted(p.stem for p in (CONF / key).glob("*.yaml"))
+    if key in ("hw", "hparams_search") and not raw_key.startswith("+"):
+        return [f"{key} is not in the defaults list: write +{key}={value} (options: {', '.join(options)})"]
+    if "(" in value or "$" in value:  # a sweep function (choice(...), range(...)) or an interpolation
+        return []
+    return [f"{key}={name} is not an option (options: {', '.join(options)})"
+            for name in (v.strip() for v in value.split(",")) if name and name not in options]
 
 
 def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
@@ -256,8 +287,28 @@ def _get(cfg: RunConfig, dotted: str) -> Any:
     return obj
 
 
+def _floats(obj: Any, prefix: str = "") -> list[tuple[str, float]]:
+    """Every float field of the config, by dotted key (NaN and inf pass every `<= 0` test, so they are caught
+    here once for all keys)."""
+    out = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            out += _floats(value, f"{prefix}{f.name}.")
+        elif isinstance(value, float):
+            out.append((prefix + f.name, value))
+    return out
+
+
 def _check_values(cfg: RunConfig) -> list[str]:
-    problems = []
+    problems = [f"{key} must be a finite number, got {value}" for key, value in _floats(cfg) if not math.isfinite(value)]
+    if problems:
+        return problems
+    for key in _NON_NEGATIVE:
+        if _get(cfg, key) < 0:
+            problems.append(f"{key} must be >= 0, got {_get(cfg, key)}")
+    if cfg.train.seed >= 2**32:
+        problems.append(f"train.seed must be < 2**32 (numpy's seed range), got {cfg.train.seed}")
     for key, allowed in _CHOICES.items():
         if _get(cfg, key) not in allowed:
             problems.append(f"{key}={_get(cfg, key)!r} is not one of {', '.join(allowed)}")

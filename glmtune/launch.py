@@ -12,9 +12,12 @@ job: srun starts one task per GPU and `export_slurm_env` turns SLURM's variables
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
+import secrets
 import socket
+from datetime import datetime
 
 # torchrun --standalone names a launch with a random uuid4 (32 hex digits, with or without dashes).
 _UUID = re.compile(r"^[0-9a-f]{8}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{12}$")
@@ -28,13 +31,16 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+@functools.lru_cache(maxsize=None)
 def run_name(now: str) -> str:
-    """The run dir's last part, identical on every rank of one launch.
+    """The run dir's last part, identical on every rank of one launch, and never shared by two launches.
 
     torchrun gives every worker the same TORCHELASTIC_RUN_ID (a fresh id under --standalone, --rdzv_id
-    otherwise); other launchers set GLMTUNE_RUN_ID or pass hydra.run.dir. A lone process uses the time.
-    `now` is "DATE/TIME". A --standalone uuid becomes "DATE/torchrun-<first 8 hex digits>": readable, and
-    still the same on every rank (the time of day is not: workers start a second apart).
+    otherwise); other launchers set GLMTUNE_RUN_ID or pass hydra.run.dir. `now` is "DATE/TIME". A --standalone
+    uuid becomes "DATE/torchrun-<first 8 hex digits>": readable, and still the same on every rank (the time of
+    day is not: workers start a second apart). Tasks of one SLURM job step share its ids, and a requeued
+    (pre-empted) job gets the same ids back, so it lands in its own run dir and resumes. A lone process gets
+    `unique_run_name`. Cached: Hydra resolves the dir more than once.
     """
     for var in ("GLMTUNE_RUN_ID", "TORCHELASTIC_RUN_ID"):
         value = os.environ.get(var)
@@ -42,7 +48,16 @@ def run_name(now: str) -> str:
             if _UUID.match(value.lower()):
                 return f"{now.split('/')[0]}/torchrun-{value.replace('-', '')[:8]}"
             return value
-    return now
+    if os.environ.get("SLURM_JOB_ID") and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        return f"slurm-{os.environ['SLURM_JOB_ID']}" + (f".{os.environ['SLURM_STEP_ID']}"
+                                                         if os.environ.get("SLURM_STEP_ID") else "")
+    return unique_run_name(now)
+
+
+def unique_run_name(now: str) -> str:
+    """`now` (date/time to the second) plus milliseconds and a random short id: two launches in the same
+    millisecond still differ (1 in 65,536 per pair), and a listing still sorts by start time."""
+    return f"{now}.{datetime.now().microsecond // 1000:03d}-{secrets.token_hex(2)}"
 
 
 def export_slurm_env() -> bool:

@@ -1,18 +1,19 @@
 """What a run leaves in its run dir besides the adapter: config, versions, and the console summary.
 
 Written by rank 0 only, and only after the inputs validated, so a run that stops on bad input never
-overwrites the files of an earlier run in the same folder.
+overwrites the files of an earlier run in the same folder; each file atomically (glmtune.atomic), so a full
+disk or a kill leaves the old file or the new one, never a 0-byte one.
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from rich.console import Console
 
+from .atomic import write_json, write_text
 from .launch import rank
 
 # Logs and pipes get 120 columns instead of rich's 80, so paths and reasons stay on one line.
@@ -40,12 +41,12 @@ def write_run_files(run_dir: Path, config_yaml: str, overrides: list[str], model
         return config_hash
     hydra_dir = run_dir / ".hydra"
     hydra_dir.mkdir(parents=True, exist_ok=True)
-    (hydra_dir / "config.yaml").write_text(config_yaml)
-    (hydra_dir / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides) or "[]\n")
+    write_text(hydra_dir / "config.yaml", config_yaml)
+    write_text(hydra_dir / "overrides.yaml", "".join(f"- {o}\n" for o in overrides) or "[]\n")
     versions = {name: _version(name) for name in ("torch", "transformers", "peft", "deepspeed", "glmtune")}
     versions.update(model_path=str(model), config_hash=config_hash)
-    (run_dir / "versions.json").write_text(json.dumps(versions, indent=2) + "\n")
-    (run_dir / "plan.json").write_text(plan.to_json() + "\n")
+    write_json(run_dir / "versions.json", versions)
+    write_text(run_dir / "plan.json", plan.to_json() + "\n")
     return config_hash
 
 
@@ -55,7 +56,7 @@ def report_probe(report, run_dir: Path) -> None:
         return
     from .probe.probe import format_probe
 
-    (run_dir / "probe.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    write_json(run_dir / "probe.json", report.to_dict())
     console.print(format_probe(report))
 
 

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Callable, TextIO
 
+from .atomic import append_line, read_jsonl, write_text
 from .launch import rank
 from .rundir import ERROR_PREFIX, console
 
@@ -46,7 +47,9 @@ class _Tee(io.TextIOBase):
         self.stream.flush()
 
     def error_line(self) -> str | None:
-        found = [line[len(ERROR_PREFIX):] for line in self.lines.getvalue().splitlines() if line.startswith(ERROR_PREFIX)]
+        # anywhere in a line: a progress bar's last update (ended by \r, not \n) may precede it
+        found = [line[line.index(ERROR_PREFIX) + len(ERROR_PREFIX):] for line in self.lines.getvalue().splitlines()
+                 if ERROR_PREFIX in line]
         return found[-1] if found else None
 
 
@@ -74,8 +77,7 @@ def run_trial(task: Callable[[], float | None], sweep_dir: Path, run_dir: Path, 
     if rank() == 0:
         global _SWEEP_DIR
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        with (sweep_dir / "trials.jsonl").open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_line(sweep_dir / "trials.jsonl", json.dumps(record))
         summary = write_summary(sweep_dir)
         _SWEEP_DIR = sweep_dir
         loss = "" if math.isnan(record["metric"]) else f", loss {record['metric']:.4f}"
@@ -107,10 +109,7 @@ def trial_record(run_dir: Path, num: int, overrides: list[str], status: str, err
 
 
 def read_trials(sweep_dir: Path) -> list[dict]:
-    path = sweep_dir / "trials.jsonl"
-    if not path.exists():
-        return []
-    return sorted((json.loads(line) for line in path.read_text().splitlines() if line.strip()), key=lambda r: r["num"])
+    return sorted(read_jsonl(sweep_dir / "trials.jsonl"), key=lambda r: r["num"])  # a torn last line is skipped
 
 
 def _gib(value: int | None) -> str:
@@ -160,5 +159,5 @@ def final_line() -> str | None:
 
 def write_summary(sweep_dir: Path) -> Path:
     path = sweep_dir / "summary.md"
-    path.write_text(format_summary(read_trials(sweep_dir)))
+    write_text(path, format_summary(read_trials(sweep_dir)))
     return path

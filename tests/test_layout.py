@@ -15,20 +15,22 @@ ROOT = Path(__file__).resolve().parent.parent / "glmtune"
 # What each part may import (besides itself). Top-level modules are listed by name; a subpackage by its
 # folder. The order reads like the pipeline: compose -> validate -> plan -> probe -> train.
 ALLOWED = {
+    "atomic": set(),
     "config": set(),
     "launch": set(),
+    "runlock": {"atomic", "config"},
     "models": {"config"},
     "data": {"config", "models"},
     "plan": {"config", "models"},
-    "train": {"config", "launch", "models", "plan", "data", "infer"},
+    "train": {"atomic", "config", "launch", "models", "plan", "data", "infer"},
     "probe": {"config", "launch", "models", "data", "plan", "train"},
-    "infer": {"config", "models", "data", "plan"},
-    "rundir": {"config", "launch", "probe"},
-    "sweep": {"launch", "rundir"},
+    "infer": {"atomic", "config", "models", "data", "plan"},
+    "rundir": {"atomic", "config", "launch", "probe"},
+    "sweep": {"atomic", "launch", "rundir"},
     "report": {"config", "plan"},
     "cli": {"config", "__init__"},
-    "__main__": {"config", "launch", "models", "data", "plan", "probe", "train", "infer", "rundir", "sweep",
-                 "report", "cli"},
+    "__main__": {"atomic", "config", "launch", "runlock", "models", "data", "plan", "probe", "train", "infer",
+                 "rundir", "sweep", "report", "cli"},
     "__init__": set(),
 }
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..config import ConfigError, DataConfig
+from .images import image_problem
 
 ROLES = ("system", "user", "assistant", "observation")
 MESSAGE_KEYS = ("messages", "conversations")  # GLM-4 name first, then the ChatGLM3 alias
@@ -132,6 +133,8 @@ def _read_bytes(path: Path, shown: str, key: str) -> bytes:
         raise DataError(f"{shown}: {what} — {fix}")
     if path.is_dir():
         raise DataError(f"{shown}: is a directory — point {key} at a .jsonl file")
+    if not path.is_file():  # a FIFO or device: reading it would block or never end
+        raise DataError(f"{shown}: not a regular file (a FIFO, socket or device) — point {key} at a .jsonl file")
     try:
         return path.read_bytes()
     except OSError as err:
@@ -154,6 +157,9 @@ def _parse_line(text: str, line_no: int, prompts: bool = False) -> list[dict[str
     except json.JSONDecodeError as err:
         return _Problem(line_no, f"invalid JSON: {err.msg} (column {err.colno})",
                         "each line must be one complete JSON object; check quotes, commas and brackets")
+    except RecursionError:  # Python's parser recurses once per nesting level
+        return _Problem(line_no, "JSON nested too deeply to parse",
+                        "a conversation needs only a few levels: {\"messages\": [{\"role\": ..., \"content\": ...}]}")
     if not isinstance(obj, dict):
         return _Problem(line_no, f"line is {_kind(obj)}, not an object",
                         'write one {"messages": [...]} object per line')
@@ -220,26 +226,16 @@ def _check_message(message: Any, where: str) -> tuple[str, str] | None:
 
 
 def _resolve_image(messages: list[dict[str, Any]], folder: Path, line_no: int) -> list[dict[str, Any]] | _Problem:
-    """Make a message's image path absolute (relative = to the data file's folder) and check that it opens.
-
-    Only the header is read here (Pillow opens lazily), so checking a large set costs one small read per image;
-    a file damaged further in fails later, in the collator, with the same file:line-free path message."""
+    """Make a message's image path absolute (relative = to the data file's folder) and check it whole
+    (data/images.py: a regular file, under the pixel cap, decodable to its last byte)."""
     for message in messages:
         if "image" not in message:
             continue
         image = Path(message["image"]).expanduser()
         image = image if image.is_absolute() else (folder / image).resolve()
-        try:
-            from PIL import Image
-
-            with Image.open(image):
-                pass
-        except FileNotFoundError:
-            return _Problem(line_no, f"image not found: {image}", "fix the path (relative paths are relative to "
-                                                                  "the data file's folder)")
-        except (OSError, ValueError) as err:  # PIL.UnidentifiedImageError is an OSError
-            return _Problem(line_no, f"image cannot be read: {image} ({type(err).__name__})",
-                            "check that the file is a PNG/JPEG/WebP image and is readable")
+        problem = image_problem(image)
+        if problem is not None:
+            return _Problem(line_no, *problem)
         message["image"] = str(image)
     return messages
 

@@ -18,7 +18,9 @@ from pathlib import Path
 import torch
 import transformers
 
+from ..atomic import folder_as_one_unit, write_text
 from ..config import ConfigError, InferConfig, ModelConfig
+from .adapter import check_outputs, load_adapter
 from ..data.pipeline import encode_one
 from ..data.validate import Conversation, read_conversations
 from .devicemap import GIB, bytes_per_device, device_map
@@ -41,9 +43,7 @@ def inference_dtype() -> torch.dtype:
 def load_merged(model_dir: Path, adapter: str | None, model_cfg: ModelConfig, dtype: torch.dtype):
     model = load_model(model_dir, dtype=dtype, trust_remote_code=model_cfg.trust_remote_code)
     if adapter:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+        model = load_adapter(model, adapter).merge_and_unload()  # safetensors / weights_only: no pickled code
     return model.eval()
 
 
@@ -66,8 +66,9 @@ def save_merged(model, tokenizer, out: str) -> Path:
     state = dict(model.state_dict())
     state["transformer.rotary_pos_emb.inv_freq"] = (
         1.0 / 10000 ** (torch.arange(0, rotary.dim, 2, dtype=torch.float32) / rotary.dim)).to(model.dtype)
-    model.save_pretrained(folder, state_dict=state, safe_serialization=True)
-    tokenizer.save_pretrained(folder)
+    with folder_as_one_unit(folder) as tmp:  # whole or not at all; an existing folder only with infer.overwrite
+        model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
     return folder
 
 
@@ -165,6 +166,7 @@ def read_prompts(cfg: InferConfig) -> list[Conversation]:
 
 def run_infer(cfg: InferConfig, model_cfg: ModelConfig, memory_gib: float | None, model_dir: Path, tokenizer,
               run_dir: Path, config_sha: str | None = None) -> dict:
+    out = check_outputs(cfg, model_dir, run_dir)  # before any weights load: never overwrite an input
     prompts = read_prompts(cfg)  # bad prompts and a mismatched adapter stop the run before the weights load
     if cfg.adapter:
         check_adapter_base(cfg.adapter, model_dir, load_config(model_dir))
@@ -186,12 +188,9 @@ def run_infer(cfg: InferConfig, model_cfg: ModelConfig, memory_gib: float | None
         batch_size = cfg.batch_size or pick_batch_size(model, tokenizer, [p for p, _ in pairs], cfg, memory_gib)
         transformers.set_seed(cfg.seed)  # sampling draws from torch's generator: same seed, same outputs
         texts = generate(model, tokenizer, [p for p, _ in pairs], cfg, batch_size)
-        out = Path(cfg.output_file) if cfg.output_file else run_dir / "predictions.jsonl"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with out.open("w", encoding="utf-8") as f:
-            for conversation, (prompt, reference), text in zip(prompts, pairs, texts):
-                row = {"line": conversation.line, "prompt": prompt, "reference": reference, "output": text}
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        write_text(out, "".join(json.dumps({"line": c.line, "prompt": prompt, "reference": reference, "output": text},
+                                           ensure_ascii=False) + "\n"
+                                for c, (prompt, reference), text in zip(prompts, pairs, texts)))
         provenance = write_provenance(run_dir, model_dir, config_sha, cfg.adapter, settings(cfg, batch_size))
         result.update(predictions=str(out), count=len(texts), batch_size=batch_size, provenance=str(provenance),
                       placement={str(k): round(v / GIB, 3) for k, v in placement.items()})

@@ -8,6 +8,7 @@ which it shows.
 """
 from __future__ import annotations
 
+import io
 import json
 import resource
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from ..atomic import write_bytes, write_text
 from .gpumem import outside_allocator_bytes
 
 GIB = 2**30
@@ -62,8 +64,8 @@ def save_timeline(steps: list[dict], run_dir: Path, planned_bytes: int | None = 
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    (run_dir / "memory_timeline.json").write_text(
-        json.dumps({"planned_bytes": planned_bytes, "budget_bytes": budget_bytes, "steps": steps}) + "\n")
+    write_text(run_dir / "memory_timeline.json",
+               json.dumps({"planned_bytes": planned_bytes, "budget_bytes": budget_bytes, "steps": steps}) + "\n")
     fig, ax = plt.subplots(figsize=(8, 4))
     x = [s["step"] for s in steps]
     for key in (k for k in steps[0] if k != "step"):
@@ -81,6 +83,8 @@ def save_timeline(steps: list[dict], run_dir: Path, planned_bytes: int | None = 
     ax.legend(fontsize="small")
     path = run_dir / "memory_timeline.png"
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    write_bytes(path, buffer.getvalue())
     plt.close(fig)
     return path

@@ -18,11 +18,15 @@ import torch
 import transformers
 from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
+from ..atomic import append_line, write_json
 from ..config import EVAL_METRICS, RunConfig, TrainConfig
 from ..infer.provenance import write_base_identity
-from .evaluation import BestTracker, GenerationEval, keep_best_adapter, perplexity
 from ..launch import single_process_env
+from .checkpoints import allow_numpy_rng_state, last_complete, remove_incomplete
 from .compile import compile_blocks, resolve_compile, resolve_packed_attention, set_packed_attention
+from .evaluation import BestTracker, GenerationEval, keep_best_adapter, perplexity
+from .guard import Guard
+from .saving import CompleteMarker, save_adapter
 from .zero3 import adapter_fingerprint, deepspeed_config
 from .lora import apply_lora, trainable_parameters
 from .timeline import MemoryTimeline
@@ -61,8 +65,14 @@ def training_args(cfg: TrainConfig, choices: Choices, run_dir: Path, has_eval: b
         # evaluation_strategy, not eval_strategy: transformers 4.40 predates the rename (4.41).
         evaluation_strategy="steps" if evaluate else "no",
         eval_steps=cfg.eval_steps if evaluate else None,
+        # Step-based saves by the Trainer; time-based and on-signal saves by the Guard, which sets
+        # control.should_save (honoured under either strategy). Rotation is CompleteMarker's, not
+        # save_total_limit's: the Trainer would delete old checkpoints before the new one is complete.
         save_strategy="steps" if cfg.save_steps > 0 and not quiet else "no",
         save_steps=cfg.save_steps if cfg.save_steps > 0 else 500,
+        # NaN/inf losses are logged as they are (the default replaces them with the running mean, which
+        # made a diverged run look healthy); the Guard stops the run on the first one.
+        logging_nan_inf_filter=False,
         logging_strategy="no" if quiet else "steps",
         logging_steps=cfg.logging_steps,
         logging_dir=str(run_dir / "tensorboard"),
@@ -136,6 +146,14 @@ class LoraTrainer(Trainer):
     DeepSpeed is on; its DeepSpeed integration calls create_optimizer itself, so both paths share this one.
     """
 
+    guard: Guard | None = None
+
+    def training_step(self, model, inputs):
+        loss = super().training_step(model, inputs)
+        if self.guard is not None:
+            self.guard.observe_loss(loss)  # no sync here: the guard reads it once per optimizer step
+        return loss
+
     def create_optimizer(self) -> torch.optim.Optimizer:
         if self.optimizer is None:
             self.optimizer = torch.optim.AdamW(trainable_parameters(self.model), lr=self.args.learning_rate,
@@ -179,18 +197,24 @@ class MetricsFile(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:
-            with self.path.open("a") as f:
-                f.write(json.dumps({"step": state.global_step, **logs}) + "\n")
+            append_line(self.path, json.dumps({"step": state.global_step, **logs}))
 
 
 def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, train_set, val_set,
-          collator, tokenizer=None, planned_bytes: int | None = None, budget_bytes: int | None = None
-          ) -> tuple[dict, torch.nn.Module]:
-    """Fine-tune, save the adapter (rank 0) and return (metrics, the trained PEFT model).
+          collator, tokenizer=None, planned_bytes: int | None = None, budget_bytes: int | None = None,
+          resume_from: Path | None = None) -> tuple[dict, torch.nn.Module]:
+    """Fine-tune (from `resume_from`, a complete checkpoint, when given), save the adapter (rank 0) and
+    return (metrics, the trained PEFT model). Raises guard.Diverged / guard.StoppedBySignal instead of
+    returning when the run stopped early; the last complete checkpoint is then in run_dir/checkpoints.
 
     tokenizer: needed for eval.generate (replies are generated and decoded). planned_bytes and budget_bytes
     (the plan's per-GPU peak and budget) are drawn on memory_timeline.png."""
     args = training_args(run.train, choices, run_dir, has_eval=bool(val_set))
+    output_dir = Path(args.output_dir)
+    if resume_from is not None:
+        allow_numpy_rng_state()
+        if args.process_index == 0:
+            remove_incomplete(output_dir)  # a save that was killed: never resumed from, never rotated against
     model = build_model(model_dir, run, choices)
     generation_eval = None
     if val_set and run.eval.generate and tokenizer is not None:
@@ -198,16 +222,22 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
                                          run_dir / "eval", synced_gpus=choices.zero_stage == 3)
     best = BestTracker(run.eval) if val_set else None
     timeline = MemoryTimeline(run_dir, planned_bytes, budget_bytes)
+    guard = Guard(run.train.save_minutes, trainable_parameters(model))
     trainer = make_trainer(args, model, train_set, val_set, collator,
-                           callbacks=[MetricsFile(run_dir / "metrics.jsonl"), timeline],
+                           callbacks=[MetricsFile(run_dir / "metrics.jsonl"), timeline,
+                                      CompleteMarker(output_dir, run.train.keep_checkpoints), guard],
                            generation_eval=generation_eval, best=best)
-    result = trainer.train()
+    trainer.guard = guard
+    result = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    guard.raise_if_stopped()
     runtime = result.metrics.get("train_runtime")
+    # The mean over this launch's steps only (the Trainer's own figure); the logged curve is in metrics.jsonl.
     metrics = {"train_loss": result.training_loss, "steps": result.global_step, "epochs": trainer.state.epoch,
                # ds_numel: under ZeRO-3 a parameter's local tensor is an empty placeholder
                "trainable_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in trainable_parameters(model)),
                "runtime_s": runtime,
                "tokens_per_s": trainer.state.num_input_tokens_seen / runtime if runtime else None,
+               "resumed_from": str(resume_from) if resume_from else None,
                **timeline.peak()}
     if val_set:
         # The last step's evaluation, when the loop just ran it (eval_steps divides the steps), is not repeated.
@@ -217,8 +247,9 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     metrics["first_logged_loss"], metrics["last_logged_loss"] = (losses[0], losses[-1]) if losses else (math.nan,) * 2
     adapter_dir = run_dir / "adapter"
-    # Every rank calls it: under ZeRO-3 the adapter is gathered from all shards, then rank 0 writes it.
-    trainer.save_model(str(adapter_dir))
+    # Every rank calls it: under ZeRO-3 the adapter is gathered from all shards, then rank 0 writes it,
+    # weights and adapter_config.json together, into a temporary folder renamed into place whole.
+    save_adapter(trainer, adapter_dir)
     # Each rank hashes its own view of the adapter (gathered under ZeRO-3) into its rank log: ranks that
     # drifted apart, or a saved adapter that is not the trained one, show up as different fingerprints.
     metrics["adapter_sha256"] = adapter_fingerprint(model)
@@ -230,6 +261,7 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
             kept = keep_best_adapter(best, Path(args.output_dir), adapter_dir, result.global_step,
                                      run_dir / "adapter_best")
             metrics["best"] = {**best.summary(), "adapter_dir": str(kept) if kept else None}
-        (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        write_json(run_dir / "metrics.json", metrics)
     metrics["adapter_dir"] = str(adapter_dir)
+    metrics["last_checkpoint"] = str(last_complete(output_dir) or "")
     return metrics, model
