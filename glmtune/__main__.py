@@ -80,7 +80,7 @@ def execute(cfg: DictConfig) -> float | None:
         lock.acquire()
         return _execute(cfg, run_dir, list(HydraConfig.get().overrides.task))
     except ConfigError as err:
-        lock.release()
+        lock.discard()
         discard_unused(run_dir)  # a run that never started leaves no folder behind (an earlier run's files stay)
         fail(str(err))
     except Interrupted as sig:

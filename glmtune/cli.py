@@ -27,6 +27,7 @@ MODE_HELP = {
     "train": "plan, probe, then fine-tune; the adapter and metrics go to the run dir (default)",
     "plan": "the memory plan only, no weights or GPU needed; writes nothing unless hydra.run.dir=DIR is given",
     "probe": "plan, then a few real optimizer steps that measure the peak; no training",
+    "chat": "talk to base + infer.adapter in the terminal (/reset, /exit); infer.prompt=... answers once",
     "infer": "generate for infer.prompts_file with the base model + infer.adapter (or merge: infer.merge_to=DIR)",
 }
 EXIT_CODES = {0: "done", 2: "bad config, command line, data or prompts file (one line, no traceback)",

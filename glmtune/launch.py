@@ -31,8 +31,17 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-@functools.lru_cache(maxsize=None)
 def run_name(now: str) -> str:
+    """Hydra's resolver: `_run_name` for this launch's environment. Cached per (now, ids) because Hydra resolves
+    the dir more than once and a unique name must come out the same each time; keyed on the ids so a process
+    whose environment changes (a test, a sweep) gets its new name."""
+    ids = tuple(os.environ.get(v) for v in ("GLMTUNE_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_NTASKS",
+                                            "SLURM_STEP_ID"))
+    return _run_name(now, ids)
+
+
+@functools.lru_cache(maxsize=None)
+def _run_name(now: str, ids: tuple) -> str:
     """The run dir's last part, identical on every rank of one launch, and never shared by two launches.
 
     torchrun gives every worker the same TORCHELASTIC_RUN_ID (a fresh id under --standalone, --rdzv_id

@@ -58,6 +58,13 @@ class RunDirLock:
         self.fd = fd
         return self
 
+    def discard(self) -> None:
+        """Release and remove the lock file of a launch that never started (bad input): held by us, nobody else
+        can be using it, and the run dir it sat in may then be removed as empty."""
+        if self.fd is not None:
+            self.path.unlink(missing_ok=True)
+        self.release()
+
     def release(self) -> None:
         if self.fd is not None:
             os.close(self.fd)  # closing drops the flock; the file stays (removing it would race a new holder)

@@ -189,7 +189,7 @@ ROWS = [
     Row("not_finite", args("train.learning_rate=nan", "hw.memory_gib=nan"), 2,
         ("train.learning_rate must be a finite number", "hw.memory_gib must be a finite number")),
     Row("unknown_group_options", args("model=nonexistent", "+hw=nonexistent", "hw=a100_40g"), 2,
-        ("model=nonexistent is not an option", "glm4_tiny", "hw=nonexistent is not an option", "a100_40g",
+        ("unknown model 'nonexistent'", "glm4_tiny", "unknown hw 'nonexistent'", "a100_40g",
          "write +hw=a100_40g")),
     Row("weights_missing", without_weights, 2, ("no weights", "complete checkpoint")),
     Row("weights_truncated", truncated_weights, 2, ("model.safetensors: truncated", "re-download")),

@@ -2,6 +2,8 @@
 no run dir for mode=plan or for a run that stops on bad input, readable launch ids, the wheel's contents."""
 from __future__ import annotations
 
+import re
+
 import os
 import shutil
 import subprocess
@@ -117,7 +119,9 @@ def test_launch_ids_are_readable_and_agree_across_ranks(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job42")  # --rdzv_id job42: the user's own name is kept
     assert run_name("2026-11-23/10-00-00") == "job42"
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
-    assert run_name("2026-11-23/10-00-00") == "2026-11-23/10-00-00"
+    # A lone process: the time plus milliseconds and a short random id, so two launches never share a dir.
+    lone = run_name("2026-11-23/10-00-00")
+    assert re.fullmatch(r"2026-11-23/10-00-00\.\d{3}-[0-9a-f]{4}", lone) and run_name("2026-11-23/10-00-00") == lone
 
 
 @pytest.mark.slow

@@ -32,7 +32,7 @@ import torch
 from ..config import DataConfig
 from ..models.vision import load_image, num_image_tokens
 # Re-exported so callers need one import: `from glmtune.data import DataError, validate_files, ...`.
-from .validate import Conversation, DataError, read_conversations, validate_files  # noqa: F401
+from .validate import Conversation, DataError, check_file, read_conversations, validate_files  # noqa: F401
 
 if TYPE_CHECKING:
     from .tokenized import TokenizedSplit
@@ -175,6 +175,9 @@ def build_datasets(cfg: DataConfig, tokenizer: MessageTokenizer, vision_config: 
     """Train and val examples with their stats, memory-mapped from the Arrow cache (cache.py builds an entry on
     a miss, validating every line and encoding with encode_example). Raises DataError on a bad file or an empty
     split. vision_config: the model's (`arch.vision_config`); None = a text model, and an image is a DataError."""
+    for path, key in ((cfg.train_file, "data.train_file"), (cfg.val_file, "data.val_file")):
+        if path is not None:
+            check_file(path, key)
     train, train_stats = _load_split(cfg, cfg.train_file, "data.train_file", tokenizer, vision_config)
     if not len(train):
         raise DataError(f"{cfg.train_file}:{train_stats.dropped_lines[0]}: every example lost all its assistant "

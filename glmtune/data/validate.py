@@ -123,7 +123,22 @@ def check_line(raw_line: bytes, line_no: int, line_start: int, folder: Path, pro
     return result
 
 
+def check_file(path: str | Path, key: str) -> None:
+    """The checks `_read_bytes` makes before reading (exists, a regular file), for every data file at once:
+    a missing val file then stops the run before the train file's cache is built (and its progress bars
+    printed)."""
+    _check_path(locate(path), str(path), key)
+
+
 def _read_bytes(path: Path, shown: str, key: str) -> bytes:
+    _check_path(path, shown, key)
+    try:
+        return path.read_bytes()
+    except OSError as err:
+        raise DataError(f"{shown}: cannot read ({err.strerror or err}) — check the file's permissions") from None
+
+
+def _check_path(path: Path, shown: str, key: str) -> None:
     if not path.exists():
         where = "" if path.is_absolute() else f" (relative to the launch directory {Path.cwd()})"
         what = "validation file not found" if key == "data.val_file" else "file not found"
@@ -135,10 +150,6 @@ def _read_bytes(path: Path, shown: str, key: str) -> bytes:
         raise DataError(f"{shown}: is a directory — point {key} at a .jsonl file")
     if not path.is_file():  # a FIFO or device: reading it would block or never end
         raise DataError(f"{shown}: not a regular file (a FIFO, socket or device) — point {key} at a .jsonl file")
-    try:
-        return path.read_bytes()
-    except OSError as err:
-        raise DataError(f"{shown}: cannot read ({err.strerror or err}) — check the file's permissions") from None
 
 
 def _one_line(shown: str, problems: list[_Problem]) -> str:
