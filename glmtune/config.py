@@ -1,9 +1,9 @@
-"""Typed run configuration: one dataclass per Hydra config group, validated once.
+"""Typed run configuration, validated once: `parse_config` turns the composed Hydra config into the dataclasses
+of config_schema.py (re-exported here).
 
-`python -m glmtune` composes `conf/` with Hydra and hands the plain dict to `parse_config`, which
-turns it into these dataclasses. Every unknown key, wrong type and bad value is collected into one
-`ConfigError`, so a user fixes a config in one pass instead of one error per run. Only
-`glmtune/__main__.py` imports Hydra; everything below it receives these objects.
+`python -m glmtune` composes `conf/` with Hydra and hands the plain dict to `parse_config`. Every unknown key,
+wrong type and bad value is collected into one `ConfigError`, so a user fixes a config in one pass instead of
+one error per run. Only `glmtune/__main__.py` imports Hydra; everything below it receives these objects.
 """
 from __future__ import annotations
 
@@ -11,143 +11,16 @@ import dataclasses
 import math
 import types
 import typing
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
-# The Hydra config tree, shipped inside the package (pyproject package-data) so an installed glmtune finds it.
-CONF_DIR = Path(__file__).resolve().parent / "conf"
+from .config_schema import (CONF_DIR, EVAL_METRICS, GROUPS, LORA_TARGETS, MODES, DataConfig,  # noqa: F401
+                            DistConfig, EvalConfig, HwConfig, InferConfig, LoraConfig, ModelConfig, ProbeConfig,
+                            RunConfig, TrainConfig)
 
 
 class ConfigError(ValueError):
     """Bad configuration or input: reported as one line, exit code 2, no traceback."""
 
-
-@dataclass
-class ModelConfig:
-    name: str = "glm4_tiny"  # preset name; the architecture facts of released models need no weights
-    path: Optional[str] = None  # checkpoint folder (config.json + weights); None = built-in tiny model
-    trust_remote_code: bool = False  # opt-in: run the folder's own modeling code instead of glmtune's
-    quantize: str = "none"  # none | nf4 | int8: bitsandbytes base weights (QLoRA); changes numerics, so opt-in
-    double_quant: bool = True  # nf4: quantize the per-block scales too (~0.37 bit/param less, ~0.4 GB on 9B)
-
-
-@dataclass
-class DataConfig:
-    train_file: str = "data/samples/train.jsonl"
-    val_file: Optional[str] = None
-    max_length: int = 500  # tokens per example after truncation; the planner never changes a value set here
-    cache_dir: Optional[str] = None  # tokenized-data cache; None = $GLMTUNE_CACHE/data (~/.cache/glmtune/data)
-    num_proc: int = 0  # processes that tokenize a file on a cache miss; 0 = every core this process may use
-    packing: str = "auto"  # auto | on | off: several examples per row (data/packing.py); auto = on a GPU when it halves the rows
-    pack_length: Optional[int] = None  # positions per packed row; None = max(2048, longest example)
-
-
-@dataclass
-class LoraConfig:
-    r: int = 8
-    alpha: int = 32
-    dropout: float = 0.1
-    target_modules: list[str] = field(default_factory=lambda: ["query_key_value"])
-
-
-@dataclass
-class DistConfig:
-    strategy: str = "auto"  # auto: the plan decides; ddp: plain data parallel; zero3: DeepSpeed ZeRO-3
-    nnodes: int = 1
-    nproc_per_node: int = 1
-
-
-@dataclass
-class TrainConfig:
-    max_steps: int = 0  # 0 = train whole epochs (num_epochs); > 0 = exactly this many optimizer steps instead
-    num_epochs: float = 1.0
-    learning_rate: float = 5e-4
-    per_device_batch_size: int = 1  # micro-batch; global batch = this x grad_accum x world size
-    grad_accum: int = 1
-    eval_batch_size: int = 4
-    eval_steps: int = 0  # 0 = no evaluation during training
-    save_steps: int = 0  # 0 = save only at the end
-    save_minutes: float = 30.0  # also checkpoint every this many minutes of training; 0 = off
-    keep_checkpoints: int = 2  # complete checkpoints kept in <run dir>/checkpoints (older ones deleted)
-    resume: str = "auto"  # auto | always | restart: what to do with an earlier run in the same run dir
-    logging_steps: int = 5
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    precision: str = "auto"  # auto | bf16 | fp16 | fp32
-    gradient_checkpointing: str = "auto"  # auto | on | off
-    use_reentrant: bool = True  # reentrant checkpointing works with ZeRO-3 and frozen params
-    seed: int = 42
-    compile: str = "auto"  # auto | on | off: torch.compile each decoder block; auto = on CUDA without ZeRO-3
-    packed_attention: str = "auto"  # auto | sdpa | flex: attention of packed rows; auto = flex when compiled on CUDA
-
-
-@dataclass
-class HwConfig:
-    name: str = "local"  # preset name; "local" = whatever device this process sees
-    memory_gib: Optional[float] = None  # per-device budget; None = the device's own memory
-    bf16: bool = True  # card supports bfloat16 (Ampere and newer)
-    interconnect: str = "pcie"  # pcie | nvlink | none
-    gpus_per_node: int = 1
-    margin: float = 0.9  # fraction of memory_gib the plan may use; the rest absorbs estimator error
-
-
-@dataclass
-class ProbeConfig:
-    enabled: bool = True  # measure a few real steps before training and step the plan down if needed
-    steps: int = 2  # optimizer steps per attempt: the second one has Adam states, the steady-state peak
-
-
-@dataclass
-class InferConfig:
-    prompts_file: Optional[str] = None  # JSONL of {"messages": [...]}, each ending on the user turn to answer
-    adapter: Optional[str] = None  # a run's adapter folder; None = the base model alone
-    output_file: Optional[str] = None  # None = <run dir>/predictions.jsonl
-    max_new_tokens: int = 256
-    batch_size: int = 0  # 0 = as many rows as the KV cache fits (the estimator's term); CPU: 8
-    gpus: int = 0  # 0 = every visible GPU (CPU when there is none); N = split the model over the first N
-    merge_to: Optional[str] = None  # also write base + adapter merged, in the official checkpoint layout
-    prompt: Optional[str] = None  # one user message: generate for it (mode=infer) or open chat with it (mode=chat)
-    system: Optional[str] = None  # system prompt put in front of infer.prompt and of every chat
-    tools_file: Optional[str] = None  # JSON list of GLM-4 tools for chat (official "tools" format)
-    image: Optional[str] = None  # GLM-4V: image for infer.prompt / the first chat turn
-    do_sample: bool = False  # False = greedy (reproducible); True = sample with the settings below
-    temperature: float = 0.8  # sampling only; < 1 sharpens the distribution
-    top_p: float = 0.8  # sampling only; nucleus mass kept
-    top_k: int = 0  # sampling only; 0 = no top-k cut
-    repetition_penalty: float = 1.0  # 1.0 = off; > 1 discourages tokens already in the text
-    seed: int = 42  # sampling seed: same seed, same prompts, same outputs
-    overwrite: bool = False  # replace an existing output_file / merge_to; the inputs are never written
-
-
-@dataclass
-class EvalConfig:
-    generate: bool = False  # also generate a reply for each val example: ROUGE-1/2/L, BLEU-4, exact match
-    max_new_tokens: int = 128  # per val example; the plan counts the KV cache of prompt + these tokens
-    max_examples: int = 0  # 0 = the whole val set; N = the first N (generation costs ~N x max_new_tokens steps)
-    metric_for_best: str = "eval_loss"  # picks the best checkpoint: eval_loss, eval_perplexity, eval_rouge-l, ...
-    early_stopping_patience: int = 0  # 0 = off; N = stop after N evaluations without a better metric_for_best
-
-
-MODES = ("train", "plan", "probe", "infer", "chat")
-
-
-@dataclass
-class RunConfig:
-    mode: str = "train"
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    dist: DistConfig = field(default_factory=DistConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    hw: HwConfig = field(default_factory=HwConfig)
-    probe: ProbeConfig = field(default_factory=ProbeConfig)
-    infer: InferConfig = field(default_factory=InferConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-
-
-# Linear layers of the GLM-4 / ChatGLM3 language model, by their official names (the estimator knows each).
-LORA_TARGETS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "output_layer")
 
 _CHOICES = {
     "mode": MODES,
@@ -182,10 +55,6 @@ def parse_config(raw: dict[str, Any]) -> RunConfig:
     return cfg
 
 
-GROUPS = ("model", "data", "lora", "dist", "train", "hw", "hparams_search")
-# Metrics an evaluation reports (eval.generate adds the generation ones); True = higher is better.
-EVAL_METRICS = {"eval_loss": False, "eval_perplexity": False, "eval_rouge-1": True, "eval_rouge-2": True,
-                "eval_rouge-l": True, "eval_bleu-4": True, "eval_exact_match": True}
 
 
 def check_override_keys(argv: list[str]) -> None:
@@ -198,8 +67,7 @@ def check_override_keys(argv: list[str]) -> None:
         if arg.startswith("-") or "=" not in arg:
             continue
         key = arg.split("=", 1)[0].lstrip("+~")
-        if key in GROUPS:
-            problems += _group_problems(arg)
+        if key in GROUPS:  # group options: glmtune.cli.check_command_line names the valid ones
             continue
         if key.startswith(("hydra.", "hydra/")) or key == "hydra":
             continue
@@ -216,25 +84,6 @@ def check_override_keys(argv: list[str]) -> None:
             cls = hint
     if problems:
         raise ConfigError("invalid command line: " + "; ".join(problems))
-
-
-CONF = Path(__file__).resolve().parent.parent / "conf"
-
-
-def _group_problems(arg: str) -> list[str]:
-    """`model=nonexistent`, `+hw=nonexistent`, `hw=a100_40g` (no `+`): named here with the valid options,
-    instead of Hydra's multi-line "Could not find" / "Could not override" and exit code 1."""
-    raw_key, value = arg.split("=", 1)
-    key = raw_key.lstrip("+~")
-    if raw_key.startswith("~") or not (CONF / key).is_dir():
-        return []
-    options = sorted(p.stem for p in (CONF / key).glob("*.yaml"))
-    if key in ("hw", "hparams_search") and not raw_key.startswith("+"):
-        return [f"{key} is not in the defaults list: write +{key}={value} (options: {', '.join(options)})"]
-    if "(" in value or "$" in value:  # a sweep function (choice(...), range(...)) or an interpolation
-        return []
-    return [f"{key}={name} is not an option (options: {', '.join(options)})"
-            for name in (v.strip() for v in value.split(",")) if name and name not in options]
 
 
 def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:

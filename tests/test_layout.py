@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent / "glmtune"
 # folder. The order reads like the pipeline: compose -> validate -> plan -> probe -> train.
 ALLOWED = {
     "atomic": set(),
-    "config": set(),
+    "config_schema": set(),
+    "config": {"config_schema"},
     "launch": set(),
     "runlock": {"atomic", "config"},
     "models": {"config"},

@@ -74,10 +74,10 @@ def check_outputs(cfg: InferConfig, model_dir: Path, run_dir: Path) -> Path | No
         if merge.exists() and any(merge.iterdir()) and not cfg.overwrite:
             raise ConfigError(f"infer.merge_to={cfg.merge_to} already holds files — choose a new folder, or pass "
                               "infer.overwrite=true to replace them")
-    if not cfg.prompts_file:
+    if not (cfg.prompts_file or cfg.prompt):  # infer.prompt (one-shot) writes predictions.jsonl as well
         return None
     out = Path(cfg.output_file).expanduser() if cfg.output_file else run_dir / "predictions.jsonl"
-    if out.resolve() == Path(cfg.prompts_file).expanduser().resolve():
+    if cfg.prompts_file and out.resolve() == Path(cfg.prompts_file).expanduser().resolve():
         raise ConfigError(f"infer.output_file={cfg.output_file} is the prompts file — write predictions elsewhere")
     if any(p in inputs for p in (out.resolve(), *out.resolve().parents)):
         raise ConfigError(f"infer.output_file={out} is inside an input folder ({', '.join(inputs.values())}) — "
