@@ -43,7 +43,7 @@ def test_grid_sweep_records_a_failed_trial_and_finishes_the_others(tmp_path, rep
 
 
 def test_plan_sweep_records_a_trial_that_does_not_fit(tmp_path, repo):
-    proc = multirun("-m", "mode=plan", "model=glm4_9b_chat", "+hw=t4_16g", "data.max_length=512,131072",
+    proc = multirun("-m", "mode=plan", "model=glm4_9b_chat", "+hw=rtx4090_24g", "data.max_length=512,131072",
                     f"hydra.sweep.dir={tmp_path}", cwd=repo)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = sorted(trials(tmp_path), key=lambda r: r["num"])
