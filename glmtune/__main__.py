@@ -101,8 +101,9 @@ def execute(cfg: DictConfig) -> float | None:
 
 def _execute(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | None:
     started = time.monotonic()
+    config = OmegaConf.to_container(cfg, resolve=True)  # parsed below, and recorded in run_state.json
     try:
-        run = parse_config(OmegaConf.to_container(cfg, resolve=True))
+        run = parse_config(config)
         check_attention(run.train)
         arch = arch_config(run.model)  # config.json or built-in facts: no weights read
         data = None
@@ -139,7 +140,6 @@ def _execute(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | No
     packed = packing.shape() if packing else planned_packing(run.data, image_extra_tokens(arch))
     plan = make_plan(run, arch, world, length_set, data_max_tokens=longest_length(data.stats) if data else None,
                      packed=packed)
-    config = OmegaConf.to_container(cfg, resolve=True)
     start = Start()
     if run.mode == "train":  # an earlier run in this dir: resume it, refuse, or move it aside (runlock.decide)
         start = decide(run_dir, run.train.resume, config, last_complete(run_dir / "checkpoints"), rank() == 0)
@@ -193,11 +193,12 @@ def _execute(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | No
     if run.mode == "probe":
         return None
     leader = rank() == 0
+    resume_step = int(start.resume_from.name.rsplit("-", 1)[-1]) if start.resume_from else 0  # checkpoint-<step>
     if leader:
         write_state(run_dir, status="running", mode="train", config=config, choices=choices.to_dict(),
-                    step=start.resume_from and int(start.resume_from.name.rsplit("-", 1)[-1]) or 0)
+                    step=resume_step)
         if start.resume_from:
-            trim_metrics(run_dir / "metrics.jsonl", int(start.resume_from.name.rsplit("-", 1)[-1]))
+            trim_metrics(run_dir / "metrics.jsonl", resume_step)
     record_memory_history()
     try:
         with diagnosed(run_dir, plan.breakdown, choices.to_dict(), run.probe.enabled):

@@ -11,7 +11,8 @@ import torch
 
 from glmtune.config import DataConfig
 from glmtune.data.pipeline import (DataCollator, DataError, build_datasets, encode_conversation, format_stats,
-                          longest_length, process_message, read_conversations)
+                          longest_length, process_message)
+from glmtune.data.validate import read_conversations
 from glmtune.models.tokenizer_files import load_tokenizer, write_tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]

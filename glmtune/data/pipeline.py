@@ -31,8 +31,7 @@ import torch
 
 from ..config import DataConfig
 from ..models.vision import load_image, num_image_tokens
-# Re-exported so callers need one import: `from glmtune.data import DataError, validate_files, ...`.
-from .validate import Conversation, DataError, check_file, read_conversations, validate_files  # noqa: F401
+from .validate import DataError, check_file
 
 if TYPE_CHECKING:
     from .tokenized import TokenizedSplit

@@ -174,7 +174,7 @@ def block_saved(arch: GLMConfig, shape: RunShape, tokens: int, input_requires_gr
     h, f, heads, g, d = (arch.hidden_size, arch.ffn_hidden_size, arch.num_attention_heads, arch.kv_groups,
                          arch.kv_channels)
     fp32_copy = 4 * tokens * h if e != 4 else 0  # RMSNorm's x.to(float32), kept by pow
-    targets, shapes = set(shape.lora_targets), linear_shapes(arch)
+    targets = set(shape.lora_targets)
     rg, total = input_requires_grad, 0
     if rg:
         total += e * tokens * h + fp32_copy  # input_layernorm: input (kept by the mul) + fp32 copy
