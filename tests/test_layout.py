@@ -30,8 +30,9 @@ ALLOWED = {
     "sweep": {"atomic", "launch", "rundir"},
     "report": {"config", "plan"},
     "cli": {"config", "__init__"},
-    "__main__": {"atomic", "config", "launch", "runlock", "models", "data", "plan", "probe", "train", "infer",
-                 "rundir", "sweep", "report", "cli"},
+    "modes": {"atomic", "config", "launch", "runlock", "models", "data", "plan", "probe", "train", "infer",
+              "rundir", "report"},
+    "__main__": {"atomic", "config", "launch", "runlock", "modes", "train", "rundir", "sweep", "cli"},
     "__init__": set(),
 }
 

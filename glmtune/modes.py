@@ -1,0 +1,210 @@
+"""The five modes of one run, each its own short function: infer, chat, plan, probe and train.
+
+`prepare` composes what every mode needs (validated config, architecture, tokenizer, data); `planned` plans
+and prints the header; then `run_mode` hands over to the mode. Every bad input is a ConfigError (one line,
+exit 2) raised before any weights load; every other stop is `rundir.fail` with its documented exit code.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from .atomic import is_disk_full
+from .config import ConfigError, parse_config
+from .data.packing import format_packing, pack_datasets, planned_packing
+from .data.pipeline import DataCollator, build_datasets, format_stats, longest_length
+from .launch import rank, world_size
+from .models import load_tokenizer
+from .models.loading import check_weight_files
+from .models.presets import arch_config, resolve_model_dir
+from .plan.estimate import GIB, image_extra_tokens
+from .plan.planner import Choices, format_plan, make_plan
+from .report import header, summary
+from .rundir import console, fail, remove_empty_dirs, report_probe, write_run_files
+from .runlock import Start, decide, trim_metrics, write_state
+from .train.checkpoints import last_complete
+from .train.compile import check_attention, describe
+from .train.preflight import check_device, check_disk, check_host_memory
+from .train.signals import EXIT_DIVERGED, EXIT_INTERRUPTED
+
+
+@dataclass
+class Prepared:
+    """What every mode starts from; `data`/`packing` only for the modes that train or probe."""
+
+    cfg: DictConfig
+    config: dict[str, Any]  # the resolved config, as recorded in run_state.json
+    run: Any  # config_schema.RunConfig
+    arch: Any
+    overrides: list[str]
+    model_dir: Path | None = None
+    tokenizer: Any = None
+    data: Any = None
+    packing: Any = None
+
+
+def prepare(cfg: DictConfig, overrides: list[str]) -> Prepared:
+    """Validate the config, read the architecture, and (except for mode=plan) the tokenizer and every data line."""
+    config = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        run = parse_config(config)
+        check_attention(run.train)
+        prep = Prepared(cfg, config, run, arch_config(run.model), overrides)  # config.json only: no weights read
+        if run.mode != "plan":
+            prep.model_dir = resolve_model_dir(run.model)
+            check_weight_files(prep.model_dir)  # missing, truncated or pickled weights: one line now, not mid-load
+            prep.tokenizer = load_tokenizer(prep.model_dir)
+        if run.mode in ("train", "probe"):
+            # Every line of every file is checked when its cache entry is built, before any weights load.
+            data = build_datasets(run.data, prep.tokenizer, prep.arch.vision_config)
+            prep.data, prep.packing = pack_datasets(run.data, data, image_extra_tokens(prep.arch),
+                                                    run.train.per_device_batch_size, on_gpu=torch.cuda.is_available())
+    except (ValueError, OSError) as err:  # bad input, or a device map that cannot place a tensor
+        if is_disk_full(err):
+            raise
+        raise ConfigError(str(err)) from None
+    return prep
+
+
+def run_mode(prep: Prepared, run_dir: Path, plan_scratch: bool) -> float | None:
+    """Dispatch on mode=; returns the train loss for sweepers (None for the other modes)."""
+    if prep.run.mode == "infer":
+        return infer_mode(prep, run_dir)
+    if prep.run.mode == "chat":
+        return chat_mode(prep, run_dir)
+    started = time.monotonic()
+    plan, start = planned(prep, run_dir, plan_scratch)
+    if prep.run.mode == "plan":
+        if rank() == 0 and not plan_scratch:
+            console.print(f"plan written to {run_dir / 'plan.json'}", markup=False)
+        return None
+    choices, peak = probe_stage(prep, plan, start, run_dir)
+    if prep.run.mode == "probe":
+        return None
+    return train_mode(prep, plan, start, choices, peak, run_dir, started)
+
+
+def infer_mode(prep: Prepared, run_dir: Path) -> None:
+    from .infer.generate import run_infer  # checks the prompts file before loading the weights
+
+    run = prep.run
+    config_sha = hashlib.sha256(OmegaConf.to_yaml(prep.cfg).encode()).hexdigest()[:16]  # as versions.json
+    result = run_infer(run.infer, run.model, run.hw.memory_gib, prep.model_dir, prep.tokenizer, run_dir, config_sha)
+    console.print(result)
+    if run.infer.prompt and "predictions" in result:  # one-shot: the answer on the console too
+        console.print(json.loads(Path(result["predictions"]).read_text().splitlines()[0])["output"])
+
+
+def chat_mode(prep: Prepared, run_dir: Path) -> None:
+    from .infer.chat import run_chat
+
+    run_chat(prep.run.infer, prep.run.model, prep.run.hw.memory_gib, prep.model_dir, prep.tokenizer, run_dir)
+
+
+def planned(prep: Prepared, run_dir: Path, plan_scratch: bool):
+    """The plan (exit 3 when nothing fits), the resume decision, the run files and the header."""
+    run, arch, data = prep.run, prep.arch, prep.data
+    world = world_size() if run.mode != "plan" else run.dist.nnodes * run.dist.nproc_per_node
+    length_set = run.data.max_length != 500 or any(
+        o.lstrip("+~").startswith("data.max_length=") for o in prep.overrides)
+    packed = prep.packing.shape() if prep.packing else planned_packing(run.data, image_extra_tokens(arch))
+    plan = make_plan(run, arch, world, length_set, data_max_tokens=longest_length(data.stats) if data else None,
+                     packed=packed)
+    start = Start()
+    if run.mode == "train":  # an earlier run in this dir: resume it, refuse, or move it aside (runlock.decide)
+        start = decide(run_dir, run.train.resume, prep.config, last_complete(run_dir / "checkpoints"), rank() == 0)
+    write_run_files(run_dir, OmegaConf.to_yaml(prep.cfg), prep.overrides, run.model.path or run.model.name, plan)
+    if rank() == 0:
+        console.print(header(run, plan, None if plan_scratch else run_dir, len(data.train) if data else None),
+                      markup=False)
+        if run.mode == "plan" or not plan.fits:
+            console.print(format_plan(plan))
+    if not plan.fits:
+        fail(f"the plan does not fit: estimated peak {plan.peak_bytes / GIB:.1f} GiB > budget "
+             f"{plan.budget_bytes / GIB:.1f} GiB with every memory lever on; "
+             + ("what fits: " + "; ".join(plan.advice) if plan.advice else
+                "no preset card, GPU count or data.max_length fits: lower lora.r or train.per_device_batch_size"),
+             code=3)
+    return plan, start
+
+
+def probe_stage(prep: Prepared, plan, start: Start, run_dir: Path) -> tuple[Choices, int]:
+    """Device and host checks, the data tables, then the probe: the choices to train with and their peak (bytes)."""
+    run, arch = prep.run, prep.arch
+    try:
+        check_device(plan.choices)
+        check_host_memory(run, plan)
+    except MemoryError as err:
+        fail(str(err), code=3)
+    if rank() == 0 and start.note:
+        console.print(start.note)
+    if run.mode == "train" and rank() == 0:
+        console.print(check_disk(run_dir, run, arch, Choices(**start.choices) if start.choices else plan.choices))
+    from .probe.probe import probe_shortfall, run_probe  # the Trainer stack: ~0.7 s mode=plan does not need
+
+    if rank() == 0:
+        console.print(format_stats(prep.data.stats))
+        console.print(format_packing(prep.packing, run.train.per_device_batch_size))
+        console.print(describe(run.train, plan.choices.zero_stage, arch.attention_dropout, prep.packing.enabled))
+    if start.choices:  # a resume trains with the first launch's final choices; no second probe
+        return Choices(**start.choices), plan.peak_bytes
+    if not run.probe.enabled:
+        return plan.choices, plan.peak_bytes
+    probe = run_probe(run, plan, arch, prep.model_dir, longest_length(prep.data.stats), prep.tokenizer,
+                      collator(prep), run_dir, world_size(), evaluates=prep.data.val is not None,
+                      packed=prep.packing.shape())
+    report_probe(probe, run_dir)
+    remove_empty_dirs(run_dir, "probe")  # the probe's Trainer makes an output folder it never writes to
+    if not probe.fits:
+        fail(probe_shortfall(probe, run), code=3)
+    return Choices(**probe.final), probe.predicted_peak_bytes
+
+
+def collator(prep: Prepared) -> DataCollator:
+    return DataCollator(prep.tokenizer.pad_token_id, image_size=(prep.arch.vision_config or {}).get("image_size"))
+
+
+def train_mode(prep: Prepared, plan, start: Start, choices: Choices, peak: int, run_dir: Path,
+               started: float) -> float:
+    """Train (resuming when `start` says so); a signal, divergence or finish each ends in its state and line."""
+    from .probe.diagnose import diagnosed, record_memory_history
+    from .train.guard import Diverged, StoppedBySignal, describe_checkpoint, divergence_advice
+    from .train.trainer import train
+
+    run, data, leader = prep.run, prep.data, rank() == 0
+    resume_step = int(start.resume_from.name.rsplit("-", 1)[-1]) if start.resume_from else 0  # checkpoint-<step>
+    if leader:
+        write_state(run_dir, status="running", mode="train", config=prep.config, choices=choices.to_dict(),
+                    step=resume_step)
+        if start.resume_from:
+            trim_metrics(run_dir / "metrics.jsonl", resume_step)
+    record_memory_history()
+    try:
+        with diagnosed(run_dir, plan.breakdown, choices.to_dict(), run.probe.enabled):
+            metrics, _ = train(run, choices, run_dir, prep.model_dir, data.train, data.val, collator(prep),
+                               prep.tokenizer, peak, plan.budget_bytes, resume_from=start.resume_from)
+    except StoppedBySignal as stop:
+        last = last_complete(run_dir / "checkpoints")
+        if leader:
+            write_state(run_dir, status="interrupted", step=stop.step, checkpoint=str(last))
+        fail(f"stopped by {stop.name} at step {stop.step}: {describe_checkpoint(last)} — re-run the same command "
+             "to resume from it", code=EXIT_INTERRUPTED)
+    except Diverged as bad:
+        last = last_complete(run_dir / "checkpoints")
+        if leader:
+            write_state(run_dir, status="diverged", step=bad.step, checkpoint=str(last or ""))
+        fail(f"training diverged at step {bad.step}: {bad.what}; {describe_checkpoint(last)} — "
+             f"{divergence_advice(run.train.learning_rate, choices.dtype)}, then start over with "
+             "train.resume=restart or another hydra.run.dir", code=EXIT_DIVERGED)
+    remove_empty_dirs(run_dir, "checkpoints")  # nothing was due: no save_steps/save_minutes point was reached
+    if leader:
+        write_state(run_dir, status="done", step=metrics["steps"], adapter=metrics["adapter_dir"])
+        console.print(summary(metrics, time.monotonic() - started), markup=False)
+    return metrics["train_loss"]
