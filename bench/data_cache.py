@@ -31,7 +31,7 @@ DATA_LINE = re.compile(r"data: (\d+) examples from (\S+) \((built|cached)\) in (
 
 
 def make_data(path: Path, n: int) -> int:
-    samples = [json.loads(line) for line in (REPO / "glmtune/data/samples/train.jsonl").read_text().splitlines() if line]
+    samples = [json.loads(line) for line in (REPO / "data/samples/train.jsonl").read_text().splitlines() if line]
     with path.open("w", encoding="utf-8") as f:
         for i in range(n):
             conversation = samples[i % len(samples)]

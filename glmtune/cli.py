@@ -162,7 +162,7 @@ def help_text() -> str:
     lines.append(_wrap("+hparams_search=", ", ".join(options("hparams_search")) + ": Bayesian LoRA search with "
                        f"Optuna ({extra_install('sweep')})"))
     lines.append(_wrap("hydra/launcher=", f"slurm: every run a SLURM job ({extra_install('slurm')})"))
-    lines += ["", "options (key=value; see the YAML files under glmtune/conf/ for defaults and trade-offs):"]
+    lines += ["", "options (key=value; see the YAML files under conf/ for defaults and trade-offs):"]
     for group in dataclasses.fields(RunConfig):
         if group.name != "mode":
             keys = ", ".join(f"{group.name}.{f.name}" for f in dataclasses.fields(group.default_factory()))

@@ -9,7 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-CONF_DIR = Path(__file__).resolve().parent / "conf"
+_PACKAGE = Path(__file__).resolve().parent
+# One copy of the configs: conf/ at the top of a source checkout (beside glmtune/), mapped into glmtune/conf/ inside a
+# wheel by pyproject.toml's package-dir; whichever exists is the one this install runs with.
+CONF_DIR = _PACKAGE / "conf" if (_PACKAGE / "conf").is_dir() else _PACKAGE.parent / "conf"
 
 
 @dataclass

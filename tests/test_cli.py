@@ -127,10 +127,14 @@ def test_launch_ids_are_readable_and_agree_across_ranks(monkeypatch):
 @pytest.mark.slow
 def test_the_wheel_ships_configs_samples_and_the_command_and_runs_from_anywhere(tmp_path, repo):
     """pip builds a (non-editable) wheel; installed without the repo on the path, `glmtune` plans from /tmp."""
-    src = tmp_path / "src"  # a copy, so setuptools' build/ folder is not left in the checkout
-    shutil.copytree(repo / "glmtune", src / "glmtune", ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(repo / name, src / name)
+    # What a clean clone holds (the tracked files, as they are now), copied so that setuptools' build/ folder is not
+    # left in the checkout: conf/ and data/samples*/ at the top level must land inside the wheel.
+    src = tmp_path / "src"
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=repo, capture_output=True, check=True).stdout
+    for name in filter(None, tracked.decode().split("\0")):
+        if (repo / name).is_file():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(repo / name, src / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w",
                     str(tmp_path / "dist"), str(src)], check=True, capture_output=True, timeout=300)
     wheel = next((tmp_path / "dist").glob("glmtune-*.whl"))
@@ -153,3 +157,9 @@ def test_the_wheel_ships_configs_samples_and_the_command_and_runs_from_anywhere(
     where = subprocess.run([sys.executable, "-c", "import glmtune; print(glmtune.__file__)"], cwd=elsewhere, env=env,
                            capture_output=True, text=True, check=True).stdout
     assert where.startswith(str(site))  # the installed copy, not this checkout
+    # The demo from there too (two steps of it): the bundled samples and the tiny model come from the wheel.
+    demo = subprocess.run([str(site / "bin" / "glmtune"), "train.max_steps=2", "probe.enabled=false",
+                           f"hydra.run.dir={tmp_path / 'demo'}"], cwd=elsewhere, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert demo.returncode == 0, demo.stderr[-2000:]
+    assert (tmp_path / "demo" / "adapter" / "adapter_config.json").exists()

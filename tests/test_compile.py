@@ -19,7 +19,7 @@ from tests.test_packing import REPO, _lora_model, _loss_and_grads
 def test_compiled_blocks_match_eager(checkpointing=True):
     model_dir = ensure_tiny("glm4")
     tok = load_tokenizer(model_dir)
-    train, _, _ = build_datasets(DataConfig(train_file=str(REPO / "glmtune/data/samples/train.jsonl"), val_file=None,
+    train, _, _ = build_datasets(DataConfig(train_file=str(REPO / "data/samples/train.jsonl"), val_file=None,
                                             max_length=100), tok)
     collator = DataCollator(tok.pad_token_id)
     batches = [collator(train[:3]), collator(pack(train[:8], 300))]  # padded (mask None) and packed (mask)

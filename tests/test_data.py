@@ -200,7 +200,7 @@ def test_collator_pad_to_multiple_of():
 
 
 def test_shipped_samples_encode_with_nothing_dropped(tok):
-    cfg = DataConfig(train_file=str(REPO / "glmtune/data/samples/train.jsonl"), val_file=str(REPO / "glmtune/data/samples/val.jsonl"))
+    cfg = DataConfig(train_file=str(REPO / "data/samples/train.jsonl"), val_file=str(REPO / "data/samples/val.jsonl"))
     train, val, stats = build_datasets(cfg, tok)
     assert 40 <= stats.train.examples <= 60 and stats.val.examples >= 8
     assert stats.train.dropped == 0 and stats.val.dropped == 0
@@ -211,7 +211,7 @@ def test_shipped_samples_encode_with_nothing_dropped(tok):
 
 
 def test_shipped_chatglm3_sample_uses_the_conversations_key(tok3):
-    path = REPO / "glmtune/data/samples/chatglm3_train.jsonl"
+    path = REPO / "data/samples/chatglm3_train.jsonl"
     assert all("conversations" in json.loads(line) for line in path.read_text(encoding="utf-8").splitlines())
     train, _, stats = build_datasets(DataConfig(train_file=str(path)), tok3)
     assert stats.train.kept == stats.train.examples >= 10

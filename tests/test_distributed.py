@@ -128,7 +128,7 @@ def test_two_torchrun_agents_on_loopback_share_one_run_dir(tmp_path, repo):
 def test_deepspeed_launcher_on_localhost(tmp_path, repo):
     proc = subprocess.run(
         ["bash", str(repo / "scripts" / "deepspeed_launch.sh"), "dist=zero3", "train.max_steps=2",
-         f"data.train_file={repo / 'glmtune/data/samples/train.jsonl'}", "data.val_file=null", "probe.enabled=false"],
+         f"data.train_file={repo / 'data/samples/train.jsonl'}", "data.val_file=null", "probe.enabled=false"],
         cwd=tmp_path, env={**env(), "NUM_GPUS": "2", "RUN_ID": "ds-run", "MASTER_PORT": str(free_port())},
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -23,7 +23,7 @@ STEPS = 30
 # All-linear adapters at a high learning rate: the loss moves a lot per step, so a wrong data order, RNG state,
 # optimizer or scheduler state after the resume shows up in the curve at once.
 ARGS = ["lora=all_linear", "train.learning_rate=1e-2", f"train.max_steps={STEPS}", "train.logging_steps=1",
-        "probe.enabled=false", f"data.train_file={REPO / 'glmtune/data/samples/train.jsonl'}", "data.val_file=null"]
+        "probe.enabled=false", f"data.train_file={REPO / 'data/samples/train.jsonl'}", "data.val_file=null"]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 

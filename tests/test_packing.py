@@ -81,7 +81,7 @@ def _check_equivalence(model_dir: Path, examples: list[dict], pack_length: int, 
 def test_packed_text_rows_match_examples_run_one_by_one():
     model_dir = ensure_tiny("glm4")
     tok = load_tokenizer(model_dir)
-    train, _, _ = build_datasets(DataConfig(train_file=str(REPO / "glmtune/data/samples/train.jsonl"), val_file=None,
+    train, _, _ = build_datasets(DataConfig(train_file=str(REPO / "data/samples/train.jsonl"), val_file=None,
                                             max_length=120), tok)
     examples = train[:9]
     _check_equivalence(model_dir, examples, pack_length=260, image_extra=0, image_size=None)
@@ -90,7 +90,7 @@ def test_packed_text_rows_match_examples_run_one_by_one():
 def test_packed_image_rows_match_examples_run_one_by_one():
     model_dir = ensure_tiny("glm4v")
     config, tok = load_config(model_dir), load_tokenizer(model_dir)
-    train, _, _ = build_datasets(DataConfig(train_file=str(REPO / "glmtune/data/samples_vision/train.jsonl"), val_file=None),
+    train, _, _ = build_datasets(DataConfig(train_file=str(REPO / "data/samples_vision/train.jsonl"), val_file=None),
                                  tok, config.vision_config)
     extra = image_extra_tokens(config)
     assert sum(bool(e.get("image")) for e in train) >= 3
@@ -136,8 +136,8 @@ def test_collator_positions_seq_ids_and_images_of_packed_rows():
                                                      ("auto", False, False), ("auto", True, True)])
 def test_pack_datasets_decides_and_reports(packing, on_gpu, packs):
     tok = load_tokenizer(ensure_tiny("glm4"))
-    cfg = DataConfig(train_file=str(REPO / "glmtune/data/samples/train.jsonl"),
-                     val_file=str(REPO / "glmtune/data/samples/val.jsonl"), packing=packing, pack_length=1024)
+    cfg = DataConfig(train_file=str(REPO / "data/samples/train.jsonl"),
+                     val_file=str(REPO / "data/samples/val.jsonl"), packing=packing, pack_length=1024)
     data = build_datasets(cfg, tok)
     packed, info = pack_datasets(cfg, data, image_extra=0, micro_batch=2, on_gpu=on_gpu)
     assert info.enabled is packs and (packed.train is not data.train) is packs
@@ -153,7 +153,7 @@ def test_flex_attention_block_mask_matches_the_dense_mask_forward():
     FlexAttention backward on CPU (training with it is measured by bench/throughput.py on a GPU)."""
     model_dir = ensure_tiny("glm4")
     tok = load_tokenizer(model_dir)
-    train, _, _ = build_datasets(DataConfig(train_file=str(REPO / "glmtune/data/samples/train.jsonl"), val_file=None,
+    train, _, _ = build_datasets(DataConfig(train_file=str(REPO / "data/samples/train.jsonl"), val_file=None,
                                             max_length=150), tok)
     batch = DataCollator(tok.pad_token_id)(pack(train[:12], 400))
     model = load_model(model_dir, dtype=torch.float32).eval()

@@ -176,7 +176,7 @@ def test_probe_shortfall_names_measurement_and_what_would_fit():
     from glmtune.plan.planner import Choices
     from glmtune.probe.probe import Attempt, ProbeReport, probe_shortfall
 
-    run = RunConfig(hw=HwConfig(**yaml.safe_load((Path(__file__).parents[1] / "glmtune/conf/hw/rtx4090_24g.yaml").read_text())),
+    run = RunConfig(hw=HwConfig(**yaml.safe_load((Path(__file__).parents[1] / "conf/hw/rtx4090_24g.yaml").read_text())),
                     data=DataConfig(max_length=65536))
     final = Choices(dtype="bf16", gradient_checkpointing=True, zero_stage=0, offload_params=False,
                     offload_optimizer=False, micro_batch_size=1, grad_accum=1, max_length=65536, world_size=1,

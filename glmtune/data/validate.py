@@ -45,8 +45,10 @@ class _Problem(NamedTuple):
     fix: str
 
 
-# The bundled sample sets live in the package (glmtune/data/samples*), so an installed glmtune finds them.
-SHIPPED = Path(__file__).resolve().parent
+# The bundled sample sets: data/samples*/ at the top of a source checkout, glmtune/data/samples*/ inside a wheel
+# (pyproject.toml maps them there), so an installed glmtune finds them from any folder.
+_HERE = Path(__file__).resolve().parent
+SHIPPED = _HERE if (_HERE / "samples").is_dir() else _HERE.parents[1] / "data"
 SAMPLE_SETS = ("samples", "samples_vision")
 
 
