@@ -9,6 +9,7 @@ still reports the estimate.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -17,6 +18,7 @@ from ..config import RunConfig
 from .advice import advise
 from .estimate import GIB, RunShape, estimate, gpu_family, image_extra_tokens
 from .quantized import allows_zero3, quantize_advice
+from .reserve import ALLOCATORS, allocator_in_force
 
 DEFAULT_MAX_LENGTH = 500
 LOSS_CHUNK = 1024  # tokens per chunk of the lower-memory loss: 1024 x 151,552 x 12 B = 1.9 GB peak
@@ -91,7 +93,8 @@ def run_shape(run: RunConfig, arch, c: Choices, data_max_tokens: int | None = No
                     eval_batch=c.eval_batch_size if run.data.val_file else 0,
                     eval_max_new_tokens=run.eval.max_new_tokens if run.eval.generate else 0,
                     device="cuda" if on_gpu else "cpu", gpu_family=gpu_family(run.hw.name),
-                    quantize=run.model.quantize, double_quant=run.model.double_quant)
+                    quantize=run.model.quantize, double_quant=run.model.double_quant,
+                    allocator=allocator_in_force(os.environ.get("PYTORCH_CUDA_ALLOC_CONF")))
 
 
 def step_down(plan_or_choices: Plan | Choices, run: RunConfig, arch, world_size: int) -> Choices | None:
@@ -200,7 +203,13 @@ def _reasons(run, start: Choices, c: Choices, budget, weights: int, world_size: 
                            "(H100, deepspeed 0.19.8)")
     r["micro_batch_size"] = (f"{c.micro_batch_size} x grad_accum {c.grad_accum} x {world_size} GPUs keeps the "
                              f"global batch {start.micro_batch_size * start.grad_accum * world_size}")
-    r["eval_batch_size"] = ("halved until evaluation fits" if c.eval_batch_size < start.eval_batch_size
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    allocator = allocator_in_force(conf)
+    r["allocator"] = (f"{ALLOCATORS[allocator]} (PYTORCH_CUDA_ALLOC_CONF="
+                      f"{conf if conf is not None else 'unset: glmtune sets expandable_segments:True'})"
+                      + ("" if allocator == "expandable" else
+                         "; its reserve is planned larger (up to 1.21 x at an evaluation after training, measured)"))
+    r["eval_batch_size"] = ("halved until evaluation, with its own allocator reserve, fits" if c.eval_batch_size < start.eval_batch_size
                             else "train.eval_batch_size")
     return r
 
