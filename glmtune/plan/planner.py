@@ -175,14 +175,15 @@ def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
             c = nxt
     est = peak(c)
     ok = budget is None or est.peak_bytes <= budget
-    reasons.update(_reasons(run, start, c, budget, weights_only, world_size))
+    reasons.update(_reasons(run, start, c, budget, weights_only, world_size, ok))
     plan = Plan(ok, budget, est.peak_bytes, est.breakdown, c, reasons)
     if not ok and advice:
         plan.advice = _advice(run, arch, world_size, c.max_length, data_max_tokens, margin, packed)
     return plan
 
 
-def _reasons(run, start: Choices, c: Choices, budget, weights: int, world_size: int) -> dict[str, str]:
+def _reasons(run, start: Choices, c: Choices, budget, weights: int, world_size: int,
+             fits: bool = True) -> dict[str, str]:
     gib = (lambda x: f"{x / GIB:.1f} GiB")
     r = {}
     r["gradient_checkpointing"] = (f"train.gradient_checkpointing={run.train.gradient_checkpointing}"
@@ -194,7 +195,9 @@ def _reasons(run, start: Choices, c: Choices, budget, weights: int, world_size: 
     elif c.zero_stage == 3 and budget is not None and weights > budget:
         r["zero_stage"] = f"3: frozen weights {gib(weights)} exceed the {gib(budget)} budget; sharded over {world_size} GPUs"
     else:
-        r["zero_stage"] = "3: needed to fit" if c.zero_stage == 3 else "0: plain data parallel fits (ZeRO-1/2 shard nothing useful for LoRA)"
+        r["zero_stage"] = ("3: needed to fit" if c.zero_stage == 3 else
+                           "0: plain data parallel fits (ZeRO-1/2 shard nothing useful for LoRA)" if fits else
+                           "0: nothing fits this card set (see the advice)")
     r["loss_chunk_tokens"] = (f"{c.loss_chunk_tokens}: the full fp32 logits do not fit" if c.loss_chunk_tokens
                               else "0: reference loss fits")
     r["offload_checkpoints"] = ("on: the checkpointed block inputs do not fit; they wait in pinned CPU memory "
@@ -221,8 +224,8 @@ def _advice(run, arch, world_size: int, max_length: int, data_max_tokens, margin
     def replan(changed: RunConfig, world: int) -> Plan:
         return make_plan(changed, arch, world, True, data_max_tokens, margin, packed, advice=False)
 
-    return advise(run, world_size, max_length, replan) + quantize_advice(run, max_length,
-                                                                         lambda r: replan(r, world_size))
+    return advise(run, world_size, max_length, replan,
+                  lambda: quantize_advice(run, max_length, lambda r: replan(r, world_size)))
 
 
 def format_plan(plan: Plan):
