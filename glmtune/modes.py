@@ -156,6 +156,9 @@ def probe_stage(prep: Prepared, plan, start: Start, run_dir: Path) -> tuple[Choi
     if start.choices:  # a resume trains with the first launch's final choices; no second probe
         return Choices(**start.choices), plan.peak_bytes
     if not run.probe.enabled:
+        if rank() == 0 and plan.unmeasured_risk:  # never skipped silently: the plan alone is not enough here
+            console.print(f"probe.enabled=false, but {plan.unmeasured_risk}; nothing measures them before training "
+                          "(probe.enabled=true to measure)")
         if rank() == 0 and resolve_compile(run.train, plan.choices.zero_stage)[0]:
             console.print("probe.enabled=false with compiled blocks: their memory is in no estimate and no probe "
                           "measures it (probe.enabled=true to measure it before training)")

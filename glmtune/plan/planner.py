@@ -17,6 +17,7 @@ import torch
 from ..config import RunConfig
 from .advice import advise
 from .estimate import GIB, RunShape, estimate, gpu_family, image_extra_tokens
+from .provenance import derived_near_budget, term_sources
 from .quantized import allows_zero3, quantize_advice
 from .reserve import ALLOCATORS, allocator_in_force
 
@@ -54,6 +55,8 @@ class Plan:
     choices: Choices
     reasons: dict[str, str]
     advice: list[str] = field(default_factory=list)
+    sources: dict[str, str] = field(default_factory=dict)  # per breakdown term: measured / CPU-verified / derived
+    unmeasured_risk: str = ""  # a near-budget peak that rests on derived terms (plan/provenance.py)
 
     def to_json(self) -> str:
         keys = ("dtype", "gradient_checkpointing", "zero_stage", "offload_params", "offload_optimizer",
@@ -61,7 +64,8 @@ class Plan:
                 "offload_checkpoints")
         return json.dumps({"fits": self.fits, "budget_bytes": self.budget_bytes, "peak_bytes": self.peak_bytes,
                            "breakdown": self.breakdown, "choices": {k: getattr(self.choices, k) for k in keys},
-                           "reasons": self.reasons, "advice": self.advice}, indent=2)
+                           "reasons": self.reasons, "advice": self.advice, "sources": self.sources,
+                           "unmeasured_risk": self.unmeasured_risk}, indent=2)
 
 
 def local_dtype(run: RunConfig) -> tuple[str, str]:
@@ -176,7 +180,9 @@ def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
     est = peak(c)
     ok = budget is None or est.peak_bytes <= budget
     reasons.update(_reasons(run, start, c, budget, weights_only, world_size, ok))
-    plan = Plan(ok, budget, est.peak_bytes, est.breakdown, c, reasons)
+    sources = term_sources(est.breakdown, run_shape(run, arch, c, data_max_tokens, packed))
+    plan = Plan(ok, budget, est.peak_bytes, est.breakdown, c, reasons, sources=sources,
+                unmeasured_risk=derived_near_budget(est.breakdown, sources, est.peak_bytes, budget) if ok else "")
     if not ok and advice:
         plan.advice = _advice(run, arch, world_size, c.max_length, data_max_tokens, margin, packed)
     return plan
@@ -236,12 +242,14 @@ def format_plan(plan: Plan):
     table.add_column("item")
     table.add_column("value", justify="right")
     for name, value in plan.breakdown.items():
-        table.add_row(name, f"{value / GIB:.2f} GiB")
+        table.add_row(name, f"{value / GIB:.2f} GiB  [dim]{plan.sources.get(name, '').split(' (')[0]}")
     table.add_row("[bold]estimated peak", f"[bold]{plan.peak_bytes / GIB:.2f} GiB")
     budget = "none (no GPU)" if plan.budget_bytes is None else f"{plan.budget_bytes / GIB:.2f} GiB"
     table.add_row("[bold]budget", budget)
     for key, value in plan.choices.to_dict().items():
         table.add_row(key, f"{value}  [dim]{plan.reasons.get(key, '')}")
+    if plan.unmeasured_risk:
+        table.add_row("[yellow]unmeasured", plan.unmeasured_risk)
     for line in plan.advice:
         table.add_row("[red]advice", line)
     return table
