@@ -17,7 +17,8 @@ split to change memory and speed but never the result, three things must not dep
    with another split skips whole blocks, so it continues with the next unconsumed example.
 
 `train.loss_normalization=micro_batch` keeps the official demo's weighting (each micro-batch's mean, averaged
-over accumulation steps and ranks) for reproducing its numbers; the two agree at 1 × 1 × 1.
+over accumulation steps and ranks) for reproducing its numbers, over the same step order (a micro-batch of null
+slots only adds 0); the two agree at 1 × 1 × 1.
 """
 from __future__ import annotations
 

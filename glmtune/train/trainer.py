@@ -134,13 +134,14 @@ def make_trainer(args: TrainingArguments, model, train_set, val_set, collator, c
     """The Trainer for the run and for the probe; args carries train.learning_rate and train.weight_decay;
     `normalization` is train.loss_normalization."""
     steps = None
-    if normalization == "tokens" and train_set is not None:  # train/steps.py: the split never changes the math
+    if train_set is not None:  # train/steps.py: each step's examples, whatever the split
         steps = StepSampler(target_counts(train_set), args.per_device_train_batch_size *
                             args.gradient_accumulation_steps * args.world_size, args.seed)
         train_set, collator = StepExamples(train_set, steps), StepCollator(collator)
     trainer = LoraTrainer(model=model, args=args, train_dataset=train_set, eval_dataset=val_set or None,
                           data_collator=collator, callbacks=list(callbacks))
     trainer.step_sampler, trainer.example_log = steps, ExampleLog(args.process_index)
+    trainer.normalization = normalization
     trainer.glm = model.get_base_model() if hasattr(model, "get_base_model") else model
     trainer.generation_eval, trainer.best = generation_eval, best
     if args.logging_strategy == "no":  # the probe: its closing {'train_loss': ..., 'epoch': 1.0} reads like a result
@@ -158,9 +159,16 @@ class LoraTrainer(Trainer):
     """
 
     guard: Guard | None = None
-    step_sampler: StepSampler | None = None  # train.loss_normalization=tokens
+    step_sampler: StepSampler | None = None
+    normalization = "tokens"  # train.loss_normalization
     example_log: ExampleLog | None = None
     glm = None  # the GLM model under PEFT (and the engine): its loss_reduction is switched per micro-batch
+
+    def get_train_dataloader(self):
+        # A resume with another micro-batch (plan/elastic.py): transformers 4.40 would take the checkpoint's
+        # batch size (its auto_find_batch_size bookkeeping) instead of this run's.
+        self._train_batch_size = self.args.train_batch_size
+        return super().get_train_dataloader()
 
     def _get_train_sampler(self):
         return self.step_sampler or super()._get_train_sampler()
@@ -171,14 +179,18 @@ class LoraTrainer(Trainer):
         tokens, ids = inputs.pop("step_tokens", None), inputs.pop("example_ids", None)
         if ids is not None and self.example_log is not None:
             self.example_log.record(self.state.global_step + 1, ids)
-        if tokens is None or not hasattr(self.glm, "loss_reduction"):
+        # The demo's mean, except for a micro-batch of null slots only (an epoch's padded last step): its mean
+        # would be 0/0; its sum is 0 and it still runs the forward every rank's collectives expect.
+        demo = self.normalization == "micro_batch" and bool((inputs["labels"][:, 1:] != -100).any())
+        if tokens is None or demo or not hasattr(self.glm, "loss_reduction"):
             return super().compute_loss(model, inputs, return_outputs)
         self.glm.loss_reduction = "sum"
         try:
             outputs = model(**inputs)
         finally:
             self.glm.loss_reduction = "mean"
-        loss = step_loss(outputs.loss, tokens, self.args.gradient_accumulation_steps, self.args.world_size)
+        loss = outputs.loss.float() if self.normalization == "micro_batch" else \
+            step_loss(outputs.loss, tokens, self.args.gradient_accumulation_steps, self.args.world_size)
         return (loss, outputs) if return_outputs else loss
 
     def _load_optimizer_and_scheduler(self, checkpoint):
