@@ -123,7 +123,9 @@ def planned(prep: Prepared, run_dir: Path, plan_scratch: bool):
         start = decide(run_dir, run.train.resume, prep.config, last_complete(run_dir / "checkpoints"), rank() == 0)
         recorded = Choices(**start.choices) if start.choices else None
         if recorded and (recorded.world_size != world or start.levers_changed):  # other hardware: re-split
-            plan.choices, line = elastic_choices(recorded, plan.choices, world)  # the recorded global batch
+            batch_set = any(k in ("train.per_device_batch_size", "train.grad_accum") and  # typed now, and changed
+                            any(o.lstrip("+").startswith(f"{k}=") for o in prep.overrides) for k in start.levers_changed)
+            plan.choices, line = elastic_choices(recorded, plan.choices, world, batch_set)  # same global batch
             start = replace(start, choices=None, note=f"{start.note}; {line}")  # probed like a first launch
     write_run_files(run_dir, OmegaConf.to_yaml(prep.cfg), prep.overrides, run.model.path or run.model.name, plan)
     if rank() == 0:

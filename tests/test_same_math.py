@@ -40,6 +40,16 @@ def compose_run(*overrides: str):
     return parse_config(OmegaConf.to_container(cfg, resolve=True))
 
 
+def assert_same_adapter(got: dict, want: dict, what: str = "") -> None:
+    """Each LoRA tensor within 1e-4 of its norm. Not element by element: Adam divides each entry's step by its own
+    gradient scale, so for entries whose gradient is near zero (lora_A starts with a zero gradient, B being 0)
+    floating-point order alone moves the update by more than 1e-4 of that entry."""
+    assert got.keys() == want.keys() and want
+    for key in want:
+        error = ((got[key] - want[key]).norm() / want[key].norm().clamp(min=1e-12)).item()
+        assert error <= 1e-4, f"{what}: {key}: relative error {error:.2e}"
+
+
 class StepGradients(TrainerCallback):
     """Each optimizer step's LoRA gradient: the sum of what backward adds to every trainable tensor over the
     step's micro-batches (the Trainer's scaling included), read by tensor hooks before the optimizer clears it."""
@@ -151,5 +161,4 @@ def test_ten_steps_agree_across_processes_and_zero3(tmp_path):
     assert len(ref_losses) == 14
     for name, (losses, weights) in results.items():
         assert losses == pytest.approx(ref_losses, rel=1e-5), name
-        for key in ref_adapter:
-            torch.testing.assert_close(weights[key], ref_adapter[key], rtol=1e-4, atol=1e-6, msg=f"{name}: {key}")
+        assert_same_adapter(weights, ref_adapter, name)
