@@ -203,6 +203,10 @@ class LoraTrainer(Trainer):
             load_portable_into_torch(getattr(self.optimizer, "optimizer", self.optimizer), self.model, folder)
             if (folder / "scheduler.pt").is_file():
                 self.lr_scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+                # A scheduler's state holds its last rate but does not set it: the optimizer's groups would keep
+                # the initial rate until the scheduler's next step (an optimizer.pt carries the rate itself).
+                for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
+                    group["lr"] = lr
 
     def _save_checkpoint(self, model, trial, metrics=None):
         super()._save_checkpoint(model, trial, metrics)
