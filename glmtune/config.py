@@ -29,6 +29,7 @@ _CHOICES = {
     "train.precision": ("auto", "bf16", "fp16", "fp32"),
     "train.gradient_checkpointing": ("auto", "on", "off"),
     "train.compile": ("auto", "on", "off"),
+    "train.loss_normalization": ("tokens", "micro_batch"),
     "train.packed_attention": ("auto", "sdpa", "flex"),
     "data.packing": ("auto", "on", "off"),
     "hw.interconnect": ("pcie", "nvlink", "none"),

@@ -70,6 +70,9 @@ class TrainConfig:
     gradient_checkpointing: str = "auto"  # auto | on | off
     use_reentrant: bool = True  # reentrant checkpointing works with ZeRO-3 and frozen params
     seed: int = 42
+    # tokens: the mean over every target token of the optimizer step (all micro-batches, all ranks), so the plan's
+    # levers never change the gradient; micro_batch: each micro-batch's own mean, averaged (the official demo)
+    loss_normalization: str = "tokens"
     compile: str = "auto"  # auto | on | off: torch.compile each decoder block; auto = on CUDA without ZeRO-3
     packed_attention: str = "auto"  # auto | sdpa | flex: attention of packed rows; auto = flex when compiled on CUDA
 

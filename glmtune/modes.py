@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from .models import load_tokenizer
 from .models.loading import check_weight_files
 from .models.presets import arch_config, resolve_model_dir
 from .plan.estimate import GIB, image_extra_tokens
+from .plan.elastic import elastic_choices
 from .plan.planner import Choices, format_plan, make_plan
 from .report import header, summary
 from .rundir import console, fail, remove_empty_dirs, report_probe, write_run_files
@@ -120,6 +121,12 @@ def planned(prep: Prepared, run_dir: Path, plan_scratch: bool):
     start = Start()
     if run.mode == "train":  # an earlier run in this dir: resume it, refuse, or move it aside (runlock.decide)
         start = decide(run_dir, run.train.resume, prep.config, last_complete(run_dir / "checkpoints"), rank() == 0)
+        recorded = Choices(**start.choices) if start.choices else None
+        if recorded and (recorded.world_size != world or start.levers_changed):  # other hardware: re-split
+            batch_set = any(k in ("train.per_device_batch_size", "train.grad_accum") and  # typed now, and changed
+                            any(o.lstrip("+").startswith(f"{k}=") for o in prep.overrides) for k in start.levers_changed)
+            plan.choices, line = elastic_choices(recorded, plan.choices, world, batch_set)  # same global batch
+            start = replace(start, choices=None, note=f"{start.note}; {line}")  # probed like a first launch
     write_run_files(run_dir, OmegaConf.to_yaml(prep.cfg), prep.overrides, run.model.path or run.model.name, plan)
     if rank() == 0:
         console.print(header(run, plan, None if plan_scratch else run_dir, len(data.train) if data else None),

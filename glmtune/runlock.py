@@ -34,6 +34,13 @@ FINISHED = ("done", "diverged")  # a resume would not change the outcome: refuse
 # difference (data, LoRA, learning rate, ...) would splice two different runs into one curve.
 RESUMABLE_CHANGES = ("train.resume", "train.max_steps", "train.num_epochs", "train.save_steps",
                      "train.save_minutes", "train.keep_checkpoints", "train.logging_steps")
+# The memory levers: they change where and how fast the run trains, never what it computes (the loss is the mean
+# over each optimizer step's target tokens, train/steps.py), so a resume may move to another card, GPU count or
+# engine. The micro-batch and accumulation may change as long as the global batch (micro x accumulation x
+# processes, recorded at the first launch) stays; modes.py checks that and re-plans for the new hardware.
+MEMORY_LEVERS = ("train.per_device_batch_size", "train.grad_accum", "train.eval_batch_size",
+                 "train.gradient_checkpointing", "train.precision", "train.compile", "train.packed_attention")
+MEMORY_LEVER_GROUPS = ("hw.", "dist.", "probe.")  # the card preset, process counts and engine, the probe
 _OURS = (".lock.rank", "rank")  # lock files and Hydra's per-rank logs of the current launch
 
 
@@ -76,6 +83,7 @@ class Start:
     resume_from: Path | None = None  # the complete checkpoint to resume from; None = step 0
     choices: dict | None = None  # the first launch's final plan choices, when resuming
     note: str | None = None  # one line for the console about what was found
+    levers_changed: list[str] | None = None  # memory levers set otherwise than at the first launch
 
 
 def read_state(run_dir: Path) -> dict | None:
@@ -104,7 +112,23 @@ def comparable(config: dict) -> dict[str, Any]:
             flat[prefix.rstrip(".")] = value
 
     walk("", config)
-    return {k: v for k, v in flat.items() if k not in RESUMABLE_CHANGES}
+    return {k: v for k, v in flat.items() if k not in RESUMABLE_CHANGES and not is_memory_lever(k)}
+
+
+def is_memory_lever(key: str) -> bool:
+    return key in MEMORY_LEVERS or key.startswith(MEMORY_LEVER_GROUPS)
+
+
+def changed_levers(before: dict, now: dict) -> list[str]:
+    """The memory levers whose values differ between two composed configs (dotted keys)."""
+    def flat(config: dict, prefix: str = "") -> dict:
+        out = {}
+        for key, value in config.items():
+            out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+        return out
+
+    a, b = flat(before), flat(now)
+    return sorted(k for k in a.keys() | b.keys() if is_memory_lever(k) and a.get(k) != b.get(k))
 
 
 def earlier_files(run_dir: Path) -> list[str]:
@@ -163,8 +187,10 @@ def _decide(run_dir: Path, mode: str, config: dict, last_checkpoint: Path | None
     if changed:
         shown = ", ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in changed[:3])
         raise ConfigError(f"{run_dir}: run dir holds a run with another config ({shown}"
-                          f"{', …' if len(changed) > 3 else ''}) — repeat the original command to resume it, pass "
-                          "train.resume=restart to start over, or use another hydra.run.dir")
+                          f"{', …' if len(changed) > 3 else ''}; changed: {', '.join(changed)}) — a resume keeps the "
+                          "model, LoRA, data, lengths and learning settings (only memory levers such as +hw=, dist.*, "
+                          "the micro-batch and accumulation may change): repeat the original command to resume it, "
+                          "pass train.resume=restart to start over, or use another hydra.run.dir")
     if last_checkpoint is None:
         if mode == "always":
             raise ConfigError(f"{run_dir}: train.resume=always, but the run dir has no complete checkpoint — "
@@ -174,6 +200,7 @@ def _decide(run_dir: Path, mode: str, config: dict, last_checkpoint: Path | None
                               f"moved to {move_aside(run_dir, found)})")
         return Start()
     return Start(resume_from=last_checkpoint, choices=state.get("choices"),
+                 levers_changed=changed_levers(state.get("config", {}), config),
                  note=f"resuming from {last_checkpoint} (step {last_checkpoint.name.rsplit('-', 1)[-1]}, "
                       f"status was {state.get('status')})")
 

@@ -162,6 +162,10 @@ class ChatGLMForConditionalGeneration(GLMPreTrainedModel):
         # Tokens per chunk of the lower-memory loss; 0 = the reference loss (full fp32 logits, ~1.8 MB/token
         # for the 151,552-token vocabulary). Set by the trainer from the plan; not part of config.json.
         self.loss_chunk_tokens = 0
+        # "mean" (the reference: over this batch's target tokens) or "sum" (the trainer divides by the whole
+        # optimizer step's target tokens, so how a global batch is split never changes the gradient). A sum
+        # stays fp32: a bf16 sum of a whole batch would round away the digits a mean keeps.
+        self.loss_reduction = "mean"
         self._image_layout = None  # generation with images: (prompt length, image rows, prompt ids)
         self.post_init()
 
@@ -195,7 +199,8 @@ class ChatGLMForConditionalGeneration(GLMPreTrainedModel):
             hidden = hidden[:, -1:]
         loss = logits = None
         if labels is not None and self.loss_chunk_tokens > 0:
-            loss = self._chunked_loss(hidden, labels).to(hidden.dtype)
+            loss = self._chunked_loss(hidden, labels)
+            loss = loss if self.loss_reduction == "sum" else loss.to(hidden.dtype)
         else:
             logits = self.transformer.output_layer(hidden)
             if labels is not None:
@@ -203,8 +208,9 @@ class ChatGLMForConditionalGeneration(GLMPreTrainedModel):
                 logits = logits.to(torch.float32)
                 shifted = logits[..., :-1, :].contiguous()
                 loss = F.cross_entropy(shifted.view(-1, shifted.size(-1)), labels[..., 1:].reshape(-1),
-                                       ignore_index=-100)
-                logits, loss = logits.to(hidden.dtype), loss.to(hidden.dtype)
+                                       ignore_index=-100, reduction=self.loss_reduction)
+                logits = logits.to(hidden.dtype)
+                loss = loss if self.loss_reduction == "sum" else loss.to(hidden.dtype)
         return CausalLMOutputWithPast(loss=loss, logits=logits,
                                       past_key_values=tuple(presents) if presents is not None else None)
 
@@ -226,7 +232,7 @@ class ChatGLMForConditionalGeneration(GLMPreTrainedModel):
             hs, ys = h[start:start + self.loss_chunk_tokens], y[start:start + self.loss_chunk_tokens]
             if bool((ys != -100).any()):
                 total = total + (ckpt(chunk_sum, hs, ys) if torch.is_grad_enabled() else chunk_sum(hs, ys))
-        return total / (y != -100).sum().clamp(min=1)
+        return total if self.loss_reduction == "sum" else total / (y != -100).sum().clamp(min=1)
 
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
                                       position_ids=None, use_cache=True, images=None, image_rows=None, **kwargs):

@@ -176,7 +176,7 @@ def _attempt(run: RunConfig, choices: Choices, model_dir: Path, examples: list[d
     model = trainer = None
     try:
         model = build_model(model_dir, run, choices)
-        trainer = make_trainer(args, model, examples, None, collator)
+        trainer = make_trainer(args, model, examples, None, collator, normalization=run.train.loss_normalization)
         with _Meter(model) as meter:
             trainer.train()
             if eval_examples:

@@ -9,26 +9,28 @@ adapter, metrics and TensorBoard logs go in the run dir.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 from pathlib import Path
 
 import torch
 import transformers
-from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+from transformers import PrinterCallback, Trainer, TrainingArguments
 
-from ..atomic import append_line, write_json
+from ..atomic import write_json
 from ..config import EVAL_METRICS, RunConfig, TrainConfig
 from ..infer.provenance import write_base_identity
 from ..launch import single_process_env
-from .checkpoints import allow_numpy_rng_state, last_complete, remove_incomplete
+from .checkpoints import allow_numpy_rng_state, checkpoint_step, last_complete, remove_incomplete
 from .compile import compile_blocks, resolve_compile, resolve_packed_attention, set_packed_attention
 from .evaluation import BestTracker, GenerationEval, keep_best_adapter, perplexity
 from .guard import Guard
 from .saving import CompleteMarker, save_adapter
 from .zero3 import adapter_fingerprint, deepspeed_config
+from .logs import MetricsFile, whole_run_loss
 from .lora import apply_lora, trainable_parameters
+from .portable import PORTABLE, load_portable_into_torch, load_torch_states, save_portable_zero3
+from .steps import ExampleLog, StepCollator, StepExamples, StepSampler, step_loss, target_counts
 from .timeline import MemoryTimeline
 from ..models import enable_checkpointing, load_model
 from ..models.quantize import load_quantized
@@ -127,10 +129,20 @@ def prepare_model(model: torch.nn.Module, run: RunConfig, choices: Choices) -> t
 
 
 def make_trainer(args: TrainingArguments, model, train_set, val_set, collator, callbacks=(),
-                 generation_eval: GenerationEval | None = None, best: BestTracker | None = None) -> Trainer:
-    """The Trainer for the run and for the probe; args carries train.learning_rate and train.weight_decay."""
+                 generation_eval: GenerationEval | None = None, best: BestTracker | None = None,
+                 normalization: str = "tokens") -> Trainer:
+    """The Trainer for the run and for the probe; args carries train.learning_rate and train.weight_decay;
+    `normalization` is train.loss_normalization."""
+    steps = None
+    if train_set is not None:  # train/steps.py: each step's examples, whatever the split
+        steps = StepSampler(target_counts(train_set), args.per_device_train_batch_size *
+                            args.gradient_accumulation_steps * args.world_size, args.seed)
+        train_set, collator = StepExamples(train_set, steps), StepCollator(collator)
     trainer = LoraTrainer(model=model, args=args, train_dataset=train_set, eval_dataset=val_set or None,
                           data_collator=collator, callbacks=list(callbacks))
+    trainer.step_sampler, trainer.example_log = steps, ExampleLog(args.process_index)
+    trainer.normalization = normalization
+    trainer.glm = model.get_base_model() if hasattr(model, "get_base_model") else model
     trainer.generation_eval, trainer.best = generation_eval, best
     if args.logging_strategy == "no":  # the probe: its closing {'train_loss': ..., 'epoch': 1.0} reads like a result
         trainer.remove_callback(PrinterCallback)
@@ -147,6 +159,61 @@ class LoraTrainer(Trainer):
     """
 
     guard: Guard | None = None
+    step_sampler: StepSampler | None = None
+    normalization = "tokens"  # train.loss_normalization
+    example_log: ExampleLog | None = None
+    glm = None  # the GLM model under PEFT (and the engine): its loss_reduction is switched per micro-batch
+
+    def get_train_dataloader(self):
+        # A resume with another micro-batch (plan/elastic.py): transformers 4.40 would take the checkpoint's
+        # batch size (its auto_find_batch_size bookkeeping) instead of this run's.
+        self._train_batch_size = self.args.train_batch_size
+        return super().get_train_dataloader()
+
+    def _get_train_sampler(self):
+        return self.step_sampler or super()._get_train_sampler()
+
+    def compute_loss(self, model, inputs, return_outputs=False):
+        """Training micro-batches of the step sampler: the summed token loss over the step's target tokens
+        (train/steps.py); evaluation and train.loss_normalization=micro_batch: the model's mean, as the Trainer."""
+        tokens, ids = inputs.pop("step_tokens", None), inputs.pop("example_ids", None)
+        if ids is not None and self.example_log is not None:
+            self.example_log.record(self.state.global_step + 1, ids)
+        # The demo's mean, except for a micro-batch of null slots only (an epoch's padded last step): its mean
+        # would be 0/0; its sum is 0 and it still runs the forward every rank's collectives expect.
+        demo = self.normalization == "micro_batch" and bool((inputs["labels"][:, 1:] != -100).any())
+        if tokens is None or demo or not hasattr(self.glm, "loss_reduction"):
+            return super().compute_loss(model, inputs, return_outputs)
+        self.glm.loss_reduction = "sum"
+        try:
+            outputs = model(**inputs)
+        finally:
+            self.glm.loss_reduction = "mean"
+        loss = outputs.loss.float() if self.normalization == "micro_batch" else \
+            step_loss(outputs.loss, tokens, self.args.gradient_accumulation_steps, self.args.world_size)
+        return (loss, outputs) if return_outputs else loss
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        """Any world size: a DDP checkpoint's states read onto the CPU first; a ZeRO-3 checkpoint's gathered
+        states (train/portable.py) when this run is not ZeRO-3. A ZeRO-3 run reads its own engine's files."""
+        if checkpoint is None or self.is_deepspeed_enabled:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        folder = Path(checkpoint)
+        if not load_torch_states(self, folder) and (folder / PORTABLE).is_file():
+            load_portable_into_torch(getattr(self.optimizer, "optimizer", self.optimizer), self.model, folder)
+            if (folder / "scheduler.pt").is_file():
+                self.lr_scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+                # A scheduler's state holds its last rate but does not set it: the optimizer's groups would keep
+                # the initial rate until the scheduler's next step (an optimizer.pt carries the rate itself).
+                for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
+                    group["lr"] = lr
+
+    def _save_checkpoint(self, model, trial, metrics=None):
+        super()._save_checkpoint(model, trial, metrics)
+        if self.is_deepspeed_enabled:  # gathered optimizer states, so a ZeRO-3 run can resume as DDP
+            folder = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
+            save_portable_zero3(self.model_wrapped, self.optimizer, self.state.global_step, folder,
+                                self.is_world_process_zero())
 
     def training_step(self, model, inputs):
         loss = super().training_step(model, inputs)
@@ -189,17 +256,6 @@ class LoraTrainer(Trainer):
         torch.save(self.args, Path(output_dir) / "training_args.bin")
 
 
-class MetricsFile(TrainerCallback):
-    """Every log line of the Trainer, one JSON object per line, in run_dir/metrics.jsonl (rank 0)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if state.is_world_process_zero and logs:
-            append_line(self.path, json.dumps({"step": state.global_step, **logs}))
-
-
 def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, train_set, val_set,
           collator, tokenizer=None, planned_bytes: int | None = None, budget_bytes: int | None = None,
           resume_from: Path | None = None) -> tuple[dict, torch.nn.Module]:
@@ -226,13 +282,15 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
     trainer = make_trainer(args, model, train_set, val_set, collator,
                            callbacks=[MetricsFile(run_dir / "metrics.jsonl"), timeline,
                                       CompleteMarker(output_dir, run.train.keep_checkpoints), guard],
-                           generation_eval=generation_eval, best=best)
+                           generation_eval=generation_eval, best=best,
+                           normalization=run.train.loss_normalization)
     trainer.guard = guard
+    resumed_at = checkpoint_step(resume_from) if resume_from else 0
     result = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     guard.raise_if_stopped()
     runtime = result.metrics.get("train_runtime")
-    # The mean over this launch's steps only (the Trainer's own figure); the logged curve is in metrics.jsonl.
-    metrics = {"train_loss": result.training_loss, "steps": result.global_step, "epochs": trainer.state.epoch,
+    metrics = {"train_loss": whole_run_loss(trainer.state.log_history, result.training_loss, result.global_step,
+                                            resumed_at), "steps": result.global_step, "epochs": trainer.state.epoch,
                # ds_numel: under ZeRO-3 a parameter's local tensor is an empty placeholder
                "trainable_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in trainable_parameters(model)),
                "runtime_s": runtime,
@@ -265,3 +323,4 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
     metrics["adapter_dir"] = str(adapter_dir)
     metrics["last_checkpoint"] = str(last_complete(output_dir) or "")
     return metrics, model
+
