@@ -5,7 +5,7 @@ Exit codes: 0 done; 2 bad config or input, run dir in use or holding another run
 traceback); 3 the plan or the probe says it does not fit the card (or a CPU run the host's RAM); 4 out of
 memory during training; 5 NCCL error; 6 remote code / transformers version error; 7 stopped by
 SIGTERM/SIGINT/SIGUSR1 (a complete checkpoint is saved: re-run the same command to resume); 8 training
-diverged (NaN/inf loss or weights).
+diverged (NaN/inf loss or weights); 9 a sweep in which no trial succeeded.
 """
 from __future__ import annotations
 
@@ -31,9 +31,10 @@ from .cli import check_command_line, chosen_mode, is_multirun, wants_info
 from .config import CONF_DIR, ConfigError, check_override_keys
 from .launch import export_slurm_env, rank, run_name
 from .modes import prepare, run_mode
+from .resume import redirect
 from .rundir import console, discard_unused, fail
 from .runlock import RunDirLock
-from .sweep import final_line, run_trial
+from .sweep import EXIT_NO_TRIAL, final_line, none_succeeded, run_trial
 from .train.signals import EXIT_INTERRUPTED, STOP, Interrupted
 
 # Every rank of one launch must agree on the run dir; ${now:} alone would differ by a second. Cached in the
@@ -59,12 +60,20 @@ def main(cfg: DictConfig) -> float | None:
 
 def execute(cfg: DictConfig) -> float | None:
     """One run, holding its run dir's lock throughout; every way it can stop ends in one line and an exit code."""
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    fresh = Path(hydra_cfg.runtime.output_dir)
+    # The same command as an interrupted run resumes it (resume.py); only a dir glmtune named is redirected.
+    run_dir = redirect(fresh, OmegaConf.to_container(cfg, resolve=True), hydra_cfg.mode == RunMode.MULTIRUN)
+    if run_dir != fresh:
+        discard_unused(fresh)  # what Hydra made for the fresh dir: this rank's empty log, then the empty folder
+        if rank() == 0:
+            console.print(f"the same command ran before and did not finish: continuing {run_dir} "
+                          "(train.resume=restart starts a new run instead)", markup=False)
     lock = RunDirLock(run_dir, rank())
     STOP.install()  # SIGTERM/SIGINT: one line now; a checkpoint first once training runs (train/signals.py)
     try:
         lock.acquire()
-        return _execute(cfg, run_dir, list(HydraConfig.get().overrides.task))
+        return _execute(cfg, run_dir, list(hydra_cfg.overrides.task))
     except ConfigError as err:
         lock.discard()
         discard_unused(run_dir)  # a run that never started leaves no folder behind (an earlier run's files stay)
@@ -121,11 +130,18 @@ def cli() -> None:
         main()
     except (HydraException, OmegaConfBaseException) as err:
         fail(" ".join(str(err).split()))
+    except Exception:
+        # The optuna sweeper asks its study for the best trial after the last one, which raises when none
+        # completed; every trial is already recorded, and the sweep ends below with exit 9 instead.
+        if not (multirun and none_succeeded()):
+            raise
     finally:
         if PLAN_SCRATCH:
             shutil.rmtree(PLAN_SCRATCH, ignore_errors=True)
     if multirun and rank() == 0 and final_line():
         console.print(final_line(), markup=False)
+    if multirun and none_succeeded():
+        sys.exit(EXIT_NO_TRIAL)
 
 
 if __name__ == "__main__":

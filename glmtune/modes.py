@@ -27,6 +27,7 @@ from .models.presets import arch_config, resolve_model_dir
 from .plan.estimate import GIB, image_extra_tokens
 from .plan.planner import Choices, format_plan, make_plan
 from .report import header, summary
+from .resume import resume_command
 from .rundir import console, fail, remove_empty_dirs, report_probe, write_run_files
 from .runlock import Start, decide, trim_metrics, write_state
 from .train.checkpoints import last_complete
@@ -181,8 +182,9 @@ def train_mode(prep: Prepared, plan, start: Start, choices: Choices, peak: int, 
     run, data, leader = prep.run, prep.data, rank() == 0
     resume_step = int(start.resume_from.name.rsplit("-", 1)[-1]) if start.resume_from else 0  # checkpoint-<step>
     if leader:
+        # `started` orders unfinished runs for resume.unfinished_run; a resume keeps the first launch's
         write_state(run_dir, status="running", mode="train", config=prep.config, choices=choices.to_dict(),
-                    step=resume_step)
+                    step=resume_step, **({} if start.resume_from else {"started": round(time.time(), 3)}))
         if start.resume_from:
             trim_metrics(run_dir / "metrics.jsonl", resume_step)
     record_memory_history()
@@ -195,7 +197,7 @@ def train_mode(prep: Prepared, plan, start: Start, choices: Choices, peak: int, 
         if leader:
             write_state(run_dir, status="interrupted", step=stop.step, checkpoint=str(last))
         fail(f"stopped by {stop.name} at step {stop.step}: {describe_checkpoint(last)} — re-run the same command "
-             "to resume from it", code=EXIT_INTERRUPTED)
+             f"to resume from it, or: {resume_command(run_dir, prep.overrides)}", code=EXIT_INTERRUPTED)
     except Diverged as bad:
         last = last_complete(run_dir / "checkpoints")
         if leader:

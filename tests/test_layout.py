@@ -20,6 +20,7 @@ ALLOWED = {
     "config": {"config_schema"},
     "launch": set(),
     "runlock": {"atomic", "config"},
+    "resume": {"launch", "runlock"},
     "models": {"config"},
     "data": {"config", "models"},
     "plan": {"config", "models"},
@@ -31,8 +32,8 @@ ALLOWED = {
     "report": {"config", "plan"},
     "cli": {"config", "__init__"},
     "modes": {"atomic", "config", "launch", "runlock", "models", "data", "plan", "probe", "train", "infer",
-              "rundir", "report"},
-    "__main__": {"atomic", "config", "launch", "runlock", "modes", "train", "rundir", "sweep", "cli"},
+              "rundir", "report", "resume"},
+    "__main__": {"atomic", "config", "launch", "runlock", "modes", "train", "rundir", "sweep", "cli", "resume"},
     "__init__": set(),
 }
 
