@@ -1,0 +1,95 @@
+"""Stop and resume the way the console says: the identical command line (no hydra.run.dir) resumes the
+interrupted run, and the command printed at the stop, pasted into a shell as it is, resumes it too.
+
+"Resumes" means: the run ends in the interrupted run's dir with the adapter fingerprint of an uninterrupted run.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from glmtune.models.presets import ensure_tiny
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 24
+ARGS = ["lora=all_linear", "train.learning_rate=1e-2", f"train.max_steps={STEPS}", "train.logging_steps=1",
+        "probe.enabled=false", f"data.train_file={REPO / 'data/samples/train.jsonl'}", "data.val_file=null"]
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+def start(cmd, cwd) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=cwd, env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            shell=isinstance(cmd, str))
+
+
+def run_dirs(cwd: Path) -> list[Path]:
+    return sorted(p.parent for p in (cwd / "outputs").glob("*/*/.hydra"))
+
+
+def logged_steps(cwd: Path) -> int:
+    return sum(sum('"loss"' in line for line in (d / "metrics.jsonl").read_text().splitlines())
+               for d in run_dirs(cwd) if (d / "metrics.jsonl").exists())
+
+
+def stop_after(proc: subprocess.Popen, cwd: Path, steps: int) -> tuple[int, str, str]:
+    deadline = time.monotonic() + 300
+    while logged_steps(cwd) < steps:
+        assert proc.poll() is None, f"exited {proc.returncode}: {proc.stderr.read()[-3000:]}"
+        assert time.monotonic() < deadline, "timed out waiting for logged steps"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, out, err
+
+
+def stop_line(stderr: str) -> str:
+    assert "Traceback" not in stderr, stderr[-3000:]
+    lines = [line[line.index("glmtune: error: "):] for line in stderr.splitlines() if "glmtune: error: " in line]
+    assert len(lines) == 1, stderr[-3000:]
+    return lines[0]
+
+
+def fingerprint(run_dir: Path) -> str:
+    return json.loads((run_dir / "metrics.json").read_text())["adapter_sha256"]
+
+
+@pytest.mark.slow
+def test_the_same_command_and_the_printed_command_both_resume(tmp_path):
+    ensure_tiny("glm4")
+    cmd = [sys.executable, "-m", "glmtune", *ARGS]
+    reference = subprocess.run([*cmd, f"hydra.run.dir={tmp_path / 'reference'}"], cwd=tmp_path, env=ENV,
+                               capture_output=True, text=True, timeout=600)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    work = tmp_path / "work"
+    work.mkdir()
+
+    code, _, err = stop_after(start(cmd, work), work, 3)  # 1. SIGTERM during training
+    assert code == 7, err[-3000:]
+    [first] = run_dirs(work)
+    assert json.loads((first / "run_state.json").read_text())["status"] == "interrupted"
+
+    proc = start(cmd, work)  # 2. the identical command line: it continues that run dir, and is stopped again
+    code, out, err = stop_after(proc, work, 3 + 6)
+    assert code == 7, err[-3000:]
+    assert f"continuing {first}" in out and "resuming from" in out
+    assert run_dirs(work) == [first]  # no second run dir was left behind
+    line = stop_line(err)
+    pasted = line.split("re-run the same command to resume from it, or: ", 1)[1]
+
+    other = tmp_path / "elsewhere"  # 3. the printed command, pasted into a shell in another folder
+    other.mkdir()
+    done = subprocess.run(pasted, shell=True, cwd=other, env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resuming from" in done.stdout
+    assert fingerprint(first) == fingerprint(tmp_path / "reference")
+    assert json.loads((first / "run_state.json").read_text())["status"] == "done"
+
+    # A finished run is never picked up again: the same command now trains a new run from step 0.
+    code = subprocess.run([*cmd, "train.max_steps=2"], cwd=work, env=ENV, capture_output=True, text=True,
+                          timeout=600).returncode
+    assert code == 0 and len(run_dirs(work)) == 2
