@@ -81,7 +81,7 @@ def execute(cfg: DictConfig) -> float | None:
     except Interrupted as sig:
         fail(f"stopped by a second {sig.name} before the checkpoint was complete — re-run the same command to resume "
              "from the last complete one" if STOP.deferred else f"stopped by {sig.name} before training began; "
-             "nothing to save — re-run the same command to start again", code=EXIT_INTERRUPTED)
+             "nothing to save — re-run the same command to start again", code=EXIT_INTERRUPTED, leader_speaks=True)
     except Exception as err:  # noqa: BLE001 - only a full disk is turned into one line; the rest re-raises
         if not (is_disk_full(err) or disk_nearly_full(run_dir)):
             raise

@@ -192,5 +192,7 @@ def help_text() -> str:
               "", "exit codes:"]
     lines += [textwrap.fill(what, 100, initial_indent=f"  {code}  ", subsequent_indent=" " * 5,
                             break_on_hyphens=False, break_long_words=False) for code, what in EXIT_CODES.items()]
-    lines += ["", "Run dirs: outputs/DATE/TIME (hydra.run.dir=DIR to choose); README.md lists every file in them."]
+    lines += ["", "Run dirs: outputs/DATE/TIME.mmm-ID (hydra.run.dir=DIR to choose); README.md lists every file in them.",
+              "Resume: the same command continues the newest unfinished run of the same config under ./outputs",
+              "(train.resume=restart starts a new one); scripts/torchrun.sh and scripts/deepspeed_launch.sh too."]
     return "\n".join(lines)

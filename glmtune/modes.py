@@ -197,7 +197,8 @@ def train_mode(prep: Prepared, plan, start: Start, choices: Choices, peak: int, 
         if leader:
             write_state(run_dir, status="interrupted", step=stop.step, checkpoint=str(last))
         fail(f"stopped by {stop.name} at step {stop.step}: {describe_checkpoint(last)} — re-run the same command "
-             f"to resume from it, or: {resume_command(run_dir, prep.overrides)}", code=EXIT_INTERRUPTED)
+             f"to resume from it, or: {resume_command(run_dir, prep.overrides)}", code=EXIT_INTERRUPTED,
+             leader_speaks=True)
     except Diverged as bad:
         last = last_complete(run_dir / "checkpoints")
         if leader:

@@ -106,7 +106,8 @@ def resume_command(run_dir: Path, overrides: list[str]) -> str:
     if world_size() == 1:
         launcher = [sys.executable, "-m", "glmtune"]
     elif os.environ.get("TORCHELASTIC_RUN_ID") and local == world_size():  # one node: torchrun --standalone
-        launcher = ["torchrun", "--standalone", "--nproc_per_node", str(local), "-m", "glmtune"]
+        launcher = [sys.executable, "-m", "glmtune.supervise", "torchrun", "--standalone", "--nproc_per_node",
+                    str(local), "-m", "glmtune"]  # as scripts/torchrun.sh runs it
     else:
         return f"re-run the same launch command on every node (it finds {run_dir})"
     return f"cd {shlex.quote(os.getcwd())} && " + " ".join(shlex.quote(a) for a in [*launcher, *args])

@@ -21,6 +21,7 @@ ALLOWED = {
     "launch": set(),
     "runlock": {"atomic", "config"},
     "resume": {"launch", "runlock"},
+    "supervise": {"train"},
     "models": {"config"},
     "data": {"config", "models"},
     "plan": {"config", "models"},

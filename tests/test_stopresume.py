@@ -93,3 +93,38 @@ def test_the_same_command_and_the_printed_command_both_resume(tmp_path):
     code = subprocess.run([*cmd, "train.max_steps=2"], cwd=work, env=ENV, capture_output=True, text=True,
                           timeout=600).returncode
     assert code == 0 and len(run_dirs(work)) == 2
+
+
+def torchrun_sh(*args) -> list[str]:
+    return [str(REPO / "scripts" / "torchrun.sh"), "2", *ARGS, *args]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dist", ["ddp", "zero3"])
+def test_torchrun_script_stops_with_exit_7_one_line_and_the_same_command_resumes(tmp_path, dist):
+    """scripts/torchrun.sh with 2 CPU ranks (gloo): SIGTERM to the script exits 7 with the stop line once and no
+    traceback (rank 1 logs it to its file); the same command then resumes the run to the uninterrupted adapter."""
+    ensure_tiny("glm4")
+    env = {**ENV, "PYTHON": sys.executable}
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = subprocess.Popen(torchrun_sh(f"dist={dist}"), cwd=work, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    code, _, err = stop_after(proc, work, 3)
+    assert code == 7, err[-3000:]
+    line = stop_line(err)  # exactly one glmtune line, no traceback
+    assert line.startswith("glmtune: error: stopped by SIGTERM at step ") and "torchrun --standalone" in line
+    [first] = [d for d in (work / "outputs").glob("*/torchrun-*")]
+    assert "stopped by SIGTERM" in (first / "rank1.log").read_text()
+    assert json.loads((first / "run_state.json").read_text())["status"] == "interrupted"
+
+    resumed = subprocess.run(torchrun_sh(f"dist={dist}"), cwd=work, env=env, capture_output=True, text=True,
+                             timeout=900)
+    assert f"continuing {first}" in resumed.stdout and "resuming from" in resumed.stdout, resumed.stderr[-3000:]
+    if dist == "ddp" and "restore data location" in resumed.stderr:
+        pytest.xfail("the 2-rank DDP checkpoint loader error (issue #20, branch samemath) blocks the resume itself")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    reference = subprocess.run(torchrun_sh(f"dist={dist}", f"hydra.run.dir={tmp_path / 'reference'}"), cwd=work,
+                               env=env, capture_output=True, text=True, timeout=900)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    assert fingerprint(first) == fingerprint(tmp_path / "reference")
