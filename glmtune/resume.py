@@ -18,13 +18,16 @@ one launch pick the same dir while rank 0 already writes into it.
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import re
 import shlex
 import sys
 from pathlib import Path
+from typing import Any
 
+from .config import ConfigError
 from .launch import rank, world_size
 from .runlock import comparable, read_state
 
@@ -111,3 +114,40 @@ def resume_command(run_dir: Path, overrides: list[str]) -> str:
     else:
         return f"re-run the same launch command on every node (it finds {run_dir})"
     return f"cd {shlex.quote(os.getcwd())} && " + " ".join(shlex.quote(a) for a in [*launcher, *args])
+
+
+def input_fingerprints(splits: dict[str, Any], model_dir: Path) -> dict[str, str]:
+    """What a resume must find unchanged besides the config, by name: each data file's content and the tokenizer
+    files (sha256, as its cache entry recorded them: no second read), and each weight file's size and mtime
+    (hashing 18 GB of weights would add minutes to every launch; an in-place rewrite keeping both is not seen)."""
+    found: dict[str, str] = {}
+    for key, split in splits.items():
+        if split is not None:
+            meta = json.loads((Path(split.path) / "meta.json").read_text())
+            found[f"{key} {meta['file']}"] = f"sha256 {meta['data_sha256']}"
+            found[f"the tokenizer files in {model_dir}"] = f"sha256 {meta['tokenizer_sha256']}"
+    for weights in sorted(Path(model_dir).iterdir()):
+        if weights.suffix in (".safetensors", ".bin") and weights.is_file():
+            stat = weights.stat()
+            found[f"weight file {weights}"] = f"{stat.st_size} bytes, modified {stat.st_mtime_ns}"
+    return found
+
+
+def check_inputs(run_dir: Path, now: dict[str, str]) -> None:
+    """Refuse (exit 2) to resume `run_dir` on other data, tokenizer or weights than it started with."""
+    before = (read_state(run_dir) or {}).get("inputs")
+    if before is None:  # a run from before inputs were recorded: nothing to compare with
+        return
+    changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+    if changed:
+        raise ConfigError(f"{run_dir}: cannot resume: {'; '.join(changed[:3])}{' …' if len(changed) > 3 else ''} "
+                          "changed since the interrupted run started — restore the original files to resume, or "
+                          "start over with train.resume=restart (or another hydra.run.dir)")
+
+
+def refuse_training_run(run_dir: Path, mode: str) -> None:
+    """mode=plan/probe into a training run's dir would replace its .hydra/, plan.json and versions.json with files
+    that describe another launch than the adapter beside them: refused (exit 2)."""
+    if read_state(run_dir) is not None:
+        raise ConfigError(f"{run_dir}: run dir holds a training run; mode={mode} would overwrite its config and plan "
+                          "files — give this launch another hydra.run.dir (or none)")

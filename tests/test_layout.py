@@ -20,7 +20,7 @@ ALLOWED = {
     "config": {"config_schema"},
     "launch": set(),
     "runlock": {"atomic", "config"},
-    "resume": {"launch", "runlock"},
+    "resume": {"config", "launch", "runlock"},
     "supervise": {"train"},
     "models": {"config"},
     "data": {"config", "models"},

@@ -128,3 +128,37 @@ def test_torchrun_script_stops_with_exit_7_one_line_and_the_same_command_resumes
                                env=env, capture_output=True, text=True, timeout=900)
     assert reference.returncode == 0, reference.stderr[-3000:]
     assert fingerprint(first) == fingerprint(tmp_path / "reference")
+
+
+@pytest.mark.slow
+def test_a_changed_data_file_is_refused_on_resume_and_plan_or_probe_never_rewrite_a_training_run(tmp_path):
+    ensure_tiny("glm4")
+    data = tmp_path / "train.jsonl"
+    data.write_bytes((REPO / "data/samples/train.jsonl").read_bytes())
+    cmd = [sys.executable, "-m", "glmtune", *ARGS, f"data.train_file={data}"]
+    work = tmp_path / "work"
+    work.mkdir()
+    code, _, err = stop_after(start(cmd, work), work, 2)
+    assert code == 7, err[-3000:]
+    [run_dir] = run_dirs(work)
+    files = {p: p.read_bytes() for p in [run_dir / ".hydra/config.yaml", run_dir / "plan.json",
+                                         run_dir / "versions.json", run_dir / "run_state.json"]}
+
+    # mode=plan and mode=probe into the training run's dir: refused, nothing rewritten
+    for mode in ("plan", "probe"):
+        proc = subprocess.run([*cmd, f"mode={mode}", f"hydra.run.dir={run_dir}"], cwd=work, env=ENV,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 2 and "holds a training run" in stop_line(proc.stderr), proc.stderr[-3000:]
+        assert {p: p.read_bytes() for p in files} == files
+
+    # The data edited in place: same size, same mtime, other text (two letters swapped in the first answer).
+    stat, text = data.stat(), data.read_text()
+    at = text.index('"assistant", "content": "') + len('"assistant", "content": "')
+    data.write_text(text[:at] + text[at + 1] + text[at] + text[at + 2:])
+    os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert data.stat().st_size == stat.st_size and data.read_text() != text
+    proc = subprocess.run(cmd, cwd=work, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = stop_line(proc.stderr)
+    assert "cannot resume" in line and str(data) in line and "train.resume=restart" in line
+    assert {p: p.read_bytes() for p in files} == files and run_dirs(work) == [run_dir]
