@@ -162,3 +162,25 @@ def test_a_changed_data_file_is_refused_on_resume_and_plan_or_probe_never_rewrit
     line = stop_line(proc.stderr)
     assert "cannot resume" in line and str(data) in line and "train.resume=restart" in line
     assert {p: p.read_bytes() for p in files} == files and run_dirs(work) == [run_dir]
+
+
+@pytest.mark.slow
+def test_a_crash_during_training_leaves_run_state_failed(tmp_path):
+    """GLM-4V on copied samples; the images deleted after the first step make the collator fail mid-run."""
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(REPO / "data/samples_vision", data)
+    run_dir = tmp_path / "run"
+    proc = start([sys.executable, "-m", "glmtune", "model=glm4v_tiny", "data=samples_vision", "probe.enabled=false",
+                  f"data.train_file={data / 'train.jsonl'}", "data.val_file=null", "train.max_steps=40",
+                  "train.logging_steps=1", f"hydra.run.dir={run_dir}"], tmp_path)
+    deadline = time.monotonic() + 300
+    while not (run_dir / "metrics.jsonl").exists() or '"loss"' not in (run_dir / "metrics.jsonl").read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:] if proc.poll() else ""
+        time.sleep(0.05)
+    shutil.rmtree(data / "images")
+    proc.communicate(timeout=300)
+    assert proc.returncode not in (0, 7)
+    state = json.loads((run_dir / "run_state.json").read_text())
+    assert state["status"] == "failed" and "image" in state["error"], state
