@@ -184,3 +184,30 @@ def test_a_crash_during_training_leaves_run_state_failed(tmp_path):
     assert proc.returncode not in (0, 7)
     state = json.loads((run_dir / "run_state.json").read_text())
     assert state["status"] == "failed" and "image" in state["error"], state
+
+
+@pytest.mark.slow
+def test_a_corrupted_cache_entry_is_built_again_never_trained_on(tmp_path):
+    ensure_tiny("glm4")
+    cache = tmp_path / "cache"
+    cmd = [sys.executable, "-m", "glmtune", *ARGS, "train.max_steps=1", f"data.cache_dir={cache}"]
+    first = subprocess.run([*cmd, f"hydra.run.dir={tmp_path / 'a'}"], cwd=tmp_path, env=ENV, capture_output=True,
+                           text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    [entry] = [p for p in cache.iterdir() if p.is_dir()]
+    recorded = json.loads((entry / "meta.json").read_text())["files_sha256"]
+    arrow = max((p for p in (entry / "dataset").rglob("*.arrow")), key=lambda p: p.stat().st_size)
+    raw = bytearray(arrow.read_bytes())
+    raw[len(raw) // 2] ^= 0x10  # one bit flipped in the middle of the token data
+    arrow.write_bytes(bytes(raw))
+
+    second = subprocess.run([*cmd, f"hydra.run.dir={tmp_path / 'b'}"], cwd=tmp_path, env=ENV, capture_output=True,
+                            text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "is damaged" in second.stdout + second.stderr and "building it again" in second.stdout + second.stderr
+    from glmtune.data.cache import damage, files_sha256
+
+    assert damage(entry) is None and files_sha256(entry) == recorded  # the same rows as first built
+    losses = [json.loads(line)["loss"] for run in ("a", "b")
+              for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    assert losses[0] == losses[1]  # trained on the rebuilt entry, not the flipped bit
