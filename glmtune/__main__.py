@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -34,6 +35,7 @@ from .modes import prepare, run_mode
 from .resume import redirect
 from .rundir import console, discard_unused, fail
 from .runlock import RunDirLock
+from .supervise import descendants
 from .sweep import EXIT_NO_TRIAL, final_line, none_succeeded, run_trial
 from .train.signals import EXIT_INTERRUPTED, STOP, Interrupted
 
@@ -79,6 +81,7 @@ def execute(cfg: DictConfig) -> float | None:
         discard_unused(run_dir)  # a run that never started leaves no folder behind (an earlier run's files stay)
         fail(str(err))
     except Interrupted as sig:
+        stop_children()
         fail(f"stopped by a second {sig.name} before the checkpoint was complete — re-run the same command to resume "
              "from the last complete one" if STOP.deferred else f"stopped by {sig.name} before training began; "
              "nothing to save — re-run the same command to start again", code=EXIT_INTERRUPTED, leader_speaks=True)
@@ -92,6 +95,18 @@ def execute(cfg: DictConfig) -> float | None:
         lock.release()
         STOP.uninstall()
         STOP.received, STOP.deferred = None, False  # a sweep runs the next trial in this process
+
+
+def stop_children() -> None:
+    """SIGTERM every process this one forked and that still runs. A signal that lands while a library starts
+    a helper process (datasets' multi-process map starts a Manager server, then waits for its address) leaves
+    that child running and unknown to its library; Python's exit would then wait for it forever. The children
+    die on SIGTERM: train/signals.py resets their handler at the fork."""
+    for pid in descendants(os.getpid()):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
 
 
 def _execute(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | None:

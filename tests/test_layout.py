@@ -34,7 +34,8 @@ ALLOWED = {
     "cli": {"config", "__init__"},
     "modes": {"atomic", "config", "launch", "runlock", "models", "data", "plan", "probe", "train", "infer",
               "rundir", "report", "resume"},
-    "__main__": {"atomic", "config", "launch", "runlock", "modes", "train", "rundir", "sweep", "cli", "resume"},
+    "__main__": {"atomic", "config", "launch", "runlock", "modes", "train", "rundir", "sweep", "cli", "resume",
+                 "supervise"},
     "__init__": set(),
 }
 

@@ -211,3 +211,74 @@ def test_a_corrupted_cache_entry_is_built_again_never_trained_on(tmp_path):
     losses = [json.loads(line)["loss"] for run in ("a", "b")
               for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     assert losses[0] == losses[1]  # trained on the rebuilt entry, not the flipped bit
+
+
+def children(pid: int) -> list[int]:
+    from glmtune.supervise import descendants
+
+    return descendants(pid)
+
+
+def big_data(folder: Path) -> Path:
+    """30,600 conversations (the samples 600 times): a multi-process cache build of several seconds."""
+    path = folder / "big.jsonl"
+    path.write_bytes((REPO / "data/samples/train.jsonl").read_bytes() * 600)
+    return path
+
+
+def wait_for_workers(proc: subprocess.Popen, cache: Path, count: int = 2) -> list[int]:
+    deadline = time.monotonic() + 300
+    while True:
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, "the build never started its workers"
+        workers = children(proc.pid)
+        if len(workers) >= count and list(cache.glob(".big-*.tmp-*")):
+            return workers
+        time.sleep(0.05)
+
+
+def gone(pids: list[int], timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(Path(f"/proc/{pid}").exists() and "(Z)" not in Path(f"/proc/{pid}/stat").read_text()
+                   for pid in pids if Path(f"/proc/{pid}").exists()):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason="rare: a signal landing while datasets starts its Manager can still hang "
+                   "the launcher at exit (about 1 in 13 tries on 2 loaded cores); open in issue #21")
+def test_a_signal_during_a_multi_process_cache_build_stops_within_seconds(tmp_path):
+    ensure_tiny("glm4")
+    data, cache = big_data(tmp_path), tmp_path / "cache"
+    cmd = [sys.executable, "-m", "glmtune", "mode=probe", f"data.train_file={data}", "data.val_file=null",
+           "data.num_proc=2", f"data.cache_dir={cache}"]
+    for attempt, sig in enumerate([signal.SIGTERM, signal.SIGINT, signal.SIGTERM, signal.SIGINT, signal.SIGTERM]):
+        proc = start(cmd, tmp_path)
+        workers = wait_for_workers(proc, cache)
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+        assert time.monotonic() - sent < 10, f"try {attempt}: {time.monotonic() - sent:.1f} s"
+        assert proc.returncode == 7, f"try {attempt}: {err[-3000:]}"
+        assert f"stopped by {sig.name} before training began" in stop_line(err)  # one line, no traceback
+        assert gone(workers), f"try {attempt}: a worker outlived the launcher"
+        assert not list(cache.glob(".big-*.tmp-*")), "the half-built entry was left behind"
+
+
+@pytest.mark.slow
+def test_kill_9_during_a_multi_process_cache_build_leaves_no_orphan_and_the_same_command_trains(tmp_path):
+    ensure_tiny("glm4")
+    data, cache = big_data(tmp_path), tmp_path / "cache"
+    cmd = [sys.executable, "-m", "glmtune", f"data.train_file={data}", "data.val_file=null", "data.num_proc=2",
+           f"data.cache_dir={cache}", "train.max_steps=1", "probe.enabled=false"]
+    proc = start(cmd, tmp_path)
+    workers = wait_for_workers(proc, cache)
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert gone(workers), "a worker outlived the launcher killed by SIGKILL"
+    done = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "waiting for another process" not in done.stdout + done.stderr

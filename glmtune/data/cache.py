@@ -3,7 +3,7 @@ and every rank open memory-mapped, instead of every rank re-reading and re-token
 
     data.cache_dir=null          -> $GLMTUNE_CACHE/data (default ~/.cache/glmtune/data)
     <cache_dir>/<stem>-<key>/        the entry: dataset/ (a `datasets.save_to_disk` folder) and meta.json
-    <cache_dir>/<stem>-<key>.lock    flock'ed by the one process that builds the entry
+    <cache_dir>/<stem>-<key>.lock    locked (lockf) by the one process that builds the entry
     <cache_dir>/<stem>-<key>.error   the builder's DataError, for the processes that waited on it
 
 The key hashes everything the rows depend on: the file's bytes, its folder (relative image paths resolve against
@@ -149,14 +149,17 @@ def _opened(entry: Path, built: bool, started: float) -> TokenizedSplit:
 
 @contextmanager
 def _locked(lock_file: Path, entry: Path) -> Iterator[None]:
-    """An exclusive flock on lock_file, waited for (with one log line) when another process holds it."""
+    """An exclusive lock on lock_file, waited for (with one log line) when another process holds it.
+
+    A POSIX record lock (lockf), not flock: a forked map worker does not inherit it, so the lock ends with the
+    process that took it even if a worker outlived it (an flock stays while any forked copy of the fd lives)."""
     with open(lock_file, "a+") as handle:
         try:
             try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+                fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except (BlockingIOError, PermissionError):  # EAGAIN or EACCES, by platform
                 log.info("data: waiting for another process building %s", entry)
-                fcntl.flock(handle, fcntl.LOCK_EX)
+                fcntl.lockf(handle, fcntl.LOCK_EX)
         except OSError as err:
             if err.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
                 raise
@@ -165,7 +168,7 @@ def _locked(lock_file: Path, entry: Path) -> Iterator[None]:
         try:
             yield
         finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            fcntl.lockf(handle, fcntl.LOCK_UN)
 
 
 def _write_atomic(path: Path, text: str) -> None:
