@@ -5,13 +5,14 @@ Exit codes: 0 done; 2 bad config or input, run dir in use or holding another run
 traceback); 3 the plan or the probe says it does not fit the card (or a CPU run the host's RAM); 4 out of
 memory during training; 5 NCCL error; 6 remote code / transformers version error; 7 stopped by
 SIGTERM/SIGINT/SIGUSR1 (a complete checkpoint is saved: re-run the same command to resume); 8 training
-diverged (NaN/inf loss or weights).
+diverged (NaN/inf loss or weights); 9 a sweep in which no trial succeeded.
 """
 from __future__ import annotations
 
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -32,9 +33,11 @@ from .cli import check_command_line, chosen_mode, is_multirun, wants_info
 from .config import CONF_DIR, ConfigError, check_override_keys
 from .launch import export_slurm_env, rank, run_name
 from .modes import prepare, run_mode
+from .resume import redirect
 from .rundir import console, discard_unused, fail
 from .runlock import RunDirLock
-from .sweep import final_line, run_trial
+from .supervise import descendants
+from .sweep import EXIT_NO_TRIAL, final_line, none_succeeded, run_trial
 from .train.signals import EXIT_INTERRUPTED, STOP, Interrupted
 
 # Every rank of one launch must agree on the run dir; ${now:} alone would differ by a second. Cached in the
@@ -60,20 +63,29 @@ def main(cfg: DictConfig) -> float | None:
 
 def execute(cfg: DictConfig) -> float | None:
     """One run, holding its run dir's lock throughout; every way it can stop ends in one line and an exit code."""
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    fresh = Path(hydra_cfg.runtime.output_dir)
+    # The same command as an interrupted run resumes it (resume.py); only a dir glmtune named is redirected.
+    run_dir = redirect(fresh, OmegaConf.to_container(cfg, resolve=True), hydra_cfg.mode == RunMode.MULTIRUN)
+    if run_dir != fresh:
+        discard_unused(fresh)  # what Hydra made for the fresh dir: this rank's empty log, then the empty folder
+        if rank() == 0:
+            console.print(f"the same command ran before and did not finish: continuing {run_dir} "
+                          "(train.resume=restart starts a new run instead)", markup=False)
     lock = RunDirLock(run_dir, rank())
     STOP.install()  # SIGTERM/SIGINT: one line now; a checkpoint first once training runs (train/signals.py)
     try:
         lock.acquire()
-        return _execute(cfg, run_dir, list(HydraConfig.get().overrides.task))
+        return _execute(cfg, run_dir, list(hydra_cfg.overrides.task))
     except ConfigError as err:
         lock.discard()
         discard_unused(run_dir)  # a run that never started leaves no folder behind (an earlier run's files stay)
         fail(str(err))
     except Interrupted as sig:
+        stop_children()
         fail(f"stopped by a second {sig.name} before the checkpoint was complete — re-run the same command to resume "
              "from the last complete one" if STOP.deferred else f"stopped by {sig.name} before training began; "
-             "nothing to save — re-run the same command to start again", code=EXIT_INTERRUPTED)
+             "nothing to save — re-run the same command to start again", code=EXIT_INTERRUPTED, leader_speaks=True)
     except Exception as err:  # noqa: BLE001 - only a full disk is turned into one line; the rest re-raises
         if not (is_disk_full(err) or disk_nearly_full(run_dir)):
             raise
@@ -84,6 +96,18 @@ def execute(cfg: DictConfig) -> float | None:
         lock.release()
         STOP.uninstall()
         STOP.received, STOP.deferred = None, False  # a sweep runs the next trial in this process
+
+
+def stop_children() -> None:
+    """SIGTERM every process this one forked and that still runs. A signal that lands while a library starts
+    a helper process (datasets' multi-process map starts a Manager server, then waits for its address) leaves
+    that child running and unknown to its library; Python's exit would then wait for it forever. The children
+    die on SIGTERM: train/signals.py resets their handler at the fork."""
+    for pid in descendants(os.getpid()):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
 
 
 def _execute(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | None:
@@ -122,11 +146,18 @@ def cli() -> None:
         main()
     except (HydraException, OmegaConfBaseException) as err:
         fail(" ".join(str(err).split()))
+    except Exception:
+        # The optuna sweeper asks its study for the best trial after the last one, which raises when none
+        # completed; every trial is already recorded, and the sweep ends below with exit 9 instead.
+        if not (multirun and none_succeeded()):
+            raise
     finally:
         if PLAN_SCRATCH:
             shutil.rmtree(PLAN_SCRATCH, ignore_errors=True)
     if multirun and rank() == 0 and final_line():
         console.print(final_line(), markup=False)
+    if multirun and none_succeeded():
+        sys.exit(EXIT_NO_TRIAL)
 
 
 if __name__ == "__main__":

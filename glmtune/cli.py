@@ -33,7 +33,20 @@ MODE_HELP = {
 EXIT_CODES = {0: "done", 2: "bad config, command line, data or prompts file (one line, no traceback)",
               3: "the plan or the probe says it does not fit the card; the line lists what would",
               4: "out of memory during training", 5: "NCCL / collective error (read the other ranks' logs)",
-              6: "the checkpoint's remote code needs another transformers version"}
+              6: "the checkpoint's remote code needs another transformers version",
+              7: "stopped by SIGTERM / SIGINT / SIGUSR1 after a complete checkpoint: the line names the command "
+                 "that resumes (re-running the same command also does)",
+              8: "training diverged (NaN/inf loss or weights): the line names the step and what to lower",
+              9: "a sweep in which no trial succeeded (each trial's line and <sweep dir>/summary.md say why)"}
+
+
+def installed(module: str) -> bool:
+    """Whether `module` can be imported. find_spec imports the parents first and raises when one is missing
+    (a venv without any Hydra plugin has no `hydra_plugins` namespace at all), or when a parent is broken."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # ModuleNotFoundError is an ImportError; ValueError: __spec__ is None
+        return False
 
 
 def options(group: str) -> list[str]:
@@ -93,7 +106,7 @@ def check_command_line(argv: list[str]) -> None:
                     problems.append(f"unknown {group} '{value}' (options: {', '.join(valid)})")
         for value in _values(o):
             plugin = PLUGINS.get((group, value))
-            if plugin and importlib.util.find_spec(plugin[0]) is None:
+            if plugin and not installed(plugin[0]):
                 problems.append(f"{group}={value} needs {plugin[2]}, which is not installed: "
                                 f"{extra_install(plugin[1])}")
     if problems:
@@ -177,6 +190,9 @@ def help_text() -> str:
               "  glmtune -m lora.r=8,16 train.learning_rate=1e-4,5e-4                 a grid sweep",
               "  glmtune mode=infer infer.adapter=outputs/.../adapter infer.prompts_file=prompts.jsonl",
               "", "exit codes:"]
-    lines += [f"  {code}  {what}" for code, what in EXIT_CODES.items()]
-    lines += ["", "Run dirs: outputs/DATE/TIME (hydra.run.dir=DIR to choose); README.md lists every file in them."]
+    lines += [textwrap.fill(what, 100, initial_indent=f"  {code}  ", subsequent_indent=" " * 5,
+                            break_on_hyphens=False, break_long_words=False) for code, what in EXIT_CODES.items()]
+    lines += ["", "Run dirs: outputs/DATE/TIME.mmm-ID (hydra.run.dir=DIR to choose); README.md lists every file in them.",
+              "Resume: the same command continues the newest unfinished run of the same config under ./outputs",
+              "(train.resume=restart starts a new one); scripts/torchrun.sh and scripts/deepspeed_launch.sh too."]
     return "\n".join(lines)

@@ -28,12 +28,13 @@ from .plan.estimate import GIB, image_extra_tokens
 from .plan.elastic import elastic_choices
 from .plan.planner import Choices, format_plan, make_plan
 from .report import header, summary
+from .resume import check_inputs, input_fingerprints, refuse_training_run, resume_command
 from .rundir import console, fail, remove_empty_dirs, report_probe, write_run_files
 from .runlock import Start, decide, trim_metrics, write_state
 from .train.checkpoints import last_complete
 from .train.compile import check_attention, describe, resolve_compile
 from .train.preflight import check_device, check_disk, check_host_memory
-from .train.signals import EXIT_DIVERGED, EXIT_INTERRUPTED
+from .train.signals import EXIT_DIVERGED, EXIT_INTERRUPTED, Interrupted
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Prepared:
     tokenizer: Any = None
     data: Any = None
     packing: Any = None
+    inputs: dict | None = None  # data, tokenizer and weight fingerprints a resume must find unchanged
 
 
 def prepare(cfg: DictConfig, overrides: list[str]) -> Prepared:
@@ -65,6 +67,8 @@ def prepare(cfg: DictConfig, overrides: list[str]) -> Prepared:
         if run.mode in ("train", "probe"):
             # Every line of every file is checked when its cache entry is built, before any weights load.
             data = build_datasets(run.data, prep.tokenizer, prep.arch.vision_config)
+            prep.inputs = input_fingerprints({"data.train_file": data.train, "data.val_file": data.val},
+                                             prep.model_dir)
             prep.data, prep.packing = pack_datasets(run.data, data, image_extra_tokens(prep.arch),
                                                     run.train.per_device_batch_size, on_gpu=torch.cuda.is_available())
     except (ValueError, OSError) as err:  # bad input, or a device map that cannot place a tensor
@@ -127,6 +131,10 @@ def planned(prep: Prepared, run_dir: Path, plan_scratch: bool):
                             any(o.lstrip("+").startswith(f"{k}=") for o in prep.overrides) for k in start.levers_changed)
             plan.choices, line = elastic_choices(recorded, plan.choices, world, batch_set)  # same global batch
             start = replace(start, choices=None, note=f"{start.note}; {line}")  # probed like a first launch
+        if start.resume_from and rank() == 0:
+            check_inputs(run_dir, prep.inputs or {})
+    elif not plan_scratch:
+        refuse_training_run(run_dir, run.mode)
     write_run_files(run_dir, OmegaConf.to_yaml(prep.cfg), prep.overrides, run.model.path or run.model.name, plan)
     if rank() == 0:
         console.print(header(run, plan, None if plan_scratch else run_dir, len(data.train) if data else None),
@@ -194,8 +202,10 @@ def train_mode(prep: Prepared, plan, start: Start, choices: Choices, peak: int, 
     run, data, leader = prep.run, prep.data, rank() == 0
     resume_step = int(start.resume_from.name.rsplit("-", 1)[-1]) if start.resume_from else 0  # checkpoint-<step>
     if leader:
+        # `started` orders unfinished runs for resume.unfinished_run; a resume keeps the first launch's
         write_state(run_dir, status="running", mode="train", config=prep.config, choices=choices.to_dict(),
-                    step=resume_step)
+                    step=resume_step, **({} if start.resume_from else {"started": round(time.time(), 3),
+                                                                      "inputs": prep.inputs}))
         if start.resume_from:
             trim_metrics(run_dir / "metrics.jsonl", resume_step)
     record_memory_history()
@@ -208,7 +218,8 @@ def train_mode(prep: Prepared, plan, start: Start, choices: Choices, peak: int, 
         if leader:
             write_state(run_dir, status="interrupted", step=stop.step, checkpoint=str(last))
         fail(f"stopped by {stop.name} at step {stop.step}: {describe_checkpoint(last)} — re-run the same command "
-             "to resume from it", code=EXIT_INTERRUPTED)
+             f"to resume from it, or: {resume_command(run_dir, prep.overrides)}", code=EXIT_INTERRUPTED,
+             leader_speaks=True)
     except Diverged as bad:
         last = last_complete(run_dir / "checkpoints")
         if leader:
@@ -216,6 +227,11 @@ def train_mode(prep: Prepared, plan, start: Start, choices: Choices, peak: int, 
         fail(f"training diverged at step {bad.step}: {bad.what}; {describe_checkpoint(last)} — "
              f"{divergence_advice(run.train.learning_rate, choices.dtype)}, then start over with "
              "train.resume=restart or another hydra.run.dir", code=EXIT_DIVERGED)
+    except BaseException as crash:  # out of memory (exit 4), NCCL (5), any crash: the dir must not say running
+        if leader:
+            write_state(run_dir, status="interrupted" if isinstance(crash, Interrupted) else "failed",
+                        error=f"{type(crash).__name__}: {crash}"[:300])
+        raise
     remove_empty_dirs(run_dir, "checkpoints")  # nothing was due: no save_steps/save_minutes point was reached
     if leader:
         write_state(run_dir, status="done", step=metrics["steps"], adapter=metrics["adapter_dir"])

@@ -7,6 +7,7 @@ disk or a kill leaves the old file or the new one, never a 0-byte one.
 from __future__ import annotations
 
 import hashlib
+import logging
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -21,8 +22,17 @@ ERROR_PREFIX = "glmtune: error: "  # the sweep summary picks a failed trial's re
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 120, soft_wrap=True)
 
 
-def fail(message: str, code: int = 2) -> None:
-    """One line on stderr, no traceback: what is wrong and what to do."""
+def fail(message: str, code: int = 2, leader_speaks: bool = False) -> None:
+    """One line on stderr, no traceback: what is wrong and what to do.
+
+    `leader_speaks`: a line every rank would say alike (a stop on a signal) is printed by rank 0 only; the other
+    ranks write it to their own log (rank<N>.log), so the console shows it once."""
+    if leader_speaks and rank() != 0:
+        for handler in logging.getLogger().handlers:
+            if isinstance(handler, logging.FileHandler):
+                handler.emit(logging.makeLogRecord({"msg": message, "levelno": logging.WARNING,
+                                                    "levelname": "WARNING", "name": "glmtune"}))
+        sys.exit(code)
     print(f"{ERROR_PREFIX}{message}", file=sys.stderr)
     sys.exit(code)
 

@@ -7,7 +7,14 @@
 Hydra's basic sweeper re-raises the first failed trial and ends the sweep, and the optuna sweeper does
 the same unless `max_failure_rate` allows it. A trial that does not fit the card (exit 3), has a bad
 override (exit 2) or crashes is a result worth keeping ("r=64 does not fit on a 24 GB card"), so
-`run_trial` catches it, records it, and returns NaN, which optuna files as a failed trial.
+`run_trial` catches it, records it, and returns None: the optuna sweeper (1.3.0) then files the trial as
+failed (`float(None)` fails before it tells the study anything) and the study goes on. NaN would not do: optuna
+refuses a NaN value, and the sweeper's second `tell(FAIL, values=[nan])` raises and ends the sweep. A sweep in
+which no trial succeeded exits EXIT_NO_TRIAL (9), so a script or a CI job can tell.
+
+A re-run into the same `hydra.sweep.dir` skips every trial already recorded as ok with the same overrides (it
+returns the recorded metric, so a seeded optuna sampler proposes the same next trials); an unfinished trial
+runs again in its own run dir (`<sweep dir>/<num>/`), which resumes it from its last complete checkpoint.
 
 Each trial appends one JSON line to `<sweep dir>/trials.jsonl` (its overrides, status, the plan's fit and
 peak, the probe's measured peak, losses, run dir), then rewrites `<sweep dir>/summary.md` from all lines,
@@ -30,6 +37,7 @@ from .launch import rank
 from .rundir import ERROR_PREFIX, console
 
 GIB = 2**30
+EXIT_NO_TRIAL = 9  # a sweep in which no trial succeeded
 _SWEEP_DIR: Path | None = None  # where this process recorded trials, for the sweep's last line (final_line)
 
 
@@ -54,8 +62,16 @@ class _Tee(io.TextIOBase):
 
 
 def run_trial(task: Callable[[], float | None], sweep_dir: Path, run_dir: Path, num: int,
-              overrides: list[str]) -> float:
-    """Run one trial, record it, and return its metric (eval loss, else train loss; NaN if it failed)."""
+              overrides: list[str]) -> float | None:
+    """Run one trial, record it, and return its metric (eval loss, else train loss; None if it failed)."""
+    global _SWEEP_DIR
+    done = next((t for t in read_trials(sweep_dir) if t["num"] == num and t["overrides"] == overrides
+                 and t["status"] == "ok"), None)
+    if done is not None:  # a re-run of this sweep: the trial finished before; never train it twice
+        _SWEEP_DIR = sweep_dir
+        if rank() == 0:
+            console.print(f"trial {num}: ok before (run dir {done['run_dir']}), not run again", markup=False)
+        return None if math.isnan(done["metric"]) else done["metric"]
     start, tee = time.monotonic(), _Tee(sys.stderr)
     status, error, code = "ok", None, 0
     sys.stderr = tee
@@ -75,7 +91,6 @@ def run_trial(task: Callable[[], float | None], sweep_dir: Path, run_dir: Path, 
         sys.stderr = tee.stream
     record = trial_record(run_dir, num, overrides, status, error, code, time.monotonic() - start)
     if rank() == 0:
-        global _SWEEP_DIR
         sweep_dir.mkdir(parents=True, exist_ok=True)
         append_line(sweep_dir / "trials.jsonl", json.dumps(record))
         summary = write_summary(sweep_dir)
@@ -83,7 +98,7 @@ def run_trial(task: Callable[[], float | None], sweep_dir: Path, run_dir: Path, 
         loss = "" if math.isnan(record["metric"]) else f", loss {record['metric']:.4f}"
         console.print(f"trial {num}: {status}{loss} (table: {summary}; one line per trial: "
                       f"{sweep_dir / 'trials.jsonl'})", markup=False)
-    return record["metric"]
+    return None if math.isnan(record["metric"]) else record["metric"]
 
 
 def _read(path: Path) -> dict:
@@ -104,12 +119,15 @@ def trial_record(run_dir: Path, num: int, overrides: list[str], status: str, err
         "train_loss": metrics.get("train_loss"), "last_logged_loss": metrics.get("last_logged_loss"),
         "eval_loss": metrics.get("eval_loss"),
         "metric": float(loss) if status == "ok" and loss is not None else math.nan,
-        "seconds": round(seconds, 1), "run_dir": str(run_dir),
+        "seconds": round(seconds, 1), "run_dir": str(run_dir), "adapter": str(run_dir / "adapter") if (run_dir / "adapter").is_dir() else None,
     }
 
 
 def read_trials(sweep_dir: Path) -> list[dict]:
-    return sorted(read_jsonl(sweep_dir / "trials.jsonl"), key=lambda r: r["num"])  # a torn last line is skipped
+    """One record per trial number, the last written (a re-run appends a resumed trial again); a torn last
+    line is skipped."""
+    latest = {r["num"]: r for r in read_jsonl(sweep_dir / "trials.jsonl")}
+    return [latest[num] for num in sorted(latest)]
 
 
 def _gib(value: int | None) -> str:
@@ -144,7 +162,8 @@ def best_trial(trials: list[dict]) -> str:
     done = [t for t in trials if not math.isnan(t["metric"])]
     best = min(done, key=lambda t: t["metric"], default=None)
     return (f"best: trial {best['num']} (`{' '.join(best['overrides'])}`), loss {best['metric']:.4f}, "
-            f"run dir {best['run_dir']}" if best else "no trial has a loss (none trained, or all failed)")
+            f"run dir {best['run_dir']}" + (f", adapter {best['adapter']}" if best.get("adapter") else "")
+            if best else "no trial has a loss (none trained, or all failed)")
 
 
 def final_line() -> str | None:
@@ -155,6 +174,11 @@ def final_line() -> str | None:
     failed = sum(t["status"] != "ok" for t in trials)
     return (f"sweep done: {len(trials)} trials, {failed} failed or not fitting; summary {_SWEEP_DIR / 'summary.md'}, "
             f"trials {_SWEEP_DIR / 'trials.jsonl'}; {best_trial(trials)}")
+
+
+def none_succeeded() -> bool:
+    """Whether this process ran a sweep and not one of its trials ended ok (the sweep's exit code is then 9)."""
+    return _SWEEP_DIR is not None and not any(t["status"] == "ok" for t in read_trials(_SWEEP_DIR))
 
 
 def write_summary(sweep_dir: Path) -> Path:

@@ -5,10 +5,14 @@
 # A hostfile line is "<host> slots=<GPUs>". --no_local_rank: the launcher otherwise appends --local_rank=N,
 # which Hydra rejects; ranks read LOCAL_RANK from the environment. --module runs `python -m glmtune`.
 # The deepspeed launcher sets no shared run id, so the run dir is fixed here, once, and passed to every rank
-# as hydra.run.dir (arguments reach remote nodes unchanged; environment variables may not).
+# as hydra.run.dir (arguments reach remote nodes unchanged; environment variables may not): outputs/$RUN_ID,
+# or without RUN_ID a fresh outputs/DATE/deepspeed-<8 hex>, which glmtune treats as its own name: after a stop
+# (exit 7) the same command finds the unfinished run of the same config and resumes it.
+# glmtune.supervise runs the launcher: a SIGTERM/SIGINT/SIGUSR1 to this script goes to the local ranks (they
+# finish the step, save and exit 7) rather than to the launcher, which would kill them; the script exits 7.
 set -euo pipefail
-RUN_ID=${RUN_ID:-$(date +%Y-%m-%d_%H-%M-%S)}
+RUN_DIR=${RUN_DIR:-outputs/${RUN_ID:-$(date +%Y-%m-%d)/deepspeed-$(od -An -N4 -tx1 /dev/urandom | tr -d ' \n')}}
 args=(--master_port "${MASTER_PORT:-29500}" --no_local_rank --module)
 [[ -n "${HOSTFILE:-}" ]] && args=(--hostfile "$HOSTFILE" "${args[@]}")
 [[ -n "${NUM_GPUS:-}" ]] && args=(--num_gpus "$NUM_GPUS" "${args[@]}")
-exec deepspeed "${args[@]}" glmtune "hydra.run.dir=${RUN_DIR:-outputs/$RUN_ID}" "$@"
+exec "${PYTHON:-python}" -m glmtune.supervise deepspeed "${args[@]}" glmtune "hydra.run.dir=$RUN_DIR" "$@"

@@ -5,9 +5,12 @@
 # The agents meet at a c10d rendezvous on MASTER_ADDR:MASTER_PORT. --rdzv_id becomes TORCHELASTIC_RUN_ID in
 # every worker, which names the run dir (outputs/$RUN_ID): give each launch its own id (inside SLURM,
 # $SLURM_JOB_ID). The run dir must be on a filesystem all nodes share, or only node 0's copy is complete.
+# After a stop (exit 7), the same command with the same RUN_ID resumes that run dir.
+# glmtune.supervise runs torchrun: a SIGTERM/SIGINT/SIGUSR1 to this script goes to this node's ranks (they
+# agree on a step with the other nodes, save and exit 7), not to torchrun, which would kill them 30 s later.
 set -euo pipefail
 : "${NNODES:?set NNODES}" "${MASTER_ADDR:?set MASTER_ADDR (node 0 host name or address)}"
 : "${RUN_ID:?set RUN_ID, the same on every node (it names the run dir)}"
-exec torchrun --nnodes "$NNODES" --node_rank "${NODE_RANK:-0}" --nproc_per_node "${NPROC:-1}" \
-    --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}" --rdzv_id "$RUN_ID" \
-    -m glmtune "$@"
+exec "${PYTHON:-python}" -m glmtune.supervise torchrun --nnodes "$NNODES" --node_rank "${NODE_RANK:-0}" \
+    --nproc_per_node "${NPROC:-1}" --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}" \
+    --rdzv_id "$RUN_ID" -m glmtune "$@"

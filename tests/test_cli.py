@@ -163,3 +163,41 @@ def test_the_wheel_ships_configs_samples_and_the_command_and_runs_from_anywhere(
                           text=True, timeout=600)
     assert demo.returncode == 0, demo.stderr[-2000:]
     assert (tmp_path / "demo" / "adapter" / "adapter_config.json").exists()
+
+
+# A venv without any extra has no `hydra_plugins` namespace at all: importing it fails, so find_spec of a
+# plugin below it raises instead of returning None. The child process hides the namespace from its importer
+# (the whole package, as a fresh quick-start venv has it) and runs the real command line.
+_WITHOUT_PLUGINS = """
+import sys
+class Hide:
+    def find_spec(self, name, path=None, target=None):
+        if name == "hydra_plugins" or name.startswith("hydra_plugins."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Hide())
+sys.argv = ["glmtune", *sys.argv[1:]]
+from glmtune.__main__ import cli
+cli()
+"""
+
+
+@pytest.mark.parametrize("argv,package", [
+    (["+hparams_search=lora_optuna"], "hydra-optuna-sweeper"),
+    (["-m", "hydra/launcher=slurm", "lora.r=8,16"], "hydra-submitit-launcher"),
+])
+def test_without_any_hydra_plugin_an_extra_is_one_line_and_exit_2(argv, package, tmp_path, repo):
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT_PLUGINS, *argv], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(repo)})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "pip install" in proc.stderr and package in proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_help_lists_every_exit_code_the_code_uses(capsys):
+    from glmtune.cli import help_text
+    from glmtune.train.signals import EXIT_DIVERGED, EXIT_INTERRUPTED
+
+    listed = {int(line.split()[0]) for line in help_text().split("exit codes:")[1].splitlines()
+              if line[:3].strip().isdigit()}
+    assert {0, 2, 3, 4, 5, 6, EXIT_INTERRUPTED, EXIT_DIVERGED, 9} <= listed

@@ -20,6 +20,8 @@ ALLOWED = {
     "config": {"config_schema"},
     "launch": set(),
     "runlock": {"atomic", "config"},
+    "resume": {"config", "launch", "runlock"},
+    "supervise": {"train"},
     "models": {"config"},
     "data": {"config", "models"},
     "plan": {"config", "models"},
@@ -31,8 +33,9 @@ ALLOWED = {
     "report": {"config", "plan"},
     "cli": {"config", "__init__"},
     "modes": {"atomic", "config", "launch", "runlock", "models", "data", "plan", "probe", "train", "infer",
-              "rundir", "report"},
-    "__main__": {"atomic", "config", "launch", "runlock", "modes", "train", "rundir", "sweep", "cli"},
+              "rundir", "report", "resume"},
+    "__main__": {"atomic", "config", "launch", "runlock", "modes", "train", "rundir", "sweep", "cli", "resume",
+                 "supervise"},
     "__init__": set(),
 }
 

@@ -73,7 +73,9 @@ def test_optuna_preset_runs_trials_and_summarises(tmp_path, repo):
 def test_slurm_preset_submission(tmp_path, repo, monkeypatch):
     import submitit
 
-    with initialize_config_dir(version_base="1.3", config_dir=str(repo / "conf")):
+    from glmtune.config import CONF_DIR  # conf/ at the top of a checkout, glmtune/conf in a wheel
+
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
         cfg = compose("config", return_hydra_config=True, overrides=[
             "hydra/launcher=slurm", "hydra.launcher.nodes=2", "hydra.launcher.gpus_per_node=4",
             "hydra.launcher.partition=gpu", f"hydra.sweep.dir={tmp_path}"])
@@ -118,3 +120,38 @@ def test_slurm_task_exports_the_torch_distributed_env(repo):
     out = subprocess.run([sys.executable, "-c", code], cwd=repo, env={**clean, **slurm, "RANK": "0"},
                          capture_output=True, text=True, check=True).stdout
     assert json.loads(out)[0] is False
+
+
+def test_a_multirun_in_which_every_trial_fails_exits_9(tmp_path, repo):
+    proc = multirun("-m", "mode=plan", "model=glm4_9b_chat", "+hw=t4_16g", "data.max_length=65536,131072",
+                    f"hydra.sweep.dir={tmp_path}", cwd=repo)
+    assert proc.returncode == 9, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert [r["status"] for r in trials(tmp_path)] == ["does not fit", "does not fit"]
+    assert proc.stdout.strip().splitlines()[-1].startswith("sweep done: 2 trials, 2 failed or not fitting")
+
+
+# The preset's search space plus a precision the CPU cannot train (fp16); the sampler is seeded, so which trials
+# draw it is fixed. The study must record the failure and go on to the next trial.
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_OPTUNA, reason="hydra-optuna-sweeper not installed (pip install -e '.[sweep]')")
+def test_optuna_study_goes_on_after_a_failed_trial_and_a_rerun_does_not_repeat_finished_trials(tmp_path, repo):
+    sweep = tmp_path / "sweep"
+    args = ("+hparams_search=lora_optuna", "hydra.sweeper.n_trials=3",
+            '+hydra.sweeper.params={train.precision:"choice(fp32,fp16)"}', "train.max_steps=2",
+            "probe.enabled=false", "data.val_file=null", f"hydra.sweep.dir={sweep}")
+    proc = multirun(*args, cwd=repo)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    rows = trials(sweep)
+    assert len(rows) == 3 and {r["status"] for r in rows} == {"ok", "failed"}, rows
+    for row in rows:
+        assert ("train.precision=fp16" in row["overrides"]) == (row["status"] == "failed")
+    last = proc.stdout.strip().splitlines()[-1]
+    best = min((r for r in rows if r["status"] == "ok"), key=lambda r: r["metric"])
+    assert f"run dir {best['run_dir']}, adapter {best['adapter']}" in last and best["adapter"].endswith("adapter")
+
+    again = multirun(*args, cwd=repo)  # the same sweep dir: finished trials are not trained again
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("ok before") == sum(r["status"] == "ok" for r in rows)
+    assert len(trials(sweep)) == 3 + sum(r["status"] != "ok" for r in rows)  # only the failed one ran again

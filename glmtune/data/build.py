@@ -6,11 +6,19 @@ hands in) by `datasets.map` on the node's cores, then saved with `save_to_disk`.
     map           num_proc workers, each on a contiguous shard, with datasets' progress bar on stderr
     checks        the same one-line DataErrors as validate.read_conversations, with the same line numbers
     dataset/      the rows (tokenized.COLUMNS) in file order; the scratch files are deleted
+
+Stops: the workers are forked from the launcher without its stop-signal handler (train/signals.py resets it in
+every forked child): Ctrl-C's SIGINT, which reaches the whole foreground group, and SIGUSR1 are left to the
+launcher, which stops the build and terminates the pool (SIGTERM, default action). On its first batch each
+worker asks the kernel to SIGKILL it when the launcher dies (PR_SET_PDEATHSIG, `_as_worker`), so a `kill -9`
+of the launcher leaves no worker behind.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
+import signal
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,6 +31,22 @@ _LINES_SCHEMA = pa.schema([("line", pa.int32()), ("start", pa.int64()), ("raw", 
 _BATCH_LINES = 10_000  # lines per Arrow record batch of the raw-lines file
 _MAP_BATCH = 256  # conversations per call of the worker function: small, so a worker's lists stay small
 _ROWS_PER_WORKER = 2_000  # below this many lines per extra process, starting the process costs more than it saves
+_BUILDER: int | None = None  # pid of the process running build_split; a forked worker inherits the value
+_READY: int | None = None  # pid of the worker that has run _as_worker
+
+
+def _as_worker() -> None:
+    """Once in each forked map worker: leave stop signals to the launcher, and die with it."""
+    global _READY
+    if _READY == os.getpid() or _BUILDER in (None, os.getpid()):  # done, or the map runs in the launcher itself
+        return
+    _READY = os.getpid()  # the stop signals were reset at the fork (train/signals.py StopSignals._in_child)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG (Linux)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != _BUILDER:  # the launcher died before the line above: nothing to build for
+        os._exit(1)
 
 
 def write_lines(raw: bytes, path: Path) -> int:
@@ -53,6 +77,7 @@ def write_lines(raw: bytes, path: Path) -> int:
 def encode_rows(batch: dict[str, list], tokenizer: Any, max_length: int, folder: str,
                 encode: Callable) -> dict[str, list]:
     """datasets.map worker: check and encode a batch of raw lines. A bad line becomes a row with its problem."""
+    _as_worker()
     out: dict[str, list] = {k: [] for k in ("line", "input_ids", "labels", "length", "untruncated", "targets",
                                             "image", "what", "fix")}
     for line_no, start, raw_line in zip(batch["line"], batch["start"], batch["raw"]):
@@ -85,6 +110,9 @@ def build_split(lines_file: Path, out: Path, shown: str, key: str, fingerprint: 
     shown: the file as the user wrote it; key: the config key naming it; fingerprint: the cache key."""
     import datasets  # ~1-2 s of imports, paid by the builder only
 
+    global _BUILDER
+    _BUILDER = os.getpid()
+
     features = datasets.Features({
         "line": datasets.Value("int32"), "input_ids": datasets.Sequence(datasets.Value("int32")),
         "labels": datasets.Sequence(datasets.Value("int32")), "length": datasets.Value("int32"),
@@ -92,17 +120,33 @@ def build_split(lines_file: Path, out: Path, shown: str, key: str, fingerprint: 
         "image": datasets.Value("string"), "what": datasets.Value("string"), "fix": datasets.Value("string")})
     lines = datasets.Dataset.from_file(str(lines_file))
     scratch = lines_file.parent
-    encoded = lines.map(
+    try:
+        encoded = _map(lines, features, tokenizer, max_length, folder, encode, fingerprint, scratch, shown, num_proc)
+    except Exception as err:
+        # A stop signal raises a BaseException (train/signals.Interrupted, KeyboardInterrupt) in this process;
+        # datasets' multi-process map then collects its workers' results in a `finally` and raises a TimeoutError
+        # in its place. The signal is what happened: re-raise it, so the launcher stops with its one line.
+        cause = err.__context__
+        while cause is not None and isinstance(cause, Exception):
+            cause = cause.__context__
+        if cause is not None:
+            raise cause from None
+        raise
+    _check(encoded.data, shown, key, has_vision)
+    encoded.remove_columns(["what", "fix"]).save_to_disk(str(out / "dataset"))
+    del encoded, lines
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _map(lines: Any, features: Any, tokenizer: Any, max_length: int, folder: Path, encode: Callable, fingerprint: str,
+         scratch: Path, shown: str, num_proc: int) -> Any:
+    return lines.map(
         encode_rows, batched=True, batch_size=_MAP_BATCH, writer_batch_size=1000, remove_columns=lines.column_names,
         features=features, num_proc=num_proc if num_proc > 1 else None,
         fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "folder": str(folder), "encode": encode},
         # A fingerprint of our own: datasets would otherwise hash the tokenizer (150K entries) with dill.
         new_fingerprint=f"glmtune-{fingerprint[:32]}", cache_file_name=str(scratch / "encoded.arrow"),
         desc=f"glmtune: tokenizing {Path(shown).name}")
-    _check(encoded.data, shown, key, has_vision)
-    encoded.remove_columns(["what", "fix"]).save_to_disk(str(out / "dataset"))
-    del encoded, lines
-    shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _check(table: Any, shown: str, key: str, has_vision: bool) -> None:

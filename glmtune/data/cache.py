@@ -3,7 +3,7 @@ and every rank open memory-mapped, instead of every rank re-reading and re-token
 
     data.cache_dir=null          -> $GLMTUNE_CACHE/data (default ~/.cache/glmtune/data)
     <cache_dir>/<stem>-<key>/        the entry: dataset/ (a `datasets.save_to_disk` folder) and meta.json
-    <cache_dir>/<stem>-<key>.lock    flock'ed by the one process that builds the entry
+    <cache_dir>/<stem>-<key>.lock    locked (lockf) by the one process that builds the entry
     <cache_dir>/<stem>-<key>.error   the builder's DataError, for the processes that waited on it
 
 The key hashes everything the rows depend on: the file's bytes, its folder (relative image paths resolve against
@@ -11,6 +11,9 @@ it), the tokenizer files, data.max_length, the model family and whether it has a
 the code that validates and encodes (validate.py, pipeline.py, build.py, the tokenizers). Any change gives a new
 entry; an unchanged input costs one read and sha256 of the file (~0.2 s per 100 MB) and a memory-mapped open.
 Entries are never modified, so old ones may be deleted at any time (rm -r) when no launch is using them.
+meta.json records the sha256 of every file of the entry's dataset/, checked at every open (the whole entry is
+read once; the pages stay cached for training): an entry whose files differ (a flipped bit, a truncated or
+replaced file, an entry from before the checksums) is never trained on: it is moved aside and built again.
 
 Who builds: the first process to take the entry's lock. With a node-local cache_dir that is one process per
 node, on a shared filesystem one for the whole job; the other ranks block on the lock meanwhile and then find
@@ -68,11 +71,17 @@ def load_split(cfg: DataConfig, path: str, config_key: str, tokenizer: Any, has_
         raise DataError(f"{root}: cannot create the data cache ({err.strerror or err}) — set data.cache_dir to a "
                         "writable folder") from None
     entry = root / f"{Path(path).stem}-{key}"
-    if (entry / "meta.json").is_file():
+    if (entry / "meta.json").is_file() and damage(entry) is None:
         return _opened(entry, False, started)
     with _locked(entry.with_name(entry.name + ".lock"), entry):
-        if (entry / "meta.json").is_file():  # built by the process we waited for
-            return _opened(entry, False, started)
+        if (entry / "meta.json").is_file():  # built by the process we waited for, or damaged
+            problem = damage(entry)
+            if problem is None:
+                return _opened(entry, False, started)
+            log.warning("data: cache entry %s is damaged (%s): building it again", entry, problem)
+            aside = root / f".{entry.name}.tmp-damaged-{os.getpid()}"
+            os.rename(entry, aside)  # processes that have it open keep their mapping; nobody opens it again
+            shutil.rmtree(aside, ignore_errors=True)
         error_file = entry.with_name(entry.name + ".error")
         if error_file.is_file() and error_file.stat().st_mtime >= started - 1:  # it failed while we waited
             raise DataError(error_file.read_text(encoding="utf-8"))
@@ -89,7 +98,7 @@ def load_split(cfg: DataConfig, path: str, config_key: str, tokenizer: Any, has_
             build_split(tmp / "scratch" / "lines.arrow", tmp, str(path), config_key, key, folder, tokenizer,
                         cfg.max_length, has_vision, encode, num_proc)
             meta = {**fields, "file": str(Path(path).resolve()), "lines": lines, "host": socket.gethostname(),
-                    "build_seconds": round(time.time() - started, 1)}
+                    "build_seconds": round(time.time() - started, 1), "files_sha256": files_sha256(tmp)}
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
             os.rename(tmp, entry)  # atomic: other processes see no entry or a complete one
         except DataError as err:
@@ -99,6 +108,32 @@ def load_split(cfg: DataConfig, path: str, config_key: str, tokenizer: Any, has_
             shutil.rmtree(tmp, ignore_errors=True)
         error_file.unlink(missing_ok=True)
     return _opened(entry, True, started)
+
+
+def files_sha256(entry: Path) -> dict[str, str]:
+    """sha256 of every file under the entry's dataset/ folder, by relative path."""
+    found = {}
+    for file in sorted((entry / "dataset").rglob("*")):
+        if file.is_file():
+            digest = hashlib.sha256()
+            with open(file, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+            found[file.relative_to(entry).as_posix()] = digest.hexdigest()
+    return found
+
+
+def damage(entry: Path) -> str | None:
+    """What is wrong with a cache entry's files (None: they are exactly what its builder wrote)."""
+    try:
+        recorded = json.loads((entry / "meta.json").read_text()).get("files_sha256")
+        if not recorded:
+            return "no checksums recorded (an entry from an older glmtune)"
+        found = files_sha256(entry)
+    except (OSError, ValueError) as err:
+        return f"{type(err).__name__}: {err}"
+    changed = sorted(name for name in recorded.keys() | found.keys() if recorded.get(name) != found.get(name))
+    return f"{', '.join(changed[:3])} differ from the checksums written when it was built" if changed else None
 
 
 def _opened(entry: Path, built: bool, started: float) -> TokenizedSplit:
@@ -114,14 +149,17 @@ def _opened(entry: Path, built: bool, started: float) -> TokenizedSplit:
 
 @contextmanager
 def _locked(lock_file: Path, entry: Path) -> Iterator[None]:
-    """An exclusive flock on lock_file, waited for (with one log line) when another process holds it."""
+    """An exclusive lock on lock_file, waited for (with one log line) when another process holds it.
+
+    A POSIX record lock (lockf), not flock: a forked map worker does not inherit it, so the lock ends with the
+    process that took it even if a worker outlived it (an flock stays while any forked copy of the fd lives)."""
     with open(lock_file, "a+") as handle:
         try:
             try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+                fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except (BlockingIOError, PermissionError):  # EAGAIN or EACCES, by platform
                 log.info("data: waiting for another process building %s", entry)
-                fcntl.flock(handle, fcntl.LOCK_EX)
+                fcntl.lockf(handle, fcntl.LOCK_EX)
         except OSError as err:
             if err.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
                 raise
@@ -130,7 +168,7 @@ def _locked(lock_file: Path, entry: Path) -> Iterator[None]:
         try:
             yield
         finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            fcntl.lockf(handle, fcntl.LOCK_UN)
 
 
 def _write_atomic(path: Path, text: str) -> None:

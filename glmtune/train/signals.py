@@ -12,7 +12,9 @@ Light on purpose (no torch import): the launcher installs it before anything slo
 """
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 
 EXIT_INTERRUPTED = 7  # stopped by a signal; re-run the same command to resume
@@ -38,13 +40,32 @@ class StopSignals:
         self.received: str | None = None
         self.deferred = False
         self._previous: dict[int, object] = {}
+        self._fork_hook = False
 
     def install(self) -> "StopSignals":
         if threading.current_thread() is not threading.main_thread():
             return self  # Python delivers signals to the main thread only; nothing to install elsewhere
         for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
+        if not self._fork_hook:  # once per process
+            os.register_at_fork(after_in_child=self._in_child)
+            self._fork_hook = True
+        if sys.unraisablehook is not _quiet_unraisable:
+            _quiet_unraisable.default = sys.unraisablehook
+            sys.unraisablehook = _quiet_unraisable
         return self
+
+    def _in_child(self) -> None:
+        """A forked child (a data-build worker, datasets' manager, a DataLoader worker) does not inherit the
+        handler: raising Interrupted there would print a traceback per child, and a child that swallowed it would
+        keep its parent waiting at exit. SIGTERM kills it (what a pool's terminate() sends); SIGINT, which Ctrl-C
+        sends to the whole foreground group, and SIGUSR1 are the parent's to act on."""
+        if self._previous:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            for sig in STOP_SIGNALS:
+                if sig != signal.SIGTERM:
+                    signal.signal(sig, signal.SIG_IGN)
+            self._previous.clear()
 
     def uninstall(self) -> None:
         for sig, previous in self._previous.items():
@@ -56,9 +77,35 @@ class StopSignals:
         if self.deferred and self.received is None:
             self.received = name
             return
+        if self.received is None:
+            self._watch(signum)
         self.received = self.received or name
         raise Interrupted(name)
 
+    def _watch(self, signum: int) -> None:
+        """Send the signal again every 3 s until the process stops or training takes it over.
+
+        Python ignores an exception raised where it cannot propagate: in an os.fork hook (logging's lock
+        release after every fork of a multi-process data build), a __del__, a weakref callback. There the
+        first Interrupted is lost and the run would go on; the repeat lands in ordinary code and stops it. 3 s: long
+        enough for the usual unwinding (a data build's pool teardown, the run dir's lock) to finish first."""
+        def again() -> None:
+            if self._previous and self.received and not self.deferred:  # still installed, nobody stopped yet
+                os.kill(os.getpid(), signum)
+                self._watch(signum)
+
+        timer = threading.Timer(3.0, again)
+        timer.daemon = True
+        timer.start()
+
+
+def _quiet_unraisable(unraisable) -> None:
+    """An Interrupted that Python could not raise (see _watch) is not an error to print: the repeat handles it."""
+    if not isinstance(unraisable.exc_value, Interrupted):
+        _quiet_unraisable.default(unraisable)
+
+
+_quiet_unraisable.default = sys.unraisablehook
 
 # One per process: the launcher installs it, the training guard reads and switches it.
 STOP = StopSignals()
