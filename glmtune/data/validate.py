@@ -215,7 +215,7 @@ def _parse_line(text: str, line_no: int, prompts: bool = False, fmt: str = "glm"
     if "tools" in obj:  # ChatGLM3's top-level tools: its own demo refuses them too
         return _Problem(line_no, "top-level \"tools\" is not supported",
                         "move the tools list onto the system message: {\"role\": \"system\", \"content\": \"\", "
-                        "\"tools\": [...]}")
+                        "\"tools\": [...]}, or set data.format=openai for OpenAI chat records")
     for index, message in enumerate(messages):
         problem = _check_message(message, f"{key}[{index}]")
         if problem is not None:

@@ -219,7 +219,7 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
     generation_eval = None
     if val_set and run.eval.generate and tokenizer is not None:
         generation_eval = GenerationEval(run.eval, run.data.val_file, tokenizer, choices.eval_batch_size,
-                                         run_dir / "eval", synced_gpus=choices.zero_stage == 3)
+                                         run_dir / "eval", synced_gpus=choices.zero_stage == 3, fmt=run.data.format)
     best = BestTracker(run.eval) if val_set else None
     timeline = MemoryTimeline(run_dir, planned_bytes, budget_bytes)
     guard = Guard(run.train.save_minutes, trainable_parameters(model))
