@@ -8,6 +8,7 @@ one error per run. Only `glmtune/__main__.py` imports Hydra; everything below it
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import types
 import typing
@@ -217,6 +218,11 @@ def _check_values(cfg: RunConfig) -> list[str]:
     unknown = [t for t in cfg.train.report_to if t not in TRACKERS]
     if unknown:
         problems.append(f"train.report_to has {', '.join(map(repr, unknown))}; trackers: {', '.join(TRACKERS)}")
+    if cfg.train.optimizer == "adamw_8bit" and importlib.util.find_spec("bitsandbytes") is None:
+        problems.append('train.optimizer=adamw_8bit needs bitsandbytes: pip install "glmtune[quant]"')
+    if cfg.train.optimizer == "adamw_8bit" and cfg.dist.strategy == "zero3":
+        problems.append("train.optimizer=adamw_8bit is not used under ZeRO-3 (DeepSpeed keeps its own fp32 states): "
+                        "use train.optimizer=adamw_torch or dist.strategy=auto|ddp")
     if cfg.train.learning_rate <= 0:
         problems.append(f"train.learning_rate must be > 0, got {cfg.train.learning_rate}")
     return problems

@@ -17,8 +17,14 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
+from ..config import ConfigError
+
 ROW_SUFFIXES = (".json", ".parquet")
 _ROW_BATCH = 1_000  # rows converted to Python objects at a time
+
+
+class DataError(ConfigError):
+    """A data file that cannot be trained on: one line `<file>:<line>: <what is wrong> — <what to do>`."""
 
 
 def is_rows(path: Path) -> bool:
@@ -70,9 +76,7 @@ def _lines(raw: bytes) -> Iterator[tuple[int, int, bytes]]:
         start = end + 1
 
 
-def _error(shown: str, what: str, fix: str):
-    from .validate import DataError
-
+def _error(shown: str, what: str, fix: str) -> DataError:
     return DataError(f"{shown}: {what} — {fix}")
 
 
@@ -82,8 +86,6 @@ def _json_rows(raw: bytes, shown: str) -> Iterator[tuple[int, int, bytes]]:
     except UnicodeDecodeError as err:
         raise _error(shown, f"not valid UTF-8 (byte offset {err.start})", "re-save the file as UTF-8") from None
     except json.JSONDecodeError as err:
-        from .validate import DataError
-
         raise DataError(f"{shown}:{err.lineno}: invalid JSON: {err.msg} (column {err.colno}) — a .json data file "
                         "is one JSON list of records; for one record per line name the file .jsonl") from None
     if not isinstance(data, list):

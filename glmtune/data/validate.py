@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 from ..config import ConfigError, DataConfig
 from .formats import detect, to_glm
 from .images import image_problem
-from .sources import is_rows, is_saved_dataset, records
+from .sources import DataError, is_rows, is_saved_dataset, records
 
 ROLES = ("system", "user", "assistant", "observation")
 MESSAGE_KEYS = ("messages", "conversations")  # GLM-4 name first, then the ChatGLM3 alias
@@ -32,10 +32,6 @@ MESSAGE_KEYS = ("messages", "conversations")  # GLM-4 name first, then the ChatG
 TOOL_TYPES = ("function", "python", "simple_browser", "cogview")
 _SHOWN_LINES = 5  # how many further bad line numbers the one-line message lists
 _UTF8_BOM = b"\xef\xbb\xbf"  # written by some Windows editors; harmless, so it is skipped
-
-
-class DataError(ConfigError):
-    """A data file that cannot be trained on: one line `<file>:<line>: <what is wrong> — <what to do>`."""
 
 
 class Conversation(NamedTuple):

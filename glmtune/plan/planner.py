@@ -91,7 +91,8 @@ def run_shape(run: RunConfig, arch, c: Choices, data_max_tokens: int | None = No
                     eval_batch=c.eval_batch_size if run.data.val_file else 0,
                     eval_max_new_tokens=run.eval.max_new_tokens if run.eval.generate else 0,
                     device="cuda" if on_gpu else "cpu", gpu_family=gpu_family(run.hw.name),
-                    quantize=run.model.quantize, double_quant=run.model.double_quant)
+                    quantize=run.model.quantize, double_quant=run.model.double_quant, use_dora=run.lora.use_dora,
+                    optimizer=run.train.optimizer)
 
 
 def step_down(plan_or_choices: Plan | Choices, run: RunConfig, arch, world_size: int) -> Choices | None:

@@ -12,7 +12,8 @@ from ..config import LORA_TARGETS, ConfigError, LoraConfig
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> peft.PeftModel:
     """Freeze the base model and add adapters whose weights (and so AdamW states) are fp32."""
     lora = peft.LoraConfig(task_type=peft.TaskType.CAUSAL_LM, r=cfg.r, lora_alpha=cfg.alpha,
-                           lora_dropout=cfg.dropout, target_modules=_targets(model, cfg))
+                           lora_dropout=cfg.dropout, target_modules=_targets(model, cfg), use_dora=cfg.use_dora,
+                           use_rslora=cfg.use_rslora)
     try:
         model = peft.get_peft_model(model, lora)
     except ValueError as err:

@@ -29,6 +29,7 @@ from .guard import Guard
 from .saving import CompleteMarker, save_adapter
 from .zero3 import adapter_fingerprint, deepspeed_config
 from .lora import apply_lora, trainable_parameters
+from .optim import HF_NAMES, OPTIMIZERS, make_optimizer
 from .timeline import MemoryTimeline
 from ..models import enable_checkpointing, load_model
 from ..models.quantize import load_quantized
@@ -56,6 +57,9 @@ def training_args(cfg: TrainConfig, choices: Choices, run_dir: Path, has_eval: b
         num_train_epochs=0 if max_steps > 0 else cfg.num_epochs,
         learning_rate=cfg.learning_rate,
         warmup_steps=cfg.warmup_steps,
+        warmup_ratio=cfg.warmup_ratio,  # used by the Trainer only when warmup_steps is 0
+        lr_scheduler_type=cfg.lr_scheduler,
+        optim=HF_NAMES[cfg.optimizer],  # recorded in training_args.bin; LoraTrainer builds it (train/optim.py)
         weight_decay=cfg.weight_decay,
         per_device_train_batch_size=choices.micro_batch_size,
         per_device_eval_batch_size=choices.eval_batch_size,
@@ -156,8 +160,8 @@ class LoraTrainer(Trainer):
 
     def create_optimizer(self) -> torch.optim.Optimizer:
         if self.optimizer is None:
-            self.optimizer = torch.optim.AdamW(trainable_parameters(self.model), lr=self.args.learning_rate,
-                                               weight_decay=self.args.weight_decay)
+            self.optimizer = make_optimizer(OPTIMIZERS[self.args.optim], trainable_parameters(self.model),
+                                            lr=self.args.learning_rate, weight_decay=self.args.weight_decay)
         return self.optimizer
 
     generation_eval: GenerationEval | None = None
