@@ -66,3 +66,33 @@ def test_variant_keys_reach_peft_and_are_validated():
     for fragment in ("train.lr_scheduler='cosine_annealing'", "warmup_ratio must be in [0, 1)",
                      "train.optimizer='sgd'", "'neptune'"):
         assert fragment in str(err.value)
+
+
+@pytest.mark.slow
+def test_cli_trains_with_cosine_warmup_8bit_adamw_and_dora(tmp_path):
+    """The three keys through the CLI in one run: the logged learning rates are HF's cosine-with-warmup
+    schedule, the optimizer recorded is bitsandbytes' 8-bit AdamW, and the adapter is a DoRA adapter."""
+    pytest.importorskip("bitsandbytes")
+    import json
+
+    from transformers import get_cosine_schedule_with_warmup
+
+    from conftest import glmtune
+
+    run = tmp_path / "run"
+    proc = glmtune("train.lr_scheduler=cosine", "train.warmup_ratio=0.1", "train.optimizer=adamw_8bit",
+                   "lora.use_dora=true", "lora.use_rslora=true", "train.max_steps=10", "train.logging_steps=1",
+                   "train.learning_rate=1e-3", "data.val_file=null", f"hydra.run.dir={run}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rates = {row["step"]: row["learning_rate"] for row in logged if "learning_rate" in row}
+    schedule = get_cosine_schedule_with_warmup(torch.optim.SGD([torch.zeros(1)], lr=1e-3), 1, 10)
+    expected = {}
+    for step in range(1, 11):
+        schedule.step()
+        expected[step] = schedule.get_last_lr()[0]
+    assert rates and all(rates[s] == pytest.approx(expected[s]) for s in rates), (rates, expected)
+    adapter = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    assert adapter["use_dora"] and adapter["use_rslora"]
+    args = torch.load(run / "adapter" / "training_args.bin", weights_only=False)
+    assert args.optim == "adamw_bnb_8bit" and args.lr_scheduler_type == "cosine" and args.warmup_ratio == 0.1
