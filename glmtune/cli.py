@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import textwrap
+from pathlib import Path
 from importlib.metadata import PackageNotFoundError, requires, version
 
 from . import __version__
@@ -36,8 +37,20 @@ EXIT_CODES = {0: "done", 2: "bad config, command line, data or prompts file (one
               6: "the checkpoint's remote code needs another transformers version"}
 
 
-def options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+def options(group: str, extra: tuple[Path, ...] = ()) -> list[str]:
+    """The presets of a group: conf/'s and those of each `--config-dir DIR` (Hydra searches both)."""
+    return sorted({p.stem for folder in (CONF_DIR, *extra) for p in (folder / group).glob("*.yaml")})
+
+
+def config_dirs(argv: list[str]) -> tuple[Path, ...]:
+    """The folders given with Hydra's --config-dir DIR / --config-dir=DIR / -cd DIR."""
+    found = []
+    for i, arg in enumerate(argv):
+        if arg in ("--config-dir", "-cd") and i + 1 < len(argv):
+            found.append(argv[i + 1])
+        elif arg.startswith("--config-dir="):
+            found.append(arg.split("=", 1)[1])
+    return tuple(Path(d).expanduser() for d in found)
 
 
 def extra_install(extra: str) -> str:
@@ -66,7 +79,12 @@ def check_command_line(argv: list[str]) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
-    args = [a for a in argv if "=" in a and not a.startswith("-")]
+    extra = config_dirs(argv)
+    missing = [str(d) for d in extra if not d.is_dir()]
+    if missing:
+        raise ConfigError(f"invalid command line: --config-dir {', '.join(missing)} is not a folder — give a folder "
+                          "holding group folders such as hw/, model/, data/, lora/")
+    args = [a for a in argv if "=" in a and not a.startswith("-") and Path(a).expanduser() not in extra]
     parser = OverridesParser.create()
     problems = []
     parsed = []
@@ -87,7 +105,7 @@ def check_command_line(argv: list[str]) -> None:
             problems.append(f"{group} is not in the defaults list, so it needs a '+': write +{o.input_line}")
             continue
         if group in DEFAULT_GROUPS + APPENDED_GROUPS:
-            valid = options(group)
+            valid = options(group, extra)
             for value in _values(o):
                 if value not in valid and value != "null":
                     problems.append(f"unknown {group} '{value}' (options: {', '.join(valid)})")

@@ -24,6 +24,7 @@ from .launch import rank, world_size
 from .models import load_tokenizer
 from .models.loading import check_weight_files
 from .models.presets import arch_config, resolve_model_dir
+from .plan import userds
 from .plan.estimate import GIB, image_extra_tokens
 from .plan.planner import Choices, format_plan, make_plan
 from .report import header, summary
@@ -55,6 +56,7 @@ def prepare(cfg: DictConfig, overrides: list[str]) -> Prepared:
     config = OmegaConf.to_container(cfg, resolve=True)
     try:
         run = parse_config(config)
+        userds.apply(run)  # dist.deepspeed_config: checked now; its ZeRO stage decides dist.strategy=auto
         check_attention(run.train)
         prep = Prepared(cfg, config, run, arch_config(run.model), overrides)  # config.json only: no weights read
         if run.mode != "plan":

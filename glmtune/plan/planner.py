@@ -16,6 +16,7 @@ import torch
 from ..config import RunConfig
 from .advice import advise
 from .estimate import GIB, RunShape, estimate, gpu_family, image_extra_tokens
+from . import userds
 from .quantized import allows_zero3, quantize_advice
 
 DEFAULT_MAX_LENGTH = 500
@@ -138,8 +139,10 @@ def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
     budget = _budget(run, run.hw.margin if margin is None else margin)
     dtype, why_dtype = local_dtype(run)
     max_length = run.data.max_length if user_set_max_length else DEFAULT_MAX_LENGTH
+    offload_params, offload_optimizer = userds.offloads(run)  # dist.deepspeed_config's offloads, else none
     c = Choices(dtype=dtype, gradient_checkpointing=run.train.gradient_checkpointing == "on",
-                zero_stage=3 if run.dist.strategy == "zero3" else 0, offload_params=False, offload_optimizer=False,
+                zero_stage=3 if run.dist.strategy == "zero3" else 0, offload_params=offload_params,
+                offload_optimizer=offload_optimizer,
                 micro_batch_size=run.train.per_device_batch_size, grad_accum=run.train.grad_accum,
                 max_length=max_length, world_size=world_size, eval_batch_size=run.train.eval_batch_size)
     reasons = {"dtype": why_dtype,

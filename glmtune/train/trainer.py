@@ -33,19 +33,20 @@ from .optim import HF_NAMES, OPTIMIZERS, make_optimizer
 from .timeline import MemoryTimeline
 from ..models import enable_checkpointing, load_model
 from ..models.quantize import load_quantized
+from ..plan import userds
 from ..plan.planner import Choices
 
 _TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def training_args(cfg: TrainConfig, choices: Choices, run_dir: Path, has_eval: bool,
-                  probe_steps: int = 0) -> TrainingArguments:
+                  probe_steps: int = 0, user_ds: dict | None = None) -> TrainingArguments:
     """Built before the model loads: under ZeRO-3 these arguments switch on deepspeed.zero.Init.
 
     probe_steps > 0 gives the probe's arguments: the same engine, dtype and batch, but that many steps and
     no logging, saving or evaluation."""
     evaluate = has_eval and cfg.eval_steps > 0 and not probe_steps
-    if choices.zero_stage == 3:
+    if choices.zero_stage == 3 or user_ds is not None:
         single_process_env()
     quiet = probe_steps > 0
     max_steps = probe_steps or (cfg.max_steps if cfg.max_steps > 0 else -1)
@@ -91,7 +92,7 @@ def training_args(cfg: TrainConfig, choices: Choices, run_dir: Path, has_eval: b
         disable_tqdm=quiet,
         include_num_input_tokens_seen=not quiet,  # tokens/s in the summary (padded tokens, all ranks)
         save_safetensors=True,
-        deepspeed=deepspeed_config(choices),
+        deepspeed=deepspeed_config(choices, user_ds),  # user_ds: dist.deepspeed_config, read by plan/userds.py
         # Without a GPU, accelerate 1.x starts no gloo group unless told the run is CPU-only: every rank of
         # a torchrun/deepspeed launch then believed it was rank 0 of 1 (same batches, every rank writing).
         use_cpu=not torch.cuda.is_available(),
@@ -213,7 +214,7 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
 
     tokenizer: needed for eval.generate (replies are generated and decoded). planned_bytes and budget_bytes
     (the plan's per-GPU peak and budget) are drawn on memory_timeline.png."""
-    args = training_args(run.train, choices, run_dir, has_eval=bool(val_set))
+    args = training_args(run.train, choices, run_dir, has_eval=bool(val_set), user_ds=userds.apply(run))
     output_dir = Path(args.output_dir)
     if resume_from is not None:
         allow_numpy_rng_state()
