@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+from transformers import PrinterCallback, ProgressCallback, Trainer, TrainerCallback, TrainingArguments
 
 from ..atomic import append_line, write_json
 from ..config import EVAL_METRICS, RunConfig, TrainConfig
@@ -29,6 +29,7 @@ from .guard import Guard
 from .saving import CompleteMarker, save_adapter
 from .zero3 import adapter_fingerprint, deepspeed_config
 from .lora import apply_lora, trainable_parameters
+from .progress import StepLines
 from .optim import HF_NAMES, OPTIMIZERS, make_optimizer
 from .timeline import MemoryTimeline
 from ..models import enable_checkpointing, load_model
@@ -139,6 +140,8 @@ def make_trainer(args: TrainingArguments, model, train_set, val_set, collator, c
     trainer.generation_eval, trainer.best = generation_eval, best
     if args.logging_strategy == "no":  # the probe: its closing {'train_loss': ..., 'epoch': 1.0} reads like a result
         trainer.remove_callback(PrinterCallback)
+    if trainer.pop_callback(ProgressCallback) is not None:  # the bar stays; its log dicts become step lines
+        trainer.add_callback(StepLines())
     return trainer
 
 
