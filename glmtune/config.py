@@ -223,6 +223,10 @@ def _check_values(cfg: RunConfig) -> list[str]:
     if cfg.train.optimizer == "adamw_8bit" and cfg.dist.strategy == "zero3":
         problems.append("train.optimizer=adamw_8bit is not used under ZeRO-3 (DeepSpeed keeps its own fp32 states): "
                         "use train.optimizer=adamw_torch or dist.strategy=auto|ddp")
+    absent = [t for t in cfg.train.report_to if t in TRACKERS and importlib.util.find_spec(t) is None]
+    if absent:
+        problems.append(f"train.report_to has {', '.join(absent)}, not installed: pip install {' '.join(absent)} "
+                        '(or pip install "glmtune[track]")')
     if cfg.train.learning_rate <= 0:
         problems.append(f"train.learning_rate must be > 0, got {cfg.train.learning_rate}")
     return problems

@@ -82,7 +82,8 @@ def training_args(cfg: TrainConfig, choices: Choices, run_dir: Path, has_eval: b
         logging_strategy="no" if quiet else "steps",
         logging_steps=cfg.logging_steps,
         logging_dir=str(run_dir / "tensorboard"),
-        report_to=[] if quiet else ["tensorboard"],
+        # train.report_to: the Trainer's tensorboard/wandb/mlflow integrations; swanlab is a callback (train())
+        report_to=[] if quiet else [t for t in cfg.report_to if t != "swanlab"],
         seed=cfg.seed,
         data_seed=cfg.seed,
         remove_unused_columns=False,  # our examples are already model inputs
@@ -197,6 +198,16 @@ class LoraTrainer(Trainer):
         torch.save(self.args, Path(output_dir) / "training_args.bin")
 
 
+def swanlab_callback(report_to: list[str], run_dir: Path) -> list:
+    """SwanLab's own Trainer callback: transformers 4.40 has no swanlab integration (it came in 4.50).
+    SWANLAB_MODE=local (or offline) keeps the logs in SWANLAB_LOG_DIR without an account."""
+    if "swanlab" not in report_to:
+        return []
+    from swanlab.integration.transformers import SwanLabCallback
+
+    return [SwanLabCallback(project="glmtune", experiment_name=run_dir.name)]
+
+
 class MetricsFile(TrainerCallback):
     """Every log line of the Trainer, one JSON object per line, in run_dir/metrics.jsonl (rank 0)."""
 
@@ -233,7 +244,8 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
     guard = Guard(run.train.save_minutes, trainable_parameters(model))
     trainer = make_trainer(args, model, train_set, val_set, collator,
                            callbacks=[MetricsFile(run_dir / "metrics.jsonl"), timeline,
-                                      CompleteMarker(output_dir, run.train.keep_checkpoints), guard],
+                                      CompleteMarker(output_dir, run.train.keep_checkpoints), guard,
+                                      *swanlab_callback(run.train.report_to, run_dir)],
                            generation_eval=generation_eval, best=best)
     trainer.guard = guard
     result = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
