@@ -140,6 +140,8 @@ def plan_for(cfg: dict):
     """The architecture, run config, choices and estimator shape of one benchmark row, as the planner makes them."""
     from glmtune.config import DataConfig, HwConfig, LoraConfig, ModelConfig, RunConfig, TrainConfig
     from glmtune.models import released_config
+    from dataclasses import replace
+
     from glmtune.plan.planner import Choices, run_shape
 
     arch = released_config(cfg["model"])
@@ -152,7 +154,8 @@ def plan_for(cfg: dict):
                       offload_params=cfg["offload"], offload_optimizer=False, micro_batch_size=cfg["batch"],
                       grad_accum=1, max_length=cfg["seq"], world_size=1, eval_batch_size=max(1, cfg["eval_batch"]),
                       loss_chunk_tokens=cfg["chunk"], offload_checkpoints=cfg["offck"])
-    return arch, run, choices, run_shape(run, arch, choices)
+    # The row's process ran with the allocator it names (run_grid sets or removes PYTORCH_CUDA_ALLOC_CONF).
+    return arch, run, choices, replace(run_shape(run, arch, choices), allocator=cfg.get("alloc", "expandable"))
 
 
 def run_one(cfg: dict) -> dict:

@@ -17,8 +17,9 @@ import tempfile
 from pathlib import Path
 
 # Before anything touches CUDA: expandable segments keep the allocator's reserve within ~3 % of what is
-# allocated (measured on an H100: the default allocator reserved up to 21 % more, 5.4 GiB at evaluation,
-# and the plan counts on the smaller reserve). A value the user set is kept.
+# allocated (measured on an H100: the default allocator reserved up to 21 % more, 5.4 GiB at evaluation).
+# A value the user set is kept, and the plan then assumes the default allocator's larger reserve
+# (glmtune/plan/reserve.py).
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import hydra

@@ -162,6 +162,7 @@ def help_text() -> str:
     lines = ["usage: glmtune [+hw=CARD] [group=option ...] [key=value ...]",
              "       glmtune -m key=a,b [key=c,d ...]      a sweep: one run per combination (Hydra multirun)",
              "       glmtune --version | --help | --cfg job  (--cfg job prints the composed config and exits)",
+             "       glmtune --config-dir DIR ...          DIR/<group>/NAME.yaml become presets of every group",
              "       python -m glmtune ...                 the same command",
              "",
              "LoRA fine-tuning of GLM-4-9B-chat, GLM-4V-9B and ChatGLM3-6B that plans GPU memory before it loads",

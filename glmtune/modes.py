@@ -31,7 +31,7 @@ from .report import header, summary
 from .rundir import console, fail, remove_empty_dirs, report_probe, write_run_files
 from .runlock import Start, decide, trim_metrics, write_state
 from .train.checkpoints import last_complete
-from .train.compile import check_attention, describe
+from .train.compile import check_attention, describe, resolve_compile
 from .train.preflight import check_device, check_disk, check_host_memory
 from .train.signals import EXIT_DIVERGED, EXIT_INTERRUPTED, Interrupted
 
@@ -165,6 +165,12 @@ def probe_stage(prep: Prepared, plan, start: Start, run_dir: Path) -> tuple[Choi
     if start.choices:  # a resume trains with the first launch's final choices; no second probe
         return Choices(**start.choices), plan.peak_bytes
     if not run.probe.enabled:
+        if rank() == 0 and plan.unmeasured_risk:  # never skipped silently: the plan alone is not enough here
+            console.print(f"probe.enabled=false, but {plan.unmeasured_risk}; nothing measures them before training "
+                          "(probe.enabled=true to measure)")
+        if rank() == 0 and resolve_compile(run.train, plan.choices.zero_stage)[0]:
+            console.print("probe.enabled=false with compiled blocks: their memory is in no estimate and no probe "
+                          "measures it (probe.enabled=true to measure it before training)")
         return plan.choices, plan.peak_bytes
     probe = run_probe(run, plan, arch, prep.model_dir, longest_length(prep.data.stats), prep.tokenizer,
                       collator(prep), run_dir, world_size(), evaluates=prep.data.val is not None,

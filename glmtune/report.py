@@ -62,6 +62,8 @@ def header(run: RunConfig, plan: Plan, run_dir: Path | None, train_examples: int
              f"  card   {_card(run, plan)}",
              f"  plan   {_decisions(plan.choices)}; estimated peak {plan.peak_bytes / GIB:.2f} GiB"
              + ("" if plan.fits else "  DOES NOT FIT")]
+    if plan.budget_bytes is not None and "allocator" in plan.reasons:  # a GPU plan: the reserve it assumes
+        lines.append(f"  alloc  {plan.reasons['allocator']}")
     if train_examples is not None and run.mode == "train":
         steps, epochs = optimizer_steps(run.train, plan.choices, train_examples)
         why = (f"train.max_steps={run.train.max_steps}: {epochs:.2f} epochs" if run.train.max_steps > 0

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from glmtune.config import CONF_DIR, parse_config
 from glmtune.models.presets import arch_config
-from glmtune.plan.advice import LENGTH_STEP, cards_for_measured, hw_presets
+from glmtune.plan.advice import LENGTH_STEP, MAX_CARDS, cards_for_measured, hw_presets
 from glmtune.plan.estimate import GIB
 from glmtune.plan.planner import make_plan
 
@@ -62,10 +62,14 @@ def test_every_advice_line_fits_when_applied_and_is_the_best_of_its_kind(overrid
         assert again.fits, f"{line!r} does not fit when applied: {again.peak_bytes / GIB:.1f} GiB"
         shown = re.search(r"estimated ([\d.]+) of ([\d.]+) GiB$", line).groups()
         assert shown == (f"{again.peak_bytes / GIB:.1f}", f"{again.budget_bytes / GIB:.1f}"), line
-    # ... and the best of each lever: every card that fits, the fewest GPUs, the longest length.
+    # ... and the best of each lever: the smallest cards that fit (at most MAX_CARDS), the fewest GPUs, the
+    # longest length.
     offered = {line.split(": ")[0] for line in plan.advice}
-    for name in hw_presets():
-        if f"+hw={name}" not in offered and name != run.hw.name:
+    cards = [o for o in offered if o.startswith("+hw=")]
+    assert len(cards) <= MAX_CARDS
+    largest = max((hw_presets()[c[4:]].memory_gib for c in cards), default=float("inf"))
+    for name, hw in hw_presets().items():
+        if f"+hw={name}" not in offered and name != run.hw.name and hw.memory_gib < largest:
             assert not plan_for(apply(overrides, f"+hw={name}: x"))[1].fits, name
     assert f"+hw={run.hw.name}" not in offered
     world = run.dist.nnodes * run.dist.nproc_per_node
@@ -89,7 +93,7 @@ def test_the_issues_t4_case_offers_an_h200_and_no_card_that_does_not_fit():
     _, plan = plan_for(CASES[0])
     offered = [line.split(": ")[0] for line in plan.advice]
     # 56.8 GiB with checkpointed inputs in CPU memory: fits the 80 GB cards, not a 40 GB one.
-    assert "+hw=h200_141g" in offered and "+hw=a100_80g" in offered and "+hw=a100_40g" not in offered
+    assert "+hw=h200_141g" in offered and "+hw=a100_80g" in offered and "+hw=a100_40g" not in offered  # 3 that fit
     assert not any(o.startswith("dist.") for o in offered)  # 131,072 tokens of activations: no GPU count helps
     # 17.5 GiB of bf16 weights exceed the T4's 13.1 GiB budget at any length.
     assert not any(o.startswith("data.max_length=") for o in offered)
@@ -100,3 +104,33 @@ def test_after_the_probe_only_cards_whose_budget_holds_the_measured_peak_are_off
     offered = [line.split(": ")[0] for line in cards_for_measured(run, 30 * GIB)]
     assert offered[0] == "+hw=a100_40g"  # 39.4 x 0.9 = 35.5 GiB: the smallest card that holds 30 GiB
     assert "+hw=v100_32g" not in offered and "+hw=h200_141g" in offered  # 31.7 x 0.9 = 28.5 GiB does not
+
+
+def _levers(plan) -> list[str]:
+    """Each advice line's kind, in the order printed."""
+    kinds = {"data.": "length", "dist.": "gpus", "model.quantize=nf4": "nf4", "model.quantize=int8": "int8",
+             "+hw=": "card"}
+    return [next(k for prefix, k in kinds.items() if line.startswith(prefix)) for line in plan.advice]
+
+
+def test_advice_comes_in_order_of_cost_with_at_most_three_cards():
+    """glm-4-9b-chat on a T4 at 500 tokens: more GPUs and a quantized base come before any other card, and only
+    the three smallest cards that fit are named; a plan that does not fit never says plain data parallel fits."""
+    _, plan = plan_for(["mode=plan", "model=glm4_9b_chat", "+hw=t4_16g"])
+    levers = _levers(plan)
+    assert levers[0] == "gpus" and levers.count("card") == MAX_CARDS
+    assert levers.index("card") > max(levers.index("gpus"), levers.index("int8"), levers.index("nf4"))
+    rank = {"length": 0, "gpus": 1, "nf4": 2, "int8": 2, "card": 3}  # cost: same run, more GPUs, numerics, new card
+    assert [rank[k] for k in levers] == sorted(rank[k] for k in levers), levers
+    assert "+hw=h200_141g" not in " ".join(plan.advice)
+    assert "plain data parallel fits" not in plan.reasons["zero_stage"]
+
+
+def test_nf4_comes_before_int8_when_int8_leaves_no_headroom():
+    """glm-4v-9b on a 24 GB card under ddp: int8 is estimated at the whole budget, nf4 well under it."""
+    _, plan = plan_for(["mode=plan", "model=glm4v_9b", "+hw=rtx4090_24g", "dist=ddp"])
+    levers = _levers(plan)
+    assert levers.index("nf4") < levers.index("int8"), plan.advice
+    shown = {k: re.search(r"estimated ([\d.]+) of ([\d.]+) GiB$", line).groups()
+             for k, line in zip(levers, plan.advice) if k in ("nf4", "int8")}
+    assert float(shown["int8"][0]) > 0.95 * float(shown["int8"][1]) and float(shown["nf4"][0]) < float(shown["int8"][0])

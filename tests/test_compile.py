@@ -10,7 +10,8 @@ from glmtune.data.packing import pack
 from glmtune.data.pipeline import DataCollator, build_datasets
 from glmtune.models import enable_checkpointing, load_tokenizer
 from glmtune.models.presets import ensure_tiny
-from glmtune.train.compile import compile_blocks, resolve_compile
+from glmtune.train import compile as compile_mod
+from glmtune.train.compile import compile_blocks, resolve_compile, resolve_packed_attention
 from glmtune.train.lora import trainable_parameters
 from tests.test_packing import REPO, _lora_model, _loss_and_grads
 
@@ -46,8 +47,45 @@ def test_compiled_blocks_match_eager(checkpointing=True):
 
 
 def test_compile_auto_rule():
-    on_cuda = torch.cuda.is_available()
-    assert resolve_compile(TrainConfig(compile="auto"), zero_stage=0)[0] is on_cuda
     assert resolve_compile(TrainConfig(compile="auto"), zero_stage=3)[0] is False
     assert resolve_compile(TrainConfig(compile="on"), zero_stage=3)[0] is True
+    assert "probe's measurement" in resolve_compile(TrainConfig(compile="on"), zero_stage=0)[1]
     assert resolve_compile(TrainConfig(compile="off"), zero_stage=0)[0] is False
+
+
+@pytest.fixture
+def cuda_h100(monkeypatch):
+    """What resolve_* read of CUDA, as on an H100 (nothing else runs on the mocked device)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+
+
+def test_auto_is_off_on_a_gpu_until_a_row_measures_it(cuda_h100, monkeypatch):
+    """auto is a measured path: with CUDA present, compiled blocks and FlexAttention stay off/sdpa unless
+    MEASURED_* names this GPU (a bench/RESULTS.md row); on/flex still work."""
+    on, why = resolve_compile(TrainConfig(compile="auto"), zero_stage=0)
+    assert on is False and "RESULTS.md" in why and "H100" in why
+    assert resolve_packed_attention(TrainConfig(packed_attention="auto"), True, 0.0)[0] == "sdpa"
+    assert resolve_packed_attention(TrainConfig(packed_attention="flex"), False, 0.0)[0] == "flex"
+    monkeypatch.setattr(compile_mod, "MEASURED_COMPILE", ("H100",))
+    monkeypatch.setattr(compile_mod, "MEASURED_FLEX", ("H100",))
+    on, why = resolve_compile(TrainConfig(compile="auto"), zero_stage=0)
+    assert on is True and "measured on H100" in why
+    assert resolve_compile(TrainConfig(compile="auto"), zero_stage=3)[0] is False
+    assert resolve_packed_attention(TrainConfig(packed_attention="auto"), True, 0.0)[0] == "flex"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-40GB")
+    assert resolve_compile(TrainConfig(compile="auto"), zero_stage=0)[0] is False  # another GPU: not measured
+
+
+@pytest.mark.slow  # inductor builds the blocks' C++ kernels on CPU: ~1 min on 2 cores
+def test_probe_runs_the_compiled_blocks(tmp_path):
+    """train.compile=on: the plan's memory for it is the probe's, so the probe must run the compiled blocks."""
+    import json
+
+    from conftest import glmtune
+
+    out = glmtune("mode=probe", "train.compile=on", "data.max_length=64", f"hydra.run.dir={tmp_path}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "probe's measurement" in out.stdout
+    attempts = json.loads((tmp_path / "probe.json").read_text())["attempts"]
+    assert attempts[0]["detail"]["compiled_blocks"] == 2  # the tiny model's two GLM blocks

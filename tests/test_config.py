@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 
 from glmtune.config import ConfigError, RunConfig, parse_config
 
-CONF = Path(__file__).resolve().parents[1] / "glmtune" / "conf"
+CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ["model", "data", "lora", "dist", "train"]
 
 

@@ -157,7 +157,7 @@ def test_blank_lines_bom_crlf_metadata_and_alias_are_accepted(tmp_path):
 
 def test_shipped_sample_files_validate():
     for name in ("train.jsonl", "val.jsonl", "chatglm3_train.jsonl"):
-        assert read_conversations(REPO / "glmtune" / "data" / "samples" / name)
+        assert read_conversations(REPO / "data" / "samples" / name)
 
 
 # --- the same cases through `python -m glmtune` -------------------------------------------------------

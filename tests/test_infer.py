@@ -59,7 +59,7 @@ def test_infer_with_adapter_and_merged_checkpoint(tmp_path, repo, trained):
 def test_vision_batches_with_and_without_images_match_single_prompts(repo):
     model_dir = ensure_tiny("glm4v")
     model, tok = load_model(model_dir).eval(), load_tokenizer(model_dir)
-    image = str(repo / "glmtune" / "data" / "samples_vision" / "images" / "red_square.png")
+    image = str(repo / "data" / "samples_vision" / "images" / "red_square.png")
     prompts = [[{"role": "user", "content": "What shape is this?", "image": image}],
                [{"role": "user", "content": "Who are you? Answer in one sentence."}],
                [{"role": "user", "content": "图片里是什么？", "image": image}]]

@@ -34,7 +34,7 @@ def test_predictions_carry_prompt_and_reference_and_the_run_records_provenance(t
                    f"hydra.run.dir={out}", cwd=repo)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
-    sample = [json.loads(line) for line in (repo / "glmtune" / SAMPLE_PROMPTS).read_text(encoding="utf-8").splitlines() if line]
+    sample = [json.loads(line) for line in (repo / SAMPLE_PROMPTS).read_text(encoding="utf-8").splitlines() if line]
     assert len(rows) == len(sample)
     for row, line in zip(rows, sample):
         with_reference = line["messages"][-1]["role"] == "assistant"

@@ -73,7 +73,7 @@ def test_optuna_preset_runs_trials_and_summarises(tmp_path, repo):
 def test_slurm_preset_submission(tmp_path, repo, monkeypatch):
     import submitit
 
-    with initialize_config_dir(version_base="1.3", config_dir=str(repo / "glmtune" / "conf")):
+    with initialize_config_dir(version_base="1.3", config_dir=str(repo / "conf")):
         cfg = compose("config", return_hydra_config=True, overrides=[
             "hydra/launcher=slurm", "hydra.launcher.nodes=2", "hydra.launcher.gpus_per_node=4",
             "hydra.launcher.partition=gpu", f"hydra.sweep.dir={tmp_path}"])

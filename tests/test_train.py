@@ -138,7 +138,8 @@ def test_cli_plan_that_cannot_fit_exits_3_with_advice_and_leaves_nothing(tmp_pat
     proc = glmtune("mode=plan", "model=glm4_9b_chat", "+hw=rtx4090_24g", "data.max_length=131072", cwd=tmp_path)
     assert proc.returncode == 3
     assert "does not fit" in proc.stderr and "data.max_length=" in proc.stderr and "Traceback" not in proc.stderr
-    assert proc.stderr.count("\n") == 1 and "what fits: +hw=h100_80g" in proc.stderr and "+hw=h200_141g" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and "what fits: data.max_length=" in proc.stderr and "; +hw=h100_80g" in proc.stderr
+    assert "+hw=h200_141g" in proc.stderr  # cheapest change first: the length, then the three smallest cards
     assert "rtx4090_24g: 23.6 GiB x margin 0.9 = 21.2 GiB budget per GPU" in proc.stdout  # the header
     assert "nothing written (hydra.run.dir=DIR keeps plan.json)" in proc.stdout
     assert not list(tmp_path.iterdir())

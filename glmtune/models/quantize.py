@@ -91,6 +91,49 @@ def _quantized_weight(tensor: torch.Tensor, layer: nn.Module, quantize: str, dty
     return bnb.nn.Int8Params(tensor, requires_grad=False, has_fp16_weights=False).to(device)
 
 
+# bitsandbytes 0.50's NF4 inference kernel for CPUs with AVX512-BF16 (taken by a no-grad forward in eval mode)
+# repacks each weight in tiles of 32 output rows and reads one row of block scales per output: it asserts
+# out_features % 32 == 0 and needs in_features to be a whole number of quantization blocks.
+_CPU_PACK_ROWS = 32
+
+
+def packed_cpu_kernel_fits(out_features: int, in_features: int, blocksize: int = 64) -> bool:
+    """Whether bitsandbytes' AVX512-BF16 NF4 kernel can take this Linear. Every GLM-4 / GLM-4V / ChatGLM3 block
+    Linear can (4608, 4096, 27392 and 13696 are multiples of 64); the tiny models' 344 x 64 and 64 x 172 cannot."""
+    return out_features % _CPU_PACK_ROWS == 0 and in_features % blocksize == 0
+
+
+def _cpu_inference_path(layer: nn.Module) -> None:
+    """Keep a width the packed kernel rejects on bitsandbytes' generic path (dequantize, then matmul) instead of
+    its AssertionError at the first evaluation; widths it takes keep the packed kernel, as before.
+
+    The packed kernel has no backward and bitsandbytes only converts back when a weight moves to another device:
+    a training step after an evaluation would run it and drop the gradient through the frozen weight (to the
+    layers below). The pre-hook converts the weight back when the module is in training mode."""
+    if not packed_cpu_kernel_fits(layer.out_features, layer.in_features, layer.weight.blocksize):
+        layer.support_avx512bf16_for_cpu = False
+    layer.register_forward_pre_hook(_unpack_for_training)
+
+
+def _unpack_for_training(layer: nn.Module, args) -> None:
+    state = layer.weight.quant_state
+    if layer.training and getattr(state, "packing_format_for_cpu", False):
+        from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+        layer.weight.data, layer.weight.quant_state = _convert_weight_packed_for_cpu_inverse(layer.weight.data, state)
+
+
+def quiet_unused_bitsandbytes() -> None:
+    """peft imports bitsandbytes whenever it is installed (to offer its k-bit LoRA layers), and bitsandbytes 0.50
+    then warns on CPUs with AVX512-BF16 that an optional Hub kernel ('kernels') is missing. A run that does not
+    quantize never calls that kernel: before peft's first import of bitsandbytes, that one logger is set to
+    errors only. A quantized run imports bitsandbytes earlier (the loader) and keeps the warning."""
+    import sys
+
+    if "bitsandbytes" not in sys.modules:
+        logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+
 def weight_files(path: str | os.PathLike) -> list[Path]:
     """The checkpoint's weight files: a sharded index's shards, or the single file."""
     folder = Path(path)
@@ -160,6 +203,9 @@ def load_quantized(path: str | os.PathLike, quantize: str, dtype: torch.dtype | 
         for key, buf in module._buffers.items():
             if buf is not None:
                 module._buffers[key] = buf.to(device)
+    if quantize == "nf4":
+        for name in names:
+            _cpu_inference_path(model.get_submodule(name))
     if quantize == "int8":  # bitsandbytes logs "inputs will be cast ... to float16" on every int8 matmul call
         logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
     # peft wraps bnb layers in its k-bit LoRA classes only when the model says it is loaded in 4/8 bit.

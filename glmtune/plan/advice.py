@@ -1,10 +1,13 @@
 """What would fit when the plan does not: every suggestion is re-planned, and printed only if it fits.
 
-Three levers, each tried by planning the changed run exactly as the command line would compose it:
-  - another card: every conf/hw preset (`+hw=NAME`), keeping this run's hw.margin and GPU count;
+Four levers, cheapest change first, each tried by planning the changed run exactly as the command line would
+compose it:
+  - shorter examples: the longest data.max_length that fits, a multiple of LENGTH_STEP;
   - more GPUs: the fewest that fit, one node of hw.gpus_per_node first, then whole nodes (up to
     MAX_NODES); ZeRO-3 shards the frozen weights over them (dist=ddp never does, so it becomes zero3);
-  - shorter examples: the longest data.max_length that fits, a multiple of LENGTH_STEP.
+  - a quantized base (plan/quantized.py);
+  - another card: the MAX_CARDS smallest conf/hw presets that fit (`+hw=NAME`), keeping this run's hw.margin
+    and GPU count.
 A lever that cannot fit at any setting (activations of one sequence alone over budget, say) is not
 mentioned. Each line starts with the overrides to type, then what it means and its estimate, so a line
 can be pasted onto the command line as it is (tests/test_advice.py does exactly that).
@@ -21,6 +24,7 @@ from .estimate import GIB
 
 MAX_NODES = 8  # the GPU search stops at 8 nodes x hw.gpus_per_node
 LENGTH_STEP = 64  # suggested lengths are multiples of 64 tokens: tidy numbers, at most 63 tokens below the limit
+MAX_CARDS = 3  # other cards offered: the smallest that fit (a bigger card always fits too)
 
 
 def hw_presets() -> dict[str, HwConfig]:
@@ -33,21 +37,31 @@ def _line(overrides: list[str], what: str, plan) -> str:
             f"{plan.budget_bytes / GIB:.1f} GiB")
 
 
-def advise(run: RunConfig, world_size: int, max_length: int, replan: Callable[[RunConfig, int], object]) -> list[str]:
-    """Suggestions that fit, each as `overrides: what, estimated X of Y GiB`.
+def advise(run: RunConfig, world_size: int, max_length: int, replan: Callable[[RunConfig, int], object],
+           quantize: Callable[[], list[str]] = list) -> list[str]:
+    """Suggestions that fit, cheapest change first, each as `overrides: what, estimated X of Y GiB`: a shorter
+    length (same hardware, same numerics), more GPUs of this card, a quantized base (`quantize()`, from
+    plan/quantized.py: changes the numerics), then at most MAX_CARDS other cards, smallest first (new hardware).
 
     `replan(run, world_size)` is the planner itself (without advice); `max_length` is the planned length."""
     base = replace(run, data=replace(run.data, max_length=max_length))
-    out = []
+    return (_length(base, world_size, max_length, replan) + _gpus(run, base, world_size, replan) + quantize()
+            + _cards(run, base, world_size, replan)[:MAX_CARDS])
 
-    presets = sorted(hw_presets().items(), key=lambda item: item[1].memory_gib)
-    for name, hw in presets:  # smallest card that fits first
-        if name == run.hw.name:
+
+def _cards(run: RunConfig, base: RunConfig, world_size: int, replan) -> list[str]:
+    out = []
+    for name, hw in sorted(hw_presets().items(), key=lambda item: item[1].memory_gib):  # smallest first
+        if name == run.hw.name or len(out) == MAX_CARDS:
             continue
         plan = replan(replace(base, hw=replace(hw, margin=run.hw.margin)), world_size)
         if plan.fits:
             out.append(_line([f"+hw={name}"], f"the {name} preset ({hw.memory_gib} GiB per GPU)", plan))
+    return out
 
+
+def _gpus(run: RunConfig, base: RunConfig, world_size: int, replan) -> list[str]:
+    """The fewest GPUs of this card that fit: one node of hw.gpus_per_node first, then whole nodes."""
     per_node = max(run.hw.gpus_per_node, 1)
     counts = [n for n in range(world_size + 1, per_node + 1)]
     counts += [k * per_node for k in range(2, MAX_NODES + 1) if k * per_node > world_size]
@@ -63,9 +77,12 @@ def advise(run: RunConfig, world_size: int, max_length: int, replan: Callable[[R
         launch = (f"torchrun --nproc_per_node {procs}" if nodes == 1 else
                   f"{nodes} nodes of torchrun --nproc_per_node {procs}")
         zero = "ZeRO-3" if plan.choices.zero_stage == 3 else "data parallel"
-        out.append(_line(overrides, f"{n} GPUs with {zero} (mode=plan reads these keys; train with {launch})", plan))
-        break
+        return [_line(overrides, f"{n} GPUs with {zero} (mode=plan reads these keys; train with {launch})", plan)]
+    return []
 
+
+def _length(base: RunConfig, world_size: int, max_length: int, replan) -> list[str]:
+    """The longest data.max_length that fits, a multiple of LENGTH_STEP."""
     def fits_at(length: int):
         plan = replan(replace(base, data=replace(base.data, max_length=length)), world_size)
         return plan if plan.fits else None
@@ -81,9 +98,7 @@ def advise(run: RunConfig, world_size: int, max_length: int, replan: Callable[[R
             best, lo = (mid * LENGTH_STEP, plan), mid + 1
         else:
             hi = mid - 1
-    if best:
-        out.append(_line([f"data.max_length={best[0]}"], "shorter examples (longer ones are cut)", best[1]))
-    return out
+    return [_line([f"data.max_length={best[0]}"], "shorter examples (longer ones are cut)", best[1])] if best else []
 
 
 def cards_for_measured(run: RunConfig, measured_peak: int) -> list[str]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from ..models import GLMConfig
 from . import quantized, variants
+from .reserve import phase_reserves
 from .variants import BYTES, linear_shapes, peft_adapter_dtype  # noqa: F401 (shared with the variants' terms)
 
 IMAGE_TOKENS = 1599  # GLM-4V at 1120 px: 1,602 image embeddings replace 3 placeholder tokens per image
@@ -45,12 +46,6 @@ CUDA_CONTEXT_DEFAULT = 758 << 20
 CUBLAS_WORKSPACE = 8_519_680  # 2 x 4 MiB + 8 x 16 KiB, the `:4096:2:16:8` default (inside torch's allocator)
 CUBLASLT_WORKSPACE = {"hopper": 32 << 20}  # 4 MiB elsewhere (pytorch#120925)
 NCCL_PER_GPU = 566 << 20
-# The caching allocator's reserve over its allocated peak, with expandable segments (glmtune's default):
-# 0.09-0.81 GiB over 15 rows, about half the largest single transient tensor plus a floor; the default
-# allocator reserved up to 21 % more (5.4 GiB at evaluation) and is not modelled.
-RESERVE_FLOOR = 256 << 20
-RESERVE_PER_LARGEST = 0.55
-
 def gpu_family(hw_name: str) -> str | None:
     """GPU family from a conf/hw preset name; None = CPU / unknown (no CUDA overhead terms)."""
     for key, fam in (("h100", "hopper"), ("h200", "hopper"), ("a100", "ampere"), ("a10", "ampere"),
@@ -87,6 +82,7 @@ class RunShape:
     gpu_family: str | None = None
     quantize: str = "none"  # none | nf4 | int8: bitsandbytes base weights (plan/quantized.py)
     double_quant: bool = True  # nf4: quantized absmax scales
+    allocator: str = "expandable"  # expandable | default: the CUDA caching allocator's mode (plan/reserve.py)
     use_dora: bool = False  # DoRA's terms and the 8-bit optimizer's states: plan/variants.py
     optimizer: str = "adamw_torch"  # adamw_torch | adamw_8bit
 
@@ -95,8 +91,9 @@ class RunShape:
 class Estimate:
     breakdown: dict[str, int]
     peak_bytes: int
-    phase: str  # which phase sets the peak
-    phases: dict[str, int] = field(default_factory=dict)
+    phase: str  # which phase sets the peak (its tensors plus its allocator reserve, on a GPU)
+    phases: dict[str, int] = field(default_factory=dict)  # tensor bytes per phase
+    reserves: dict[str, int] = field(default_factory=dict)  # allocator reserve per phase (GPU only)
 
 
 def block_params(arch: GLMConfig) -> int:
@@ -293,30 +290,21 @@ def estimate(arch: GLMConfig, shape: RunShape) -> Estimate:
             cache = kv_per_token * shape.eval_batch * (shape.seq_len + shape.eval_max_new_tokens)
             phases["generate"] = states + cache + block_working(arch, shape, et)
             b["eval KV cache"] = cache
-    tensor_peak = max(phases.values())
     phase = max(phases, key=phases.get)
 
     # --- outside the tensors (bytes a GPU process needs beyond its live tensors) ---
     fam = shape.gpu_family
-    overhead = {}
+    overhead, reserves = {}, {}
     if shape.device != "cpu" and fam is not None:
         measured = "measured" if fam in CUDA_CONTEXT else "H100 figure"
         overhead[f"CUDA context and kernels ({measured})"] = CUDA_CONTEXT.get(fam, CUDA_CONTEXT_DEFAULT)
         overhead["cuBLAS/cuBLASLt workspaces"] = CUBLAS_WORKSPACE + CUBLASLT_WORKSPACE.get(fam, 4 << 20)
         if shape.zero_stage == 3 or shape.world_size > 1:
             overhead["NCCL communicator"] = NCCL_PER_GPU
-        overhead["allocator reserve"] = RESERVE_FLOOR + int(RESERVE_PER_LARGEST * largest_transient(arch, shape))
+        # Every phase with its own reserve; the peak is the phase whose tensors plus reserve are largest.
+        reserves = phase_reserves(arch, shape, e, phases, states)
+        phase = max(phases, key=lambda p: phases[p] + reserves[p])
     b.update(overhead)
-    return Estimate(b, tensor_peak + sum(overhead.values()), phase, phases)
-
-
-def largest_transient(arch: GLMConfig, shape: RunShape) -> int:
-    """The largest single tensor a step allocates and frees: fp32 logits (of a chunk, or of the whole
-    micro-batch), the fused SwiGLU output, or the evaluation batch's logits. The allocator's reserve beyond
-    its allocated peak grows with it (a freed block of this size is rarely the exact size asked next)."""
-    tokens, v = shape.micro_batch * shape.seq_len, arch.padded_vocab_size
-    chunk = shape.loss_chunk_tokens or tokens
-    sizes = [4 * min(tokens, chunk) * v, BYTES[shape.dtype] * tokens * 2 * arch.ffn_hidden_size]
-    if shape.eval_batch:
-        sizes.append(4 * min(shape.eval_batch * shape.seq_len, chunk) * v)
-    return max(sizes)
+    if reserves:
+        b["allocator reserve"] = reserves[phase]
+    return Estimate(b, phases[phase] + reserves.get(phase, 0) + sum(overhead.values()), phase, phases, reserves)

@@ -9,6 +9,7 @@ still reports the estimate.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -17,7 +18,9 @@ from ..config import RunConfig
 from .advice import advise
 from .estimate import GIB, RunShape, estimate, gpu_family, image_extra_tokens
 from . import userds
+from .provenance import derived_near_budget, term_sources
 from .quantized import allows_zero3, quantize_advice
+from .reserve import ALLOCATORS, allocator_in_force
 
 DEFAULT_MAX_LENGTH = 500
 LOSS_CHUNK = 1024  # tokens per chunk of the lower-memory loss: 1024 x 151,552 x 12 B = 1.9 GB peak
@@ -53,6 +56,8 @@ class Plan:
     choices: Choices
     reasons: dict[str, str]
     advice: list[str] = field(default_factory=list)
+    sources: dict[str, str] = field(default_factory=dict)  # per breakdown term: measured / CPU-verified / derived
+    unmeasured_risk: str = ""  # a near-budget peak that rests on derived terms (plan/provenance.py)
 
     def to_json(self) -> str:
         keys = ("dtype", "gradient_checkpointing", "zero_stage", "offload_params", "offload_optimizer",
@@ -60,7 +65,8 @@ class Plan:
                 "offload_checkpoints")
         return json.dumps({"fits": self.fits, "budget_bytes": self.budget_bytes, "peak_bytes": self.peak_bytes,
                            "breakdown": self.breakdown, "choices": {k: getattr(self.choices, k) for k in keys},
-                           "reasons": self.reasons, "advice": self.advice}, indent=2)
+                           "reasons": self.reasons, "advice": self.advice, "sources": self.sources,
+                           "unmeasured_risk": self.unmeasured_risk}, indent=2)
 
 
 def local_dtype(run: RunConfig) -> tuple[str, str]:
@@ -93,7 +99,7 @@ def run_shape(run: RunConfig, arch, c: Choices, data_max_tokens: int | None = No
                     eval_max_new_tokens=run.eval.max_new_tokens if run.eval.generate else 0,
                     device="cuda" if on_gpu else "cpu", gpu_family=gpu_family(run.hw.name),
                     quantize=run.model.quantize, double_quant=run.model.double_quant, use_dora=run.lora.use_dora,
-                    optimizer=run.train.optimizer)
+                    optimizer=run.train.optimizer, allocator=allocator_in_force(os.environ.get("PYTORCH_CUDA_ALLOC_CONF")))
 
 
 def step_down(plan_or_choices: Plan | Choices, run: RunConfig, arch, world_size: int) -> Choices | None:
@@ -176,14 +182,17 @@ def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
             c = nxt
     est = peak(c)
     ok = budget is None or est.peak_bytes <= budget
-    reasons.update(_reasons(run, start, c, budget, weights_only, world_size))
-    plan = Plan(ok, budget, est.peak_bytes, est.breakdown, c, reasons)
+    reasons.update(_reasons(run, start, c, budget, weights_only, world_size, ok))
+    sources = term_sources(est.breakdown, run_shape(run, arch, c, data_max_tokens, packed))
+    plan = Plan(ok, budget, est.peak_bytes, est.breakdown, c, reasons, sources=sources,
+                unmeasured_risk=derived_near_budget(est.breakdown, sources, est.peak_bytes, budget) if ok else "")
     if not ok and advice:
         plan.advice = _advice(run, arch, world_size, c.max_length, data_max_tokens, margin, packed)
     return plan
 
 
-def _reasons(run, start: Choices, c: Choices, budget, weights: int, world_size: int) -> dict[str, str]:
+def _reasons(run, start: Choices, c: Choices, budget, weights: int, world_size: int,
+             fits: bool = True) -> dict[str, str]:
     gib = (lambda x: f"{x / GIB:.1f} GiB")
     r = {}
     r["gradient_checkpointing"] = (f"train.gradient_checkpointing={run.train.gradient_checkpointing}"
@@ -195,7 +204,9 @@ def _reasons(run, start: Choices, c: Choices, budget, weights: int, world_size: 
     elif c.zero_stage == 3 and budget is not None and weights > budget:
         r["zero_stage"] = f"3: frozen weights {gib(weights)} exceed the {gib(budget)} budget; sharded over {world_size} GPUs"
     else:
-        r["zero_stage"] = "3: needed to fit" if c.zero_stage == 3 else "0: plain data parallel fits (ZeRO-1/2 shard nothing useful for LoRA)"
+        r["zero_stage"] = ("3: needed to fit" if c.zero_stage == 3 else
+                           "0: plain data parallel fits (ZeRO-1/2 shard nothing useful for LoRA)" if fits else
+                           "0: nothing fits this card set (see the advice)")
     r["loss_chunk_tokens"] = (f"{c.loss_chunk_tokens}: the full fp32 logits do not fit" if c.loss_chunk_tokens
                               else "0: reference loss fits")
     r["offload_checkpoints"] = ("on: the checkpointed block inputs do not fit; they wait in pinned CPU memory "
@@ -204,7 +215,13 @@ def _reasons(run, start: Choices, c: Choices, budget, weights: int, world_size: 
                            "(H100, deepspeed 0.19.8)")
     r["micro_batch_size"] = (f"{c.micro_batch_size} x grad_accum {c.grad_accum} x {world_size} GPUs keeps the "
                              f"global batch {start.micro_batch_size * start.grad_accum * world_size}")
-    r["eval_batch_size"] = ("halved until evaluation fits" if c.eval_batch_size < start.eval_batch_size
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    allocator = allocator_in_force(conf)
+    r["allocator"] = (f"{ALLOCATORS[allocator]} (PYTORCH_CUDA_ALLOC_CONF="
+                      f"{conf if conf is not None else 'unset: glmtune sets expandable_segments:True'})"
+                      + ("" if allocator == "expandable" else
+                         "; its reserve is planned larger (up to 1.21 x at an evaluation after training, measured)"))
+    r["eval_batch_size"] = ("halved until evaluation, with its own allocator reserve, fits" if c.eval_batch_size < start.eval_batch_size
                             else "train.eval_batch_size")
     return r
 
@@ -216,8 +233,8 @@ def _advice(run, arch, world_size: int, max_length: int, data_max_tokens, margin
     def replan(changed: RunConfig, world: int) -> Plan:
         return make_plan(changed, arch, world, True, data_max_tokens, margin, packed, advice=False)
 
-    return advise(run, world_size, max_length, replan) + quantize_advice(run, max_length,
-                                                                         lambda r: replan(r, world_size))
+    return advise(run, world_size, max_length, replan,
+                  lambda: quantize_advice(run, max_length, lambda r: replan(r, world_size)))
 
 
 def format_plan(plan: Plan):
@@ -228,12 +245,14 @@ def format_plan(plan: Plan):
     table.add_column("item")
     table.add_column("value", justify="right")
     for name, value in plan.breakdown.items():
-        table.add_row(name, f"{value / GIB:.2f} GiB")
+        table.add_row(name, f"{value / GIB:.2f} GiB  [dim]{plan.sources.get(name, '').split(' (')[0]}")
     table.add_row("[bold]estimated peak", f"[bold]{plan.peak_bytes / GIB:.2f} GiB")
     budget = "none (no GPU)" if plan.budget_bytes is None else f"{plan.budget_bytes / GIB:.2f} GiB"
     table.add_row("[bold]budget", budget)
     for key, value in plan.choices.to_dict().items():
         table.add_row(key, f"{value}  [dim]{plan.reasons.get(key, '')}")
+    if plan.unmeasured_risk:
+        table.add_row("[yellow]unmeasured", plan.unmeasured_risk)
     for line in plan.advice:
         table.add_row("[red]advice", line)
     return table

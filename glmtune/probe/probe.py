@@ -183,7 +183,11 @@ def _attempt(run: RunConfig, choices: Choices, model_dir: Path, examples: list[d
             trainer.train()
             if eval_examples:
                 trainer.evaluate(eval_dataset=eval_examples)
-        return meter.peak()
+        peak, detail = meter.peak()
+        # train.compile=on: the estimate has no term for compiled blocks, so the plan rests on this attempt
+        # having run them (nn.Module.compile sets _compiled_call_impl, which __call__ then uses).
+        detail["compiled_blocks"] = sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+        return peak, detail
     except Exception as err:  # noqa: BLE001 - only out-of-memory errors are an outcome; others re-raise
         if classify(err) not in ("oom", "nvml_oom"):
             raise

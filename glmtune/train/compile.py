@@ -8,9 +8,13 @@ plain PyTorch, the HF Trainer still drives the step, and gradient checkpointing 
 blocks (the compiled block runs inside the checkpoint). All 40 blocks share one code object, so one
 compilation serves every layer.
 
-auto: on with CUDA and without ZeRO-3. Off on CPU: the first step's compile costs tens of seconds to
-minutes, more than a CPU run saves. Off under ZeRO-3: its per-module parameter gather/release hooks
-break the graphs, and DeepSpeed has its own compile path.
+auto: on only where a GPU row of bench/RESULTS.md has measured compiled blocks (tokens/s, and the peak
+against the estimate, which has no term for them): MEASURED_COMPILE below. No such row exists yet (the
+blocks were merged after the H100 calibration), so auto is off everywhere until `bench/gpu_pending.py
+--part 3` has run on a card and its row is added. Always off on CPU: the first step's compile costs tens of
+seconds to minutes, more than a CPU run saves. Off under ZeRO-3: its per-module parameter gather/release
+hooks break the graphs, and DeepSpeed has its own compile path. `train.compile=on` works anywhere; the
+probe then runs the compiled blocks, and their memory is the probe's measurement, not the estimate's.
 """
 from __future__ import annotations
 
@@ -18,16 +22,34 @@ import torch
 
 from ..config import ConfigError, TrainConfig
 
+# GPUs (a substring of torch.cuda.get_device_name()) on which a bench/RESULTS.md row measured compiled blocks
+# without ZeRO-3 (speed-up and peak against the estimate), and those on which it measured FlexAttention for
+# packed rows with them. Add a name only with its row. Empty: nothing has been measured on a GPU yet.
+MEASURED_COMPILE: tuple[str, ...] = ()
+MEASURED_FLEX: tuple[str, ...] = ()
+UNMEASURED = "no GPU row in bench/RESULTS.md has measured it yet (bench/gpu_pending.py --part 3)"
+
+
+def _measured_here(names: tuple[str, ...]) -> str | None:
+    """The measured GPU name that this process's CUDA device matches, if any."""
+    device = torch.cuda.get_device_name(0)
+    return next((name for name in names if name in device), None)
+
 
 def resolve_compile(cfg: TrainConfig, zero_stage: int) -> tuple[bool, str]:
     """(compile the blocks?, why)."""
     if cfg.compile != "auto":
-        return cfg.compile == "on", f"train.compile={cfg.compile}"
+        why = f"train.compile={cfg.compile}"
+        return cfg.compile == "on", why + ("; its memory is the probe's measurement, not the estimate's (the "
+                                           "estimator has no term for compiled blocks)" if cfg.compile == "on" else "")
     if not torch.cuda.is_available():
         return False, "auto: off on CPU (compile time exceeds what a CPU run saves)"
     if zero_stage == 3:
         return False, "auto: off under ZeRO-3 (its parameter hooks break the compiled graphs)"
-    return True, "auto: on (CUDA, no ZeRO-3): fused element-wise kernels, fewer launches"
+    measured = _measured_here(MEASURED_COMPILE)
+    if measured is None:
+        return False, f"auto: off: {UNMEASURED} for {torch.cuda.get_device_name(0)}; train.compile=on to try it"
+    return True, f"auto: on (measured on {measured}, no ZeRO-3): fused element-wise kernels, fewer launches"
 
 
 def check_attention(cfg: TrainConfig) -> None:
@@ -47,7 +69,10 @@ def resolve_packed_attention(cfg: TrainConfig, compiled: bool, attention_dropout
     if cfg.packed_attention != "auto":
         return cfg.packed_attention, f"train.packed_attention={cfg.packed_attention}"
     if torch.cuda.is_available() and compiled and attention_dropout == 0:
-        return "flex", "auto: flex (CUDA, compiled blocks): blocks between examples are skipped"
+        measured = _measured_here(MEASURED_FLEX)
+        if measured is not None:
+            return "flex", f"auto: flex (measured on {measured}, compiled blocks): blocks between examples are skipped"
+        return "sdpa", f"auto: sdpa: FlexAttention {UNMEASURED}; train.packed_attention=flex to try it"
     return "sdpa", "auto: sdpa with a dense block-diagonal mask (flex needs CUDA and compiled blocks)"
 
 

@@ -7,6 +7,7 @@ import peft
 import torch
 
 from ..config import LORA_TARGETS, ConfigError, LoraConfig
+from ..models.quantize import quiet_unused_bitsandbytes
 
 
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> peft.PeftModel:
@@ -14,6 +15,7 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> peft.PeftModel:
     lora = peft.LoraConfig(task_type=peft.TaskType.CAUSAL_LM, r=cfg.r, lora_alpha=cfg.alpha,
                            lora_dropout=cfg.dropout, target_modules=_targets(model, cfg), use_dora=cfg.use_dora,
                            use_rslora=cfg.use_rslora)
+    quiet_unused_bitsandbytes()
     try:
         model = peft.get_peft_model(model, lora)
     except ValueError as err:

@@ -1,0 +1,34 @@
+"""bench/gpu_pending.py, the one command for the next GPU, runs every part on CPU with the tiny model, so it is
+never found broken on the day a GPU is there."""
+import subprocess
+import sys
+
+import pytest
+
+
+def _part(repo, tmp_path, part: int) -> str:
+    out = subprocess.run([sys.executable, "bench/gpu_pending.py", "--tiny", "--part", str(part), "--work",
+                          str(tmp_path)], cwd=repo, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.startswith(f"## gpu_pending part {part} (tiny, CPU): ")
+    return out.stdout
+
+
+def test_part_1_prints_the_memory_table_of_the_recorded_rows(repo, tmp_path):
+    rows = [line for line in _part(repo, tmp_path, 1).splitlines() if line.startswith("| glm") or line.startswith("| chat")]
+    assert len(rows) == 21 and sum("default alloc" in r for r in rows) == 3
+
+
+@pytest.mark.slow  # ~45 s on 2 cores: three quantized loads and a probe + 2 training steps
+def test_part_2_quantized_rows_and_a_probed_run(repo, tmp_path):
+    out = _part(repo, tmp_path, 2)
+    assert [line.split("|")[1].strip() for line in out.splitlines() if line.startswith(("| bf16", "| int8", "| nf4"))] \
+        == ["bf16", "int8", "nf4"]
+    assert "done in " in out and "adapter saved" in out and '"outcome": "fits"' in out
+
+
+@pytest.mark.slow  # ~30 s: the Trainer on demo-like rows, packed and not, then generation
+def test_part_3_throughput_and_generation_rows(repo, tmp_path):
+    out = _part(repo, tmp_path, 3)
+    assert sum(line.startswith("| demo |") for line in out.splitlines()) == 2
+    assert sum(line.startswith("| batch ") for line in out.splitlines()) == 3
