@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import textwrap
+from pathlib import Path
 from importlib.metadata import PackageNotFoundError, requires, version
 
 from . import __version__
@@ -49,8 +50,20 @@ def installed(module: str) -> bool:
         return False
 
 
-def options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+def options(group: str, extra: tuple[Path, ...] = ()) -> list[str]:
+    """The presets of a group: conf/'s and those of each `--config-dir DIR` (Hydra searches both)."""
+    return sorted({p.stem for folder in (CONF_DIR, *extra) for p in (folder / group).glob("*.yaml")})
+
+
+def config_dirs(argv: list[str]) -> tuple[Path, ...]:
+    """The folders given with Hydra's --config-dir DIR / --config-dir=DIR / -cd DIR."""
+    found = []
+    for i, arg in enumerate(argv):
+        if arg in ("--config-dir", "-cd") and i + 1 < len(argv):
+            found.append(argv[i + 1])
+        elif arg.startswith("--config-dir="):
+            found.append(arg.split("=", 1)[1])
+    return tuple(Path(d).expanduser() for d in found)
 
 
 def extra_install(extra: str) -> str:
@@ -79,7 +92,12 @@ def check_command_line(argv: list[str]) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
-    args = [a for a in argv if "=" in a and not a.startswith("-")]
+    extra = config_dirs(argv)
+    missing = [str(d) for d in extra if not d.is_dir()]
+    if missing:
+        raise ConfigError(f"invalid command line: --config-dir {', '.join(missing)} is not a folder — give a folder "
+                          "holding group folders such as hw/, model/, data/, lora/")
+    args = [a for a in argv if "=" in a and not a.startswith("-") and Path(a).expanduser() not in extra]
     parser = OverridesParser.create()
     problems = []
     parsed = []
@@ -100,7 +118,7 @@ def check_command_line(argv: list[str]) -> None:
             problems.append(f"{group} is not in the defaults list, so it needs a '+': write +{o.input_line}")
             continue
         if group in DEFAULT_GROUPS + APPENDED_GROUPS:
-            valid = options(group)
+            valid = options(group, extra)
             for value in _values(o):
                 if value not in valid and value != "null":
                     problems.append(f"unknown {group} '{value}' (options: {', '.join(valid)})")
@@ -157,6 +175,7 @@ def help_text() -> str:
     lines = ["usage: glmtune [+hw=CARD] [group=option ...] [key=value ...]",
              "       glmtune -m key=a,b [key=c,d ...]      a sweep: one run per combination (Hydra multirun)",
              "       glmtune --version | --help | --cfg job  (--cfg job prints the composed config and exits)",
+             "       glmtune --config-dir DIR ...          DIR/<group>/NAME.yaml become presets of every group",
              "       python -m glmtune ...                 the same command",
              "",
              "LoRA fine-tuning of GLM-4-9B-chat, GLM-4V-9B and ChatGLM3-6B that plans GPU memory before it loads",

@@ -8,6 +8,7 @@ one error per run. Only `glmtune/__main__.py` imports Hydra; everything below it
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import types
 import typing
@@ -34,7 +35,13 @@ _CHOICES = {
     "data.packing": ("auto", "on", "off"),
     "hw.interconnect": ("pcie", "nvlink", "none"),
     "train.resume": ("auto", "always", "restart"),
+    "data.format": ("auto", "glm", "alpaca", "sharegpt", "openai"),
+    "train.optimizer": ("adamw_torch", "adamw_8bit"),
+    # HF scheduler names that need no arguments beyond warmup (reduce_lr_on_plateau needs a metric per step).
+    "train.lr_scheduler": ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
+                           "constant_with_warmup", "inverse_sqrt"),
 }
+TRACKERS = ("tensorboard", "wandb", "mlflow", "swanlab")
 _POSITIVE = ("data.max_length", "lora.r", "lora.alpha", "dist.nnodes", "dist.nproc_per_node",
              "train.per_device_batch_size", "train.grad_accum",
              "train.eval_batch_size", "train.logging_steps", "hw.gpus_per_node", "probe.steps",
@@ -207,6 +214,20 @@ def _check_values(cfg: RunConfig) -> list[str]:
         problems.append(f"train.max_steps must be >= 0 (0 = whole epochs), got {cfg.train.max_steps}")
     if cfg.train.max_steps <= 0 and cfg.train.num_epochs <= 0:
         problems.append("set train.num_epochs > 0 (or train.max_steps > 0)")
+    if not 0.0 <= cfg.train.warmup_ratio < 1.0:
+        problems.append(f"train.warmup_ratio must be in [0, 1), got {cfg.train.warmup_ratio}")
+    unknown = [t for t in cfg.train.report_to if t not in TRACKERS]
+    if unknown:
+        problems.append(f"train.report_to has {', '.join(map(repr, unknown))}; trackers: {', '.join(TRACKERS)}")
+    if cfg.train.optimizer == "adamw_8bit" and importlib.util.find_spec("bitsandbytes") is None:
+        problems.append('train.optimizer=adamw_8bit needs bitsandbytes: pip install "glmtune[quant]"')
+    if cfg.train.optimizer == "adamw_8bit" and cfg.dist.strategy == "zero3":
+        problems.append("train.optimizer=adamw_8bit is not used under ZeRO-3 (DeepSpeed keeps its own fp32 states): "
+                        "use train.optimizer=adamw_torch or dist.strategy=auto|ddp")
+    absent = [t for t in cfg.train.report_to if t in TRACKERS and importlib.util.find_spec(t) is None]
+    if absent:
+        problems.append(f"train.report_to has {', '.join(absent)}, not installed: pip install {' '.join(absent)} "
+                        '(or pip install "glmtune[track]")')
     if cfg.train.learning_rate <= 0:
         problems.append(f"train.learning_rate must be > 0, got {cfg.train.learning_rate}")
     return problems

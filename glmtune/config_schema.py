@@ -33,6 +33,7 @@ class DataConfig:
     num_proc: int = 0  # processes that tokenize a file on a cache miss; 0 = every core this process may use
     packing: str = "auto"  # auto | on | off: several examples per row (data/packing.py); auto = on a GPU when it halves the rows
     pack_length: Optional[int] = None  # positions per packed row; None = max(2048, longest example)
+    format: str = "auto"  # auto | glm | alpaca | sharegpt | openai: how records map onto GLM messages (data/formats.py)
 
 
 @dataclass
@@ -41,6 +42,8 @@ class LoraConfig:
     alpha: int = 32
     dropout: float = 0.1
     target_modules: list[str] = field(default_factory=lambda: ["query_key_value"])
+    use_dora: bool = False  # DoRA (peft): a trained magnitude per output row; costs a weight-sized temporary per layer
+    use_rslora: bool = False  # rank-stabilised scaling alpha/sqrt(r) instead of alpha/r; no memory cost
 
 
 @dataclass
@@ -48,6 +51,7 @@ class DistConfig:
     strategy: str = "auto"  # auto: the plan decides; ddp: plain data parallel; zero3: DeepSpeed ZeRO-3
     nnodes: int = 1
     nproc_per_node: int = 1
+    deepspeed_config: Optional[str] = None  # your DeepSpeed JSON; the plan fills its "auto" values (train/ds_json.py)
 
 
 @dataclass
@@ -65,6 +69,10 @@ class TrainConfig:
     resume: str = "auto"  # auto | always | restart: what to do with an earlier run in the same run dir
     logging_steps: int = 5
     warmup_steps: int = 0
+    warmup_ratio: float = 0.0  # fraction of the optimizer steps spent warming up; used when warmup_steps is 0
+    lr_scheduler: str = "linear"  # an HF scheduler name: linear, cosine, constant_with_warmup, ...
+    optimizer: str = "adamw_torch"  # adamw_torch | adamw_8bit (bitsandbytes: 2 B of state per parameter, not 8)
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])  # + wandb, mlflow, swanlab (extras)
     weight_decay: float = 0.0
     precision: str = "auto"  # auto | bf16 | fp16 | fp32
     gradient_checkpointing: str = "auto"  # auto | on | off

@@ -24,6 +24,7 @@ from .launch import rank, world_size
 from .models import load_tokenizer
 from .models.loading import check_weight_files
 from .models.presets import arch_config, resolve_model_dir
+from .plan import userds
 from .plan.estimate import GIB, image_extra_tokens
 from .plan.elastic import elastic_choices
 from .plan.planner import Choices, format_plan, make_plan
@@ -58,6 +59,7 @@ def prepare(cfg: DictConfig, overrides: list[str]) -> Prepared:
     config = OmegaConf.to_container(cfg, resolve=True)
     try:
         run = parse_config(config)
+        userds.apply(run)  # dist.deepspeed_config: checked now; its ZeRO stage decides dist.strategy=auto
         check_attention(run.train)
         prep = Prepared(cfg, config, run, arch_config(run.model), overrides)  # config.json only: no weights read
         if run.mode != "plan":
@@ -102,15 +104,22 @@ def infer_mode(prep: Prepared, run_dir: Path) -> None:
     run = prep.run
     config_sha = hashlib.sha256(OmegaConf.to_yaml(prep.cfg).encode()).hexdigest()[:16]  # as versions.json
     result = run_infer(run.infer, run.model, run.hw.memory_gib, prep.model_dir, prep.tokenizer, run_dir, config_sha)
-    console.print(result)
     if run.infer.prompt and "predictions" in result:  # one-shot: the answer on the console too
-        console.print(json.loads(Path(result["predictions"]).read_text().splitlines()[0])["output"])
+        console.print(json.loads(Path(result["predictions"]).read_text().splitlines()[0])["output"], markup=False)
+    if "merged" in result:
+        console.print(f"merged base + adapter written to {result['merged']}", markup=False)
+    if "predictions" in result:  # the last line: where the outputs are
+        console.print(f"{result['count']} predictions (batch {result['batch_size']}) written to {result['predictions']}; "
+                      f"provenance in {result['provenance']}", markup=False)
 
 
 def chat_mode(prep: Prepared, run_dir: Path) -> None:
     from .infer.chat import run_chat
 
-    run_chat(prep.run.infer, prep.run.model, prep.run.hw.memory_gib, prep.model_dir, prep.tokenizer, run_dir)
+    try:
+        run_chat(prep.run.infer, prep.run.model, prep.run.hw.memory_gib, prep.model_dir, prep.tokenizer, run_dir)
+    except Interrupted:  # Ctrl-C in a chat is how people leave it: not an error, nothing to save
+        console.print(f"\nchat ended (Ctrl-C); the transcript is in {run_dir / 'chat.jsonl'}", markup=False)
 
 
 def planned(prep: Prepared, run_dir: Path, plan_scratch: bool):

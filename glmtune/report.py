@@ -86,4 +86,8 @@ def summary(metrics: dict, wall_s: float) -> str:
         parts.append(f"{metrics['tokens_per_s']:,.0f} tokens/s")
     if metrics.get("measured_peak_bytes"):
         parts.append(f"peak {metrics['measured_peak_bytes'] / GIB:.2f} GiB ({metrics['peak_kind']})")
-    return ", ".join(parts) + f"; adapter saved to {metrics['adapter_dir']}"
+    line = ", ".join(parts) + f"; adapter saved to {metrics['adapter_dir']}"
+    best = metrics.get("best") or {}
+    if best.get("adapter_dir"):  # with a val set: the best evaluation's adapter, kept beside the last one
+        line += (f"; best {best['metric']} {best['value']:.4g} at step {best['step']}: {best['adapter_dir']}")
+    return line

@@ -19,7 +19,8 @@ from .launch import rank
 
 # Logs and pipes get 120 columns instead of rich's 80, so paths and reasons stay on one line.
 ERROR_PREFIX = "glmtune: error: "  # the sweep summary picks a failed trial's reason out of stderr by it
-console = Console(highlight=False, width=None if sys.stdout.isatty() else 120, soft_wrap=True)
+# Not a terminal (a SLURM log, a pipe): tables at their natural width, never cut at rich's default of 80 or 120.
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 1_000, soft_wrap=True)
 
 
 def fail(message: str, code: int = 2, leader_speaks: bool = False) -> None:

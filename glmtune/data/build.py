@@ -20,12 +20,13 @@ import os
 import shutil
 import signal
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import pyarrow as pa
 
 from .validate import DataError, _one_line, _Problem, check_line, no_conversations
+from .sources import where
 
 _LINES_SCHEMA = pa.schema([("line", pa.int32()), ("start", pa.int64()), ("raw", pa.binary())])
 _BATCH_LINES = 10_000  # lines per Arrow record batch of the raw-lines file
@@ -49,39 +50,32 @@ def _as_worker() -> None:
         os._exit(1)
 
 
-def write_lines(raw: bytes, path: Path) -> int:
-    """The file's non-blank lines (whitespace-only ones are skipped, as validation skips them) into an Arrow
+def write_lines(items: Iterable[tuple[int, int, bytes]], path: Path) -> int:
+    """The file's non-blank records (sources.records: line or row number, byte offset, raw JSON) into an Arrow
     stream file; returns how many. Line numbers and byte offsets count every line, blank or not."""
     count, batch = 0, {"line": [], "start": [], "raw": []}
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, _LINES_SCHEMA) as writer:
-        start, line_no = 0, 0
-        while start <= len(raw):
-            end = raw.find(b"\n", start)
-            end = len(raw) if end < 0 else end
-            line_no += 1
-            chunk = raw[start:end]
-            if chunk.strip():
-                batch["line"].append(line_no)
-                batch["start"].append(start)
-                batch["raw"].append(chunk)
-                count += 1
-                if len(batch["line"]) == _BATCH_LINES:
-                    writer.write_batch(pa.record_batch(batch, schema=_LINES_SCHEMA))
-                    batch = {k: [] for k in batch}
-            start = end + 1
+        for line_no, start, chunk in items:
+            batch["line"].append(line_no)
+            batch["start"].append(start)
+            batch["raw"].append(chunk)
+            count += 1
+            if len(batch["line"]) == _BATCH_LINES:
+                writer.write_batch(pa.record_batch(batch, schema=_LINES_SCHEMA))
+                batch = {k: [] for k in batch}
         if batch["line"]:
             writer.write_batch(pa.record_batch(batch, schema=_LINES_SCHEMA))
     return count
 
 
 def encode_rows(batch: dict[str, list], tokenizer: Any, max_length: int, folder: str,
-                encode: Callable) -> dict[str, list]:
+                encode: Callable, fmt: str = "glm") -> dict[str, list]:
     """datasets.map worker: check and encode a batch of raw lines. A bad line becomes a row with its problem."""
     _as_worker()
     out: dict[str, list] = {k: [] for k in ("line", "input_ids", "labels", "length", "untruncated", "targets",
                                             "image", "what", "fix")}
     for line_no, start, raw_line in zip(batch["line"], batch["start"], batch["raw"]):
-        result = check_line(raw_line, line_no, start, Path(folder))
+        result = check_line(raw_line, line_no, start, Path(folder), fmt=fmt)
         if result is None:  # blank after decoding (e.g. only U+3000 ideographic spaces)
             continue
         if isinstance(result, _Problem):
@@ -105,9 +99,11 @@ def default_num_proc(lines: int) -> int:
 
 
 def build_split(lines_file: Path, out: Path, shown: str, key: str, fingerprint: str, folder: Path, tokenizer: Any,
-                max_length: int, has_vision: bool, encode: Callable, num_proc: int) -> None:
+                max_length: int, has_vision: bool, encode: Callable, num_proc: int, fmt: str = "glm",
+                rows: bool = False) -> None:
     """Encode lines_file into out/dataset; raise DataError (the file's first bad line) instead when it is bad.
-    shown: the file as the user wrote it; key: the config key naming it; fingerprint: the cache key."""
+    shown: the file as the user wrote it; key: the config key naming it; fingerprint: the cache key;
+    fmt: the record format (formats.py); rows: the file's records are rows, not lines (sources.is_rows)."""
     import datasets  # ~1-2 s of imports, paid by the builder only
 
     global _BUILDER
@@ -121,7 +117,8 @@ def build_split(lines_file: Path, out: Path, shown: str, key: str, fingerprint: 
     lines = datasets.Dataset.from_file(str(lines_file))
     scratch = lines_file.parent
     try:
-        encoded = _map(lines, features, tokenizer, max_length, folder, encode, fingerprint, scratch, shown, num_proc)
+        encoded = _map(lines, features, tokenizer, max_length, folder, encode, fingerprint, scratch, shown, num_proc,
+                       fmt)
     except Exception as err:
         # A stop signal raises a BaseException (train/signals.Interrupted, KeyboardInterrupt) in this process;
         # datasets' multi-process map then collects its workers' results in a `finally` and raises a TimeoutError
@@ -132,24 +129,28 @@ def build_split(lines_file: Path, out: Path, shown: str, key: str, fingerprint: 
         if cause is not None:
             raise cause from None
         raise
-    _check(encoded.data, shown, key, has_vision)
-    encoded.remove_columns(["what", "fix"]).save_to_disk(str(out / "dataset"))
+    _check(encoded.data, shown, key, has_vision, rows)
+    datasets.disable_progress_bars()  # "Saving the dataset" is milliseconds here and tells the user nothing
+    try:
+        encoded.remove_columns(["what", "fix"]).save_to_disk(str(out / "dataset"))
+    finally:
+        datasets.enable_progress_bars()
     del encoded, lines
     shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _map(lines: Any, features: Any, tokenizer: Any, max_length: int, folder: Path, encode: Callable, fingerprint: str,
-         scratch: Path, shown: str, num_proc: int) -> Any:
+         scratch: Path, shown: str, num_proc: int, fmt: str) -> Any:
     return lines.map(
         encode_rows, batched=True, batch_size=_MAP_BATCH, writer_batch_size=1000, remove_columns=lines.column_names,
         features=features, num_proc=num_proc if num_proc > 1 else None,
-        fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "folder": str(folder), "encode": encode},
+        fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "folder": str(folder), "encode": encode, "fmt": fmt},
         # A fingerprint of our own: datasets would otherwise hash the tokenizer (150K entries) with dill.
         new_fingerprint=f"glmtune-{fingerprint[:32]}", cache_file_name=str(scratch / "encoded.arrow"),
         desc=f"glmtune: tokenizing {Path(shown).name}")
 
 
-def _check(table: Any, shown: str, key: str, has_vision: bool) -> None:
+def _check(table: Any, shown: str, key: str, has_vision: bool, rows: bool = False) -> None:
     """The errors validate.read_conversations and the encoder raise, in the same order and words."""
     if table.num_rows == 0:  # datasets.map on no rows may not add the output columns at all
         raise DataError(no_conversations(shown, key))
@@ -157,9 +158,9 @@ def _check(table: Any, shown: str, key: str, has_vision: bool) -> None:
     if what.null_count < len(what):
         bad = np.flatnonzero(what.is_valid().to_numpy(zero_copy_only=False))
         lines, whats, fixes = (table.column(c).take(pa.array(bad)).to_pylist() for c in ("line", "what", "fix"))
-        raise DataError(_one_line(shown, [_Problem(*p) for p in zip(lines, whats, fixes)]))
+        raise DataError(_one_line(shown, [_Problem(*p) for p in zip(lines, whats, fixes)], rows))
     image = table.column("image")
     if not has_vision and image.null_count < len(image):
         line = table.column("line")[int(np.argmax(image.is_valid().to_numpy(zero_copy_only=False)))].as_py()
-        raise DataError(f"{shown}:{line}: has an \"image\" but this model has no vision tower — use "
+        raise DataError(f"{where(shown, line, rows)}: has an \"image\" but this model has no vision tower — use "
                         "model=glm4v_9b (or glm4v_tiny), or drop the image")

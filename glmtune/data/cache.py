@@ -39,11 +39,12 @@ from ..config import DataConfig
 from ..models.presets import cache_root
 from .build import build_split, default_num_proc, write_lines
 from .tokenized import TokenizedSplit
-from .validate import DataError, _read_bytes, locate
+from .sources import digest, is_rows, records
+from .validate import DataError, _read_bytes, file_format, locate
 
 FORMAT = 1  # the entry layout (tokenized.COLUMNS, meta.json); bump on a change the source hash would not catch
 # Code whose change changes the rows: its source text is part of the key (no version number to forget).
-_CODE = ("data/validate.py", "data/pipeline.py", "data/build.py", "models/tokenization.py",
+_CODE = ("data/validate.py", "data/pipeline.py", "data/build.py", "data/formats.py", "data/sources.py", "models/tokenization.py",
          "models/tokenization_glm4.py", "models/tokenization_chatglm3.py")
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,8 @@ def load_split(cfg: DataConfig, path: str, config_key: str, tokenizer: Any, has_
     located = locate(path)  # data/samples/... falls back to the copy shipped inside glmtune
     raw = _read_bytes(located, str(path), config_key)  # the validation messages for missing/unreadable files
     folder = located.expanduser().resolve().parent
-    fields = {"format": FORMAT, "data_sha256": hashlib.sha256(raw).hexdigest(), "folder": str(folder),
+    fmt = file_format(cfg.format, located, str(path), raw)  # auto: from the first record that parses
+    fields = {"format": FORMAT, "data_sha256": digest(located, raw), "folder": str(folder), "records": fmt,
               "tokenizer_sha256": tokenizer_sha256(tokenizer), "max_length": cfg.max_length,
               "family": tokenizer.family, "vision": has_vision, "code_sha256": code_sha256()}
     key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:20]
@@ -90,13 +92,13 @@ def load_split(cfg: DataConfig, path: str, config_key: str, tokenizer: Any, has_
         tmp = root / f".{entry.name}.tmp-{socket.gethostname()}-{os.getpid()}"
         (tmp / "scratch").mkdir(parents=True)
         try:
-            lines = write_lines(raw, tmp / "scratch" / "lines.arrow")
+            lines = write_lines(records(located, str(path), raw), tmp / "scratch" / "lines.arrow")
             del raw  # 1 byte per byte of the file: not kept through the map (forked workers would inherit it)
             num_proc = cfg.num_proc or default_num_proc(lines)
             log.info("data: building the cache entry %s for %s (%d lines, num_proc=%d)", entry, path, lines,
                      num_proc)
             build_split(tmp / "scratch" / "lines.arrow", tmp, str(path), config_key, key, folder, tokenizer,
-                        cfg.max_length, has_vision, encode, num_proc)
+                        cfg.max_length, has_vision, encode, num_proc, fmt, is_rows(located))
             meta = {**fields, "file": str(Path(path).resolve()), "lines": lines, "host": socket.gethostname(),
                     "build_seconds": round(time.time() - started, 1), "files_sha256": files_sha256(tmp)}
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")

@@ -31,7 +31,8 @@ import torch
 
 from ..config import DataConfig
 from ..models.vision import load_image, num_image_tokens
-from .validate import DataError, check_file
+from .sources import is_rows, where
+from .validate import DataError, check_file, locate
 
 if TYPE_CHECKING:
     from .tokenized import TokenizedSplit
@@ -179,14 +180,16 @@ def build_datasets(cfg: DataConfig, tokenizer: MessageTokenizer, vision_config: 
             check_file(path, key)
     train, train_stats = _load_split(cfg, cfg.train_file, "data.train_file", tokenizer, vision_config)
     if not len(train):
-        raise DataError(f"{cfg.train_file}:{train_stats.dropped_lines[0]}: every example lost all its assistant "
+        at = where(cfg.train_file, train_stats.dropped_lines[0], is_rows(locate(cfg.train_file)))
+        raise DataError(f"{at}: every example lost all its assistant "
                         f"tokens to truncation at data.max_length={cfg.max_length} (longest example "
                         f"{train_stats.max_untruncated} tokens) — raise data.max_length or shorten the prompts")
     val, val_stats = None, None
     if cfg.val_file is not None:
         val, val_stats = _load_split(cfg, cfg.val_file, "data.val_file", tokenizer, vision_config)
         if not len(val):
-            raise DataError(f"{cfg.val_file}:{val_stats.dropped_lines[0]}: every validation example lost all its "
+            at = where(cfg.val_file, val_stats.dropped_lines[0], is_rows(locate(cfg.val_file)))
+            raise DataError(f"{at}: every validation example lost all its "
                             f"assistant tokens to truncation at data.max_length={cfg.max_length} — raise "
                             "data.max_length or set data.val_file=null")
     return Datasets(train, val, DataStats(max_length=cfg.max_length, train=train_stats, val=val_stats))

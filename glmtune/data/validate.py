@@ -9,7 +9,9 @@ Every line of a file is checked, so the message also says how many more lines ar
 The format is the official GLM-4 fine-tune format, one JSON object per line:
     {"messages": [{"role": "system"|"user"|"assistant"|"observation", "content": "...",
                    "metadata": "..." (optional), "tools": [...] (system only)}, ...]}
-ChatGLM3's `conversations` key is accepted as an alias of `messages`.
+ChatGLM3's `conversations` key is accepted as an alias of `messages`. Other tools' formats (alpaca, ShareGPT,
+OpenAI chat) are mapped onto these messages first (formats.py), and .json, Parquet and saved `datasets` folders
+are read as records (sources.py); their errors name the row (`train.parquet:row 3: ...`).
 GLM-4V: the first user message may carry `"image": "<path>"` (one image per conversation, as the official
 script); a relative path is relative to the data file's folder. Every image must exist and open as an image.
 """
@@ -20,7 +22,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..config import ConfigError, DataConfig
+from .formats import detect, to_glm
 from .images import image_problem
+from .sources import DataError, is_rows, is_saved_dataset, records
 
 ROLES = ("system", "user", "assistant", "observation")
 MESSAGE_KEYS = ("messages", "conversations")  # GLM-4 name first, then the ChatGLM3 alias
@@ -28,10 +32,6 @@ MESSAGE_KEYS = ("messages", "conversations")  # GLM-4 name first, then the ChatG
 TOOL_TYPES = ("function", "python", "simple_browser", "cogview")
 _SHOWN_LINES = 5  # how many further bad line numbers the one-line message lists
 _UTF8_BOM = b"\xef\xbb\xbf"  # written by some Windows editors; harmless, so it is skipped
-
-
-class DataError(ConfigError):
-    """A data file that cannot be trained on: one line `<file>:<line>: <what is wrong> — <what to do>`."""
 
 
 class Conversation(NamedTuple):
@@ -71,30 +71,45 @@ def validate_files(cfg: DataConfig) -> None:
         read_conversations(cfg.val_file, "data.val_file")
 
 
-def read_conversations(path: str | Path, key: str = "data.train_file", prompts: bool = False) -> list[Conversation]:
+def read_conversations(path: str | Path, key: str = "data.train_file", prompts: bool = False,
+                       fmt: str = "glm") -> list[Conversation]:
     """All conversations of a JSONL file, or DataError naming the first bad line and counting the others.
 
     `key` is the config key that named the file, so the message can say what to change. `prompts=True`
     reads generation prompts: they end on a user or observation turn instead of containing a reply.
+    fmt: data.format (auto = detected from the file's first record).
     """
     shown = str(path)  # as the user wrote it in the config, which is what they will recognise
     path = locate(path)
     raw = _read_bytes(path, shown, key)
+    fmt = file_format(fmt, path, shown, raw)
     conversations: list[Conversation] = []
     problems: list[_Problem] = []
-    offset = 0  # byte offset of the current line's first byte in the file
-    for line_no, raw_line in enumerate(raw.split(b"\n"), start=1):
-        line_start, offset = offset, offset + len(raw_line) + 1
-        result = check_line(raw_line, line_no, line_start, Path(path).parent, prompts)
+    for line_no, line_start, raw_line in records(path, shown, raw):
+        result = check_line(raw_line, line_no, line_start, Path(path).parent, prompts, fmt)
         if isinstance(result, _Problem):
             problems.append(result)
         elif result is not None:
             conversations.append(Conversation(line_no, result))
     if problems:
-        raise DataError(_one_line(shown, problems))
+        raise DataError(_one_line(shown, problems, is_rows(path)))
     if not conversations:
         raise DataError(no_conversations(shown, key))
     return conversations
+
+
+def file_format(fmt: str, path: Path, shown: str, raw: bytes | None) -> str:
+    """data.format for this file: as set, or (auto) the format of its first record that parses as an object."""
+    if fmt != "auto":
+        return fmt
+    for _, _, raw_line in records(path, shown, raw):
+        try:
+            found = detect(json.loads(raw_line.decode("utf-8-sig")))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            continue
+        if found is not None:
+            return found
+    return "glm"  # nothing recognisable: the GLM checks name what is wrong
 
 
 def no_conversations(shown: str, key: str) -> str:
@@ -102,8 +117,8 @@ def no_conversations(shown: str, key: str) -> str:
             f"point {key} at another file")
 
 
-def check_line(raw_line: bytes, line_no: int, line_start: int, folder: Path, prompts: bool = False
-               ) -> list[dict[str, Any]] | _Problem | None:
+def check_line(raw_line: bytes, line_no: int, line_start: int, folder: Path, prompts: bool = False,
+               fmt: str = "glm") -> list[dict[str, Any]] | _Problem | None:
     """One line of a file (without its newline): its messages, the problem with it, or None when blank.
 
     line_start is the byte offset of the line in the file (for the UTF-8 message); folder is the data file's,
@@ -119,7 +134,7 @@ def check_line(raw_line: bytes, line_no: int, line_start: int, folder: Path, pro
                         "re-save the file as UTF-8, e.g. `iconv -f GBK -t UTF-8`")
     if not text.strip():
         return None  # blank lines (and the newline at the end of the file) are allowed
-    result = _parse_line(text, line_no, prompts)
+    result = _parse_line(text, line_no, prompts, fmt)
     if not isinstance(result, _Problem):
         result = _resolve_image(result, folder, line_no)
     return result
@@ -132,8 +147,11 @@ def check_file(path: str | Path, key: str) -> None:
     _check_path(locate(path), str(path), key)
 
 
-def _read_bytes(path: Path, shown: str, key: str) -> bytes:
+def _read_bytes(path: Path, shown: str, key: str) -> bytes | None:
+    """The file's bytes (None for a saved dataset folder, read by sources.records)."""
     _check_path(path, shown, key)
+    if path.is_dir():
+        return None
     try:
         return path.read_bytes()
     except OSError as err:
@@ -148,23 +166,24 @@ def _check_path(path: Path, shown: str, key: str) -> None:
         if key == "data.val_file":
             fix += ", or set data.val_file=null to train without evaluation"
         raise DataError(f"{shown}: {what} — {fix}")
-    if path.is_dir():
-        raise DataError(f"{shown}: is a directory — point {key} at a .jsonl file")
-    if not path.is_file():  # a FIFO or device: reading it would block or never end
+    if path.is_dir() and not is_saved_dataset(path):
+        raise DataError(f"{shown}: is a directory but not a saved dataset (no state.json) — point {key} at a "
+                        ".jsonl, .json or .parquet file or a datasets save_to_disk folder")
+    if not path.is_file() and not path.is_dir():  # a FIFO or device: reading it would block or never end
         raise DataError(f"{shown}: not a regular file (a FIFO, socket or device) — point {key} at a .jsonl file")
 
 
-def _one_line(shown: str, problems: list[_Problem]) -> str:
+def _one_line(shown: str, problems: list[_Problem], rows: bool = False) -> str:
     first, rest = problems[0], problems[1:]
-    message = f"{shown}:{first.line}: {first.what} — {first.fix}"
+    message = f"{shown}:{'row ' if rows else ''}{first.line}: {first.what} — {first.fix}"
     if rest:
         lines = ", ".join(str(p.line) for p in rest[:_SHOWN_LINES]) + (", …" if len(rest) > _SHOWN_LINES else "")
-        plural = "line" if len(rest) == 1 else "lines"
+        plural = ("row" if rows else "line") + ("" if len(rest) == 1 else "s")
         message += f" (… and {len(rest)} more bad {plural}: {lines})"
     return message
 
 
-def _parse_line(text: str, line_no: int, prompts: bool = False) -> list[dict[str, Any]] | _Problem:
+def _parse_line(text: str, line_no: int, prompts: bool = False, fmt: str = "glm") -> list[dict[str, Any]] | _Problem:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as err:
@@ -176,6 +195,10 @@ def _parse_line(text: str, line_no: int, prompts: bool = False) -> list[dict[str
     if not isinstance(obj, dict):
         return _Problem(line_no, f"line is {_kind(obj)}, not an object",
                         'write one {"messages": [...]} object per line')
+    if fmt != "glm":
+        obj = to_glm(obj, fmt)
+        if isinstance(obj, tuple):
+            return _Problem(line_no, *obj)
     key = next((k for k in MESSAGE_KEYS if k in obj), None)
     if key is None:
         found = ", ".join(repr(k) for k in list(obj)[:5]) or "none"
@@ -188,7 +211,7 @@ def _parse_line(text: str, line_no: int, prompts: bool = False) -> list[dict[str
     if "tools" in obj:  # ChatGLM3's top-level tools: its own demo refuses them too
         return _Problem(line_no, "top-level \"tools\" is not supported",
                         "move the tools list onto the system message: {\"role\": \"system\", \"content\": \"\", "
-                        "\"tools\": [...]}")
+                        "\"tools\": [...]}, or set data.format=openai for OpenAI chat records")
     for index, message in enumerate(messages):
         problem = _check_message(message, f"{key}[{index}]")
         if problem is not None:
@@ -220,7 +243,8 @@ def _check_message(message: Any, where: str) -> tuple[str, str] | None:
     role = message.get("role")
     if role not in ROLES:
         what = f"{where} has no role" if role is None else f"{where} has unknown role {_short(role)}"
-        return what, f"use one of: {', '.join(ROLES)}"
+        hint = " (OpenAI chat with tool turns: set data.format=openai)" if role in ("tool", "function") else ""
+        return what, f"use one of: {', '.join(ROLES)}{hint}"
     if "content" not in message:
         return f"{where} ({role}) has no \"content\"", 'add "content": "" (an empty string is allowed)'
     if not isinstance(message["content"], str):

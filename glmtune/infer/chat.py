@@ -92,6 +92,13 @@ def start_messages(cfg: InferConfig) -> list[dict]:
     return [{**system, "tools": tools}] if tools else [system]
 
 
+COMMANDS = ("/help", "/reset", "/exit", "/image", "/observation")
+HELP = ("/reset             forget the conversation (the system prompt and tools stay)\n"
+        "/image PATH        GLM-4V: an image for the next message (before the first turn)\n"
+        "/observation TEXT  a tool's result, for the model to answer\n"
+        "/exit, Ctrl-D, Ctrl-C  leave (every turn is in chat.jsonl in the run dir)\n")
+
+
 def run_chat(cfg: InferConfig, model_cfg: ModelConfig, memory_gib: float | None, model_dir: Path, tokenizer,
              run_dir: Path, read: Callable[[str], str] = input, out: TextIO = sys.stdout) -> int:
     """The chat loop; returns the number of replies."""
@@ -104,7 +111,7 @@ def run_chat(cfg: InferConfig, model_cfg: ModelConfig, memory_gib: float | None,
     history, image, replies = list(start), cfg.image, 0
     turns = [cfg.prompt] if cfg.prompt else None  # one-shot: this turn, then exit
     if turns is None:
-        out.write("glmtune chat — /reset clears the conversation, /exit quits\n")
+        out.write("glmtune chat — /help lists the commands, /exit quits\n")
     while True:
         if turns is not None:
             if not turns:
@@ -119,6 +126,10 @@ def run_chat(cfg: InferConfig, model_cfg: ModelConfig, memory_gib: float | None,
             continue
         if line == "/exit":
             break
+        if line == "/help" or (line.startswith("/") and line.split()[0] not in COMMANDS):
+            known = line == "/help"
+            out.write(("" if known else f"(unknown command {line.split()[0]}; nothing sent to the model)\n") + HELP)
+            continue
         if line == "/reset":
             history, image = list(start), cfg.image
             out.write("(history cleared)\n")

@@ -20,10 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..models import GLMConfig
-from . import quantized
+from . import quantized, variants
 from .reserve import phase_reserves
+from .variants import BYTES, linear_shapes, peft_adapter_dtype  # noqa: F401 (shared with the variants' terms)
 
-BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 IMAGE_TOKENS = 1599  # GLM-4V at 1120 px: 1,602 image embeddings replace 3 placeholder tokens per image
 VISION_LAYER_TOKENS = 6401  # ViT: 80x80 patches + CLS at 1120 px
 GIB = 2**30
@@ -55,11 +55,6 @@ def gpu_family(hw_name: str) -> str | None:
     return None
 
 
-def peft_adapter_dtype(dtype: str) -> str:
-    """glmtune.train.lora.apply_lora always keeps adapters in fp32, whatever the base dtype and peft version."""
-    return "fp32"
-
-
 @dataclass(frozen=True)
 class RunShape:
     """What the estimator needs to know about a run (built by `planner.run_shape` from RunConfig + Choices)."""
@@ -88,6 +83,8 @@ class RunShape:
     quantize: str = "none"  # none | nf4 | int8: bitsandbytes base weights (plan/quantized.py)
     double_quant: bool = True  # nf4: quantized absmax scales
     allocator: str = "expandable"  # expandable | default: the CUDA caching allocator's mode (plan/reserve.py)
+    use_dora: bool = False  # DoRA's terms and the 8-bit optimizer's states: plan/variants.py
+    optimizer: str = "adamw_torch"  # adamw_torch | adamw_8bit
 
 
 @dataclass
@@ -97,13 +94,6 @@ class Estimate:
     phase: str  # which phase sets the peak (its tensors plus its allocator reserve, on a GPU)
     phases: dict[str, int] = field(default_factory=dict)  # tensor bytes per phase
     reserves: dict[str, int] = field(default_factory=dict)  # allocator reserve per phase (GPU only)
-
-
-def linear_shapes(arch: GLMConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) features of each LoRA-targetable linear, by official module name."""
-    h, f = arch.hidden_size, arch.ffn_hidden_size
-    return {"query_key_value": (h, arch.qkv_out), "dense": (arch.num_attention_heads * arch.kv_channels, h),
-            "dense_h_to_4h": (h, 2 * f), "dense_4h_to_h": (f, h), "output_layer": (h, arch.padded_vocab_size)}
 
 
 def block_params(arch: GLMConfig) -> int:
@@ -193,7 +183,8 @@ def block_saved(arch: GLMConfig, shape: RunShape, tokens: int, input_requires_gr
         total += 3 * e * tokens * f
     if "dense_4h_to_h" in targets:
         total += _lora_saved(tokens, f, shape, a)
-    return total + quantized.saved_bytes(arch, shape.quantize, e, tokens)
+    return total + quantized.saved_bytes(arch, shape.quantize, e, tokens) + variants.dora_saved(arch, shape, tokens,
+                                                                                                input_requires_grad)
 
 
 def block_working(arch: GLMConfig, shape: RunShape, tokens: int) -> int:
@@ -201,9 +192,9 @@ def block_working(arch: GLMConfig, shape: RunShape, tokens: int) -> int:
     the SwiGLU gradients (the fused [tokens, 2f] and one [tokens, f] at a time) and two [tokens, h].
     Fitted on an H100 at 8K-32K tokens with checkpointing (bench/RESULTS.md): 4f + 3h over-counted ~50 KB per
     token, the SwiGLU input's storage being freed before the fused gradient is built."""
-    e = BYTES[shape.dtype]
-    return e * tokens * (3 * arch.ffn_hidden_size + 2 * arch.hidden_size) + quantized.working_bytes(
-        arch, shape.quantize, e, tokens, shape.device != "cpu", shape.double_quant)
+    e, quant = BYTES[shape.dtype], quantized.working_bytes(arch, shape.quantize, BYTES[shape.dtype], tokens,
+                                                           shape.device != "cpu", shape.double_quant)
+    return e * tokens * (3 * arch.ffn_hidden_size + 2 * arch.hidden_size) + quant + variants.dora_working(arch, shape, tokens)
 
 
 def loss_bytes(arch: GLMConfig, shape: RunShape, tokens: int) -> int:
@@ -248,7 +239,7 @@ def estimate(arch: GLMConfig, shape: RunShape) -> Estimate:
         b["ZeRO-3 gathered params + prefetch"] = gathered
     else:
         b["frozen weights"] = quantized.frozen_weight_bytes(arch, frozen, shape.quantize, e, shape.double_quant)
-    p_lora = lora_params(arch, shape)
+    p_lora = lora_params(arch, shape) + variants.dora_params(arch, shape)  # DoRA: + a magnitude per output row
     if shape.zero_stage == 3:  # DeepSpeed: 16-bit params/grads + fp32 master, Adam m, v, grads, sharded
         b["LoRA weights+grads"] = p_lora * (2 * e) // n
         b["LoRA optimizer (fp32 master, Adam m+v)"] = 0 if shape.offload_optimizer else p_lora * 16 // n
@@ -256,7 +247,7 @@ def estimate(arch: GLMConfig, shape: RunShape) -> Estimate:
     else:
         b["LoRA weights"] = p_lora * a
         b["LoRA grads"] = p_lora * a * (2 if shape.world_size > 1 else 1)  # + DDP bucket copy
-        b["LoRA optimizer (Adam m+v)"] = 2 * p_lora * a
+        b["LoRA optimizer (Adam m+v)"] = variants.optimizer_state_bytes(arch, shape, a)
 
     # --- activations ---
     ckpt = shape.gradient_checkpointing
@@ -266,7 +257,8 @@ def estimate(arch: GLMConfig, shape: RunShape) -> Estimate:
         kept = 0 if shape.offload_checkpoints else L * e * tokens * h
         # The recomputed block's input is its kept checkpoint input (the same storage) unless it came back
         # from the CPU as a new tensor.
-        recompute = block_saved(arch, shape, tokens, True) - (0 if shape.offload_checkpoints else e * tokens * h)
+        recompute = block_saved(arch, shape, tokens, True) - (0 if shape.offload_checkpoints else e * tokens * h) \
+            - variants.dora_last_saved(arch, shape, tokens)  # DoRA: freed before the backward peak
     else:
         kept = block_saved(arch, shape, tokens, False) + (L - 1) * block_saved(arch, shape, tokens, True)
         recompute = 0

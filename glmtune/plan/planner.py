@@ -17,6 +17,7 @@ import torch
 from ..config import RunConfig
 from .advice import advise
 from .estimate import GIB, RunShape, estimate, gpu_family, image_extra_tokens
+from . import userds
 from .provenance import derived_near_budget, term_sources
 from .quantized import allows_zero3, quantize_advice
 from .reserve import ALLOCATORS, allocator_in_force
@@ -97,8 +98,8 @@ def run_shape(run: RunConfig, arch, c: Choices, data_max_tokens: int | None = No
                     eval_batch=c.eval_batch_size if run.data.val_file else 0,
                     eval_max_new_tokens=run.eval.max_new_tokens if run.eval.generate else 0,
                     device="cuda" if on_gpu else "cpu", gpu_family=gpu_family(run.hw.name),
-                    quantize=run.model.quantize, double_quant=run.model.double_quant,
-                    allocator=allocator_in_force(os.environ.get("PYTORCH_CUDA_ALLOC_CONF")))
+                    quantize=run.model.quantize, double_quant=run.model.double_quant, use_dora=run.lora.use_dora,
+                    optimizer=run.train.optimizer, allocator=allocator_in_force(os.environ.get("PYTORCH_CUDA_ALLOC_CONF")))
 
 
 def step_down(plan_or_choices: Plan | Choices, run: RunConfig, arch, world_size: int) -> Choices | None:
@@ -144,8 +145,10 @@ def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
     budget = _budget(run, run.hw.margin if margin is None else margin)
     dtype, why_dtype = local_dtype(run)
     max_length = run.data.max_length if user_set_max_length else DEFAULT_MAX_LENGTH
+    offload_params, offload_optimizer = userds.offloads(run)  # dist.deepspeed_config's offloads, else none
     c = Choices(dtype=dtype, gradient_checkpointing=run.train.gradient_checkpointing == "on",
-                zero_stage=3 if run.dist.strategy == "zero3" else 0, offload_params=False, offload_optimizer=False,
+                zero_stage=3 if run.dist.strategy == "zero3" else 0, offload_params=offload_params,
+                offload_optimizer=offload_optimizer,
                 micro_batch_size=run.train.per_device_batch_size, grad_accum=run.train.grad_accum,
                 max_length=max_length, world_size=world_size, eval_batch_size=run.train.eval_batch_size)
     reasons = {"dtype": why_dtype,

@@ -32,6 +32,7 @@ from ..data.packing import join_row
 from ..data.pipeline import IMAGE_PLACEHOLDERS
 from ..plan.estimate import CUDA_CONTEXT_DEFAULT, GIB, estimate, image_extra_tokens
 from ..plan.advice import cards_for_measured
+from ..plan import userds
 from ..plan.planner import Choices, Plan, run_shape, step_down
 from ..train.gpumem import outside_allocator_bytes
 from ..train.trainer import build_model, make_trainer, training_args
@@ -172,7 +173,8 @@ def _attempt(run: RunConfig, choices: Choices, model_dir: Path, examples: list[d
              scratch: Path) -> tuple[int | None, dict]:
     """One probe attempt: training steps, then one evaluation batch when the run evaluates.
     Returns (peak bytes, detail), or (None, detail) when it ran out of memory."""
-    args = training_args(run.train, choices, scratch, has_eval=False, probe_steps=run.probe.steps)
+    args = training_args(run.train, choices, scratch, has_eval=False, probe_steps=run.probe.steps,
+                         user_ds=userds.apply(run))
     model = trainer = None
     try:
         model = build_model(model_dir, run, choices)

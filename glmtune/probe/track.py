@@ -88,6 +88,7 @@ def measure_lora_step(arch, shape, seed: int = 0) -> tuple[int, int]:
     after is measured. Returns (peak_bytes, baseline_bytes). `arch` is a GLMConfig, `shape` a memory.RunShape."""
     from ..config import LoraConfig
     from ..train.lora import apply_lora, trainable_parameters
+    from ..train.optim import make_optimizer
     from ..plan.estimate import BYTES
     from ..models import ChatGLMForConditionalGeneration, enable_checkpointing
 
@@ -97,13 +98,13 @@ def measure_lora_step(arch, shape, seed: int = 0) -> tuple[int, int]:
     model.config.use_cache = False
     model.loss_chunk_tokens = shape.loss_chunk_tokens
     model = apply_lora(model, LoraConfig(r=shape.lora_r, alpha=2 * shape.lora_r, dropout=shape.lora_dropout,
-                                         target_modules=list(shape.lora_targets)))
+                                         target_modules=list(shape.lora_targets), use_dora=shape.use_dora))
     if shape.gradient_checkpointing:
         enable_checkpointing(model, use_reentrant=True)
         model.enable_input_require_grads()
     model.train()
     params = trainable_parameters(model)
-    opt = torch.optim.AdamW(params, lr=1e-4)
+    opt = make_optimizer(shape.optimizer, params, lr=1e-4, weight_decay=0.0)
     ids = torch.randint(0, arch.padded_vocab_size, (shape.micro_batch, shape.seq_len))
     batch = {"input_ids": ids, "labels": ids.clone()}
 

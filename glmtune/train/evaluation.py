@@ -30,10 +30,11 @@ def perplexity(eval_loss: float) -> float:
     return math.exp(min(eval_loss, MAX_LOG_PERPLEXITY))
 
 
-def eval_examples(val_file: str, limit: int = 0) -> list[tuple[int, list[dict], str]]:
-    """(line, prompt messages, reference text) for every assistant turn of the val file, the first `limit`."""
+def eval_examples(val_file: str, limit: int = 0, fmt: str = "auto") -> list[tuple[int, list[dict], str]]:
+    """(line, prompt messages, reference text) for every assistant turn of the val file, the first `limit`;
+    fmt: data.format."""
     examples = []
-    for conversation in read_conversations(val_file, "data.val_file"):
+    for conversation in read_conversations(val_file, "data.val_file", fmt=fmt):
         for i, message in enumerate(conversation.messages):
             if message["role"] == "assistant" and i > 0:
                 examples.append((conversation.line, conversation.messages[:i], reference_text(message)))
@@ -44,8 +45,8 @@ class GenerationEval:
     """Generates for the validation examples and scores the replies; writes each evaluation's predictions."""
 
     def __init__(self, cfg: EvalConfig, val_file: str, tokenizer, batch_size: int, out_dir: Path,
-                 synced_gpus: bool = False):
-        self.examples = eval_examples(val_file, cfg.max_examples)
+                 synced_gpus: bool = False, fmt: str = "auto"):
+        self.examples = eval_examples(val_file, cfg.max_examples, fmt)
         self.tokenizer, self.out_dir, self.synced_gpus = tokenizer, Path(out_dir), synced_gpus
         self.decoding = InferConfig(max_new_tokens=cfg.max_new_tokens, batch_size=batch_size)  # greedy
 

@@ -13,7 +13,8 @@ from ..models.quantize import quiet_unused_bitsandbytes
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> peft.PeftModel:
     """Freeze the base model and add adapters whose weights (and so AdamW states) are fp32."""
     lora = peft.LoraConfig(task_type=peft.TaskType.CAUSAL_LM, r=cfg.r, lora_alpha=cfg.alpha,
-                           lora_dropout=cfg.dropout, target_modules=_targets(model, cfg))
+                           lora_dropout=cfg.dropout, target_modules=_targets(model, cfg), use_dora=cfg.use_dora,
+                           use_rslora=cfg.use_rslora)
     quiet_unused_bitsandbytes()
     try:
         model = peft.get_peft_model(model, lora)

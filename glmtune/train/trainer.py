@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import PrinterCallback, Trainer, TrainingArguments
+from transformers import TrainingArguments
 
 from ..atomic import write_json
 from ..config import EVAL_METRICS, RunConfig, TrainConfig
@@ -23,30 +23,31 @@ from ..infer.provenance import write_base_identity
 from ..launch import single_process_env
 from .checkpoints import allow_numpy_rng_state, checkpoint_step, last_complete, remove_incomplete
 from .compile import compile_blocks, resolve_compile, resolve_packed_attention, set_packed_attention
-from .evaluation import BestTracker, GenerationEval, keep_best_adapter, perplexity
+from .evaluation import BestTracker, GenerationEval, keep_best_adapter
 from .guard import Guard
 from .saving import CompleteMarker, save_adapter
 from .zero3 import adapter_fingerprint, deepspeed_config
 from .logs import MetricsFile, whole_run_loss
 from .lora import apply_lora, trainable_parameters
-from .portable import PORTABLE, load_portable_into_torch, load_torch_states, save_portable_zero3
-from .steps import ExampleLog, StepCollator, StepExamples, StepSampler, step_loss, target_counts
+from .lora_trainer import make_trainer  # noqa: F401  (the probe and bench/ build theirs here too)
+from .optim import HF_NAMES
 from .timeline import MemoryTimeline
 from ..models import enable_checkpointing, load_model
 from ..models.quantize import load_quantized
+from ..plan import userds
 from ..plan.planner import Choices
 
 _TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def training_args(cfg: TrainConfig, choices: Choices, run_dir: Path, has_eval: bool,
-                  probe_steps: int = 0) -> TrainingArguments:
+                  probe_steps: int = 0, user_ds: dict | None = None) -> TrainingArguments:
     """Built before the model loads: under ZeRO-3 these arguments switch on deepspeed.zero.Init.
 
     probe_steps > 0 gives the probe's arguments: the same engine, dtype and batch, but that many steps and
     no logging, saving or evaluation."""
     evaluate = has_eval and cfg.eval_steps > 0 and not probe_steps
-    if choices.zero_stage == 3:
+    if choices.zero_stage == 3 or user_ds is not None:
         single_process_env()
     quiet = probe_steps > 0
     max_steps = probe_steps or (cfg.max_steps if cfg.max_steps > 0 else -1)
@@ -58,6 +59,9 @@ def training_args(cfg: TrainConfig, choices: Choices, run_dir: Path, has_eval: b
         num_train_epochs=0 if max_steps > 0 else cfg.num_epochs,
         learning_rate=cfg.learning_rate,
         warmup_steps=cfg.warmup_steps,
+        warmup_ratio=cfg.warmup_ratio,  # used by the Trainer only when warmup_steps is 0
+        lr_scheduler_type=cfg.lr_scheduler,
+        optim=HF_NAMES[cfg.optimizer],  # recorded in training_args.bin; LoraTrainer builds it (train/optim.py)
         weight_decay=cfg.weight_decay,
         per_device_train_batch_size=choices.micro_batch_size,
         per_device_eval_batch_size=choices.eval_batch_size,
@@ -78,7 +82,8 @@ def training_args(cfg: TrainConfig, choices: Choices, run_dir: Path, has_eval: b
         logging_strategy="no" if quiet else "steps",
         logging_steps=cfg.logging_steps,
         logging_dir=str(run_dir / "tensorboard"),
-        report_to=[] if quiet else ["tensorboard"],
+        # train.report_to: the Trainer's tensorboard/wandb/mlflow integrations; swanlab is a callback (train())
+        report_to=[] if quiet else [t for t in cfg.report_to if t != "swanlab"],
         seed=cfg.seed,
         data_seed=cfg.seed,
         remove_unused_columns=False,  # our examples are already model inputs
@@ -89,7 +94,7 @@ def training_args(cfg: TrainConfig, choices: Choices, run_dir: Path, has_eval: b
         disable_tqdm=quiet,
         include_num_input_tokens_seen=not quiet,  # tokens/s in the summary (padded tokens, all ranks)
         save_safetensors=True,
-        deepspeed=deepspeed_config(choices),
+        deepspeed=deepspeed_config(choices, user_ds),  # user_ds: dist.deepspeed_config, read by plan/userds.py
         # Without a GPU, accelerate 1.x starts no gloo group unless told the run is CPU-only: every rank of
         # a torchrun/deepspeed launch then believed it was rank 0 of 1 (same batches, every rank writing).
         use_cpu=not torch.cuda.is_available(),
@@ -128,132 +133,14 @@ def prepare_model(model: torch.nn.Module, run: RunConfig, choices: Choices) -> t
     return model
 
 
-def make_trainer(args: TrainingArguments, model, train_set, val_set, collator, callbacks=(),
-                 generation_eval: GenerationEval | None = None, best: BestTracker | None = None,
-                 normalization: str = "tokens") -> Trainer:
-    """The Trainer for the run and for the probe; args carries train.learning_rate and train.weight_decay;
-    `normalization` is train.loss_normalization."""
-    steps = None
-    if train_set is not None:  # train/steps.py: each step's examples, whatever the split
-        steps = StepSampler(target_counts(train_set), args.per_device_train_batch_size *
-                            args.gradient_accumulation_steps * args.world_size, args.seed)
-        train_set, collator = StepExamples(train_set, steps), StepCollator(collator)
-    trainer = LoraTrainer(model=model, args=args, train_dataset=train_set, eval_dataset=val_set or None,
-                          data_collator=collator, callbacks=list(callbacks))
-    trainer.step_sampler, trainer.example_log = steps, ExampleLog(args.process_index)
-    trainer.normalization = normalization
-    trainer.glm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    trainer.generation_eval, trainer.best = generation_eval, best
-    if args.logging_strategy == "no":  # the probe: its closing {'train_loss': ..., 'epoch': 1.0} reads like a result
-        trainer.remove_callback(PrinterCallback)
-    return trainer
+def swanlab_callback(report_to: list[str], run_dir: Path) -> list:
+    """SwanLab's own Trainer callback: transformers 4.40 has no swanlab integration (it came in 4.50).
+    SWANLAB_MODE=local (or offline) keeps the logs in SWANLAB_LOG_DIR without an account."""
+    if "swanlab" not in report_to:
+        return []
+    from swanlab.integration.transformers import SwanLabCallback
 
-
-class LoraTrainer(Trainer):
-    """The HF Trainer with AdamW over the trainable (LoRA) parameters only.
-
-    Only trainable parameters: an optimizer over frozen weights would allocate nothing useful, and the
-    Trainer's default empty no-decay group makes torch's LR scheduler fail under DeepSpeed. This is an
-    override rather than Trainer(optimizers=...) because transformers 4.40 refuses a ready optimizer when
-    DeepSpeed is on; its DeepSpeed integration calls create_optimizer itself, so both paths share this one.
-    """
-
-    guard: Guard | None = None
-    step_sampler: StepSampler | None = None
-    normalization = "tokens"  # train.loss_normalization
-    example_log: ExampleLog | None = None
-    glm = None  # the GLM model under PEFT (and the engine): its loss_reduction is switched per micro-batch
-
-    def get_train_dataloader(self):
-        # A resume with another micro-batch (plan/elastic.py): transformers 4.40 would take the checkpoint's
-        # batch size (its auto_find_batch_size bookkeeping) instead of this run's.
-        self._train_batch_size = self.args.train_batch_size
-        return super().get_train_dataloader()
-
-    def _get_train_sampler(self):
-        return self.step_sampler or super()._get_train_sampler()
-
-    def compute_loss(self, model, inputs, return_outputs=False):
-        """Training micro-batches of the step sampler: the summed token loss over the step's target tokens
-        (train/steps.py); evaluation and train.loss_normalization=micro_batch: the model's mean, as the Trainer."""
-        tokens, ids = inputs.pop("step_tokens", None), inputs.pop("example_ids", None)
-        if ids is not None and self.example_log is not None:
-            self.example_log.record(self.state.global_step + 1, ids)
-        # The demo's mean, except for a micro-batch of null slots only (an epoch's padded last step): its mean
-        # would be 0/0; its sum is 0 and it still runs the forward every rank's collectives expect.
-        demo = self.normalization == "micro_batch" and bool((inputs["labels"][:, 1:] != -100).any())
-        if tokens is None or demo or not hasattr(self.glm, "loss_reduction"):
-            return super().compute_loss(model, inputs, return_outputs)
-        self.glm.loss_reduction = "sum"
-        try:
-            outputs = model(**inputs)
-        finally:
-            self.glm.loss_reduction = "mean"
-        loss = outputs.loss.float() if self.normalization == "micro_batch" else \
-            step_loss(outputs.loss, tokens, self.args.gradient_accumulation_steps, self.args.world_size)
-        return (loss, outputs) if return_outputs else loss
-
-    def _load_optimizer_and_scheduler(self, checkpoint):
-        """Any world size: a DDP checkpoint's states read onto the CPU first; a ZeRO-3 checkpoint's gathered
-        states (train/portable.py) when this run is not ZeRO-3. A ZeRO-3 run reads its own engine's files."""
-        if checkpoint is None or self.is_deepspeed_enabled:
-            return super()._load_optimizer_and_scheduler(checkpoint)
-        folder = Path(checkpoint)
-        if not load_torch_states(self, folder) and (folder / PORTABLE).is_file():
-            load_portable_into_torch(getattr(self.optimizer, "optimizer", self.optimizer), self.model, folder)
-            if (folder / "scheduler.pt").is_file():
-                self.lr_scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
-                # A scheduler's state holds its last rate but does not set it: the optimizer's groups would keep
-                # the initial rate until the scheduler's next step (an optimizer.pt carries the rate itself).
-                for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
-                    group["lr"] = lr
-
-    def _save_checkpoint(self, model, trial, metrics=None):
-        super()._save_checkpoint(model, trial, metrics)
-        if self.is_deepspeed_enabled:  # gathered optimizer states, so a ZeRO-3 run can resume as DDP
-            folder = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
-            save_portable_zero3(self.model_wrapped, self.optimizer, self.state.global_step, folder,
-                                self.is_world_process_zero())
-
-    def training_step(self, model, inputs):
-        loss = super().training_step(model, inputs)
-        if self.guard is not None:
-            self.guard.observe_loss(loss)  # no sync here: the guard reads it once per optimizer step
-        return loss
-
-    def create_optimizer(self) -> torch.optim.Optimizer:
-        if self.optimizer is None:
-            self.optimizer = torch.optim.AdamW(trainable_parameters(self.model), lr=self.args.learning_rate,
-                                               weight_decay=self.args.weight_decay)
-        return self.optimizer
-
-    generation_eval: GenerationEval | None = None
-    best: BestTracker | None = None
-    last_eval: dict | None = None  # the latest evaluation's metrics, with its "step"
-
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
-        """The Trainer's loss evaluation, then perplexity and (eval.generate) the generation metrics, logged as
-        a second line of the same step (TensorBoard eval/*, metrics.jsonl); the best-checkpoint bookkeeping."""
-        metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
-        extra = {"eval_perplexity": perplexity(metrics["eval_loss"])}
-        if self.generation_eval is not None:
-            extra.update(self.generation_eval(self.model, self.state.global_step, self.is_world_process_zero()))
-        self.log(extra)
-        metrics.update(extra)
-        if self.best is not None:
-            self.best.update(metrics, self.state.global_step, self.control)
-        self.last_eval = {**metrics, "step": self.state.global_step}
-        return metrics
-
-    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
-        """The adapter, as Trainer._save writes a PeftModel, but with save_embedding_layers=False: glmtune never
-        trains embeddings (config.LORA_TARGETS), and PEFT's "auto" check looks the local base-model folder up
-        on the Hub and warns "Could not find a config file" at every save."""
-        output_dir = output_dir or self.args.output_dir
-        Path(output_dir).mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=self.args.save_safetensors,
-                                   save_embedding_layers=False)
-        torch.save(self.args, Path(output_dir) / "training_args.bin")
+    return [SwanLabCallback(project="glmtune", experiment_name=run_dir.name)]
 
 
 def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, train_set, val_set,
@@ -265,7 +152,7 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
 
     tokenizer: needed for eval.generate (replies are generated and decoded). planned_bytes and budget_bytes
     (the plan's per-GPU peak and budget) are drawn on memory_timeline.png."""
-    args = training_args(run.train, choices, run_dir, has_eval=bool(val_set))
+    args = training_args(run.train, choices, run_dir, has_eval=bool(val_set), user_ds=userds.apply(run))
     output_dir = Path(args.output_dir)
     if resume_from is not None:
         allow_numpy_rng_state()
@@ -275,13 +162,14 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
     generation_eval = None
     if val_set and run.eval.generate and tokenizer is not None:
         generation_eval = GenerationEval(run.eval, run.data.val_file, tokenizer, choices.eval_batch_size,
-                                         run_dir / "eval", synced_gpus=choices.zero_stage == 3)
+                                         run_dir / "eval", synced_gpus=choices.zero_stage == 3, fmt=run.data.format)
     best = BestTracker(run.eval) if val_set else None
     timeline = MemoryTimeline(run_dir, planned_bytes, budget_bytes)
     guard = Guard(run.train.save_minutes, trainable_parameters(model))
     trainer = make_trainer(args, model, train_set, val_set, collator,
                            callbacks=[MetricsFile(run_dir / "metrics.jsonl"), timeline,
-                                      CompleteMarker(output_dir, run.train.keep_checkpoints), guard],
+                                      CompleteMarker(output_dir, run.train.keep_checkpoints), guard,
+                                      *swanlab_callback(run.train.report_to, run_dir)],
                            generation_eval=generation_eval, best=best,
                            normalization=run.train.loss_normalization)
     trainer.guard = guard

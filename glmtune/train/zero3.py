@@ -13,6 +13,7 @@ or 3 only.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 
 import torch
@@ -22,21 +23,21 @@ from ..plan.estimate import (MAX_LIVE_PARAMETERS, MAX_REUSE_DISTANCE, PERSISTENC
 from ..plan.planner import Choices
 
 
-def deepspeed_config(choices: Choices) -> dict | None:
-    """The dict given to TrainingArguments(deepspeed=...), or None for plain data parallel."""
+# The buckets the estimator counts (plan/estimate.py): also what an "auto" in the user's file becomes.
+BUCKETS = {"reduce_bucket_size": REDUCE_BUCKET, "stage3_prefetch_bucket_size": PREFETCH_BUCKET,
+           "stage3_param_persistence_threshold": PERSISTENCE_THRESHOLD,
+           "stage3_max_live_parameters": MAX_LIVE_PARAMETERS, "stage3_max_reuse_distance": MAX_REUSE_DISTANCE}
+
+
+def deepspeed_config(choices: Choices, user: dict | None = None) -> dict | None:
+    """The dict given to TrainingArguments(deepspeed=...), or None for plain data parallel. user: the
+    dist.deepspeed_config file (plan/userds.py checked it), merged with the plan instead of the generated one."""
+    if user is not None:
+        return merged(user, choices)
     if choices.zero_stage != 3:
         return None
-    zero: dict = {
-        "stage": 3,
-        "overlap_comm": True,
-        "contiguous_gradients": True,
-        "reduce_bucket_size": REDUCE_BUCKET,
-        "stage3_prefetch_bucket_size": PREFETCH_BUCKET,
-        "stage3_param_persistence_threshold": PERSISTENCE_THRESHOLD,
-        "stage3_max_live_parameters": MAX_LIVE_PARAMETERS,
-        "stage3_max_reuse_distance": MAX_REUSE_DISTANCE,
-        "stage3_gather_16bit_weights_on_model_save": True,
-    }
+    zero: dict = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, **BUCKETS,
+                  "stage3_gather_16bit_weights_on_model_save": True}
     if choices.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     if choices.offload_optimizer:
@@ -56,6 +57,31 @@ def deepspeed_config(choices: Choices) -> dict | None:
         "steps_per_print": 1_000_000,
         "wall_clock_breakdown": False,
     }
+
+
+def merged(user: dict, choices: Choices) -> dict:
+    """The user's DeepSpeed config with every "auto" the plan decides filled in: the buckets the estimator
+    counted, bf16/fp16 from the plan's dtype, the plan's micro-batch and accumulation. Their other keys stay."""
+    out = copy.deepcopy(user)
+    zero = out.setdefault("zero_optimization", {"stage": 0})
+    for key, value in BUCKETS.items():
+        if zero.get(key) == "auto":
+            zero[key] = value
+    if zero.get("stage") == 3 and zero.get("stage3_gather_16bit_weights_on_model_save", "auto") == "auto":
+        zero["stage3_gather_16bit_weights_on_model_save"] = True  # the saved adapter is the whole one
+    for precision in ("bf16", "fp16"):
+        block = out.setdefault(precision, {})
+        if block.get("enabled", "auto") == "auto":
+            block["enabled"] = choices.dtype == precision
+    # The plan may have lowered the micro-batch (raising accumulation): its values win over the file's.
+    out["train_micro_batch_size_per_gpu"] = choices.micro_batch_size
+    out["gradient_accumulation_steps"] = choices.grad_accum
+    if out.get("train_batch_size") == "auto":  # filled with world size 1 on CPU, it failed DeepSpeed's check
+        del out["train_batch_size"]
+    out.setdefault("gradient_clipping", "auto")
+    out.setdefault("zero_allow_untested_optimizer", True)  # glmtune's optimizer over the LoRA parameters
+    out.setdefault("steps_per_print", 1_000_000)
+    return out
 
 
 def adapter_fingerprint(model: torch.nn.Module) -> str:

@@ -1,0 +1,103 @@
+"""dist.deepspeed_config=FILE.json: the user's own DeepSpeed config, read once, checked against the run, and
+its ZeRO settings given to the plan.
+
+    glmtune dist.deepspeed_config=ds_zero3_offload.json +hw=rtx4090_24g dist.nproc_per_node=2 ...
+
+The file decides the ZeRO stage (3: weights sharded, the plan's ZeRO-3 terms; 0-2: for LoRA these shard only
+megabytes of adapter states, so the plan counts stage 0, an upper bound) and the offloads (offload_param:
+DeepSpeed 0.19.8 kept the whole model on the card when measured, so the plan counts the weights unsharded;
+offload_optimizer: the adapter's states leave the card). Every "auto" in it is filled from the plan
+(train/zero3.py). A value that contradicts the run is one line, exit 2: optimizer and scheduler blocks (glmtune
+builds its own over the LoRA parameters: train.optimizer, train.lr_scheduler), a batch size other than the
+config's, a precision the plan did not choose, stage 3 with dist.strategy=ddp or with model.quantize.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..config import ConfigError, RunConfig
+
+# Keys whose number must equal a glmtune setting (or be "auto"): key -> (config key, attribute of TrainConfig).
+_SAME = {"train_micro_batch_size_per_gpu": ("train.per_device_batch_size", "per_device_batch_size"),
+         "gradient_accumulation_steps": ("train.grad_accum", "grad_accum")}
+
+
+def read(path: str) -> dict[str, Any]:
+    shown, file = path, Path(path).expanduser()
+    if not file.is_file():
+        raise ConfigError(f"{shown}: DeepSpeed config not found — fix dist.deepspeed_config (relative to the launch "
+                          f"directory {Path.cwd()})")
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{shown}:{err.lineno}: invalid JSON: {err.msg} (column {err.colno}) — fix the file "
+                          "given as dist.deepspeed_config") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{shown}: cannot read ({err}) — check dist.deepspeed_config") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{shown}: holds a JSON {type(data).__name__}, not an object — a DeepSpeed config is "
+                          "one JSON object")
+    return data
+
+
+def zero(data: dict[str, Any]) -> tuple[int, bool, bool]:
+    """(stage, offload_param, offload_optimizer) as the file sets them (stage 0 without zero_optimization)."""
+    z = data.get("zero_optimization") or {}
+
+    def offloaded(key: str) -> bool:
+        return isinstance(z.get(key), dict) and z[key].get("device", "none") not in ("none", None)
+
+    stage = z.get("stage", 0)
+    return (stage if isinstance(stage, int) else -1), offloaded("offload_param"), offloaded("offload_optimizer")
+
+
+def check(data: dict[str, Any], run: RunConfig, shown: str) -> None:
+    """Every contradiction between the file and the run, in one ConfigError."""
+    stage, _, _ = zero(data)
+    problems = []
+    if stage not in (0, 1, 2, 3):
+        problems.append(f"zero_optimization.stage={stage!r} is not 0, 1, 2 or 3")
+    for block, key in (("optimizer", "train.optimizer"), ("scheduler", "train.lr_scheduler")):
+        if block in data:
+            problems.append(f'has an "{block}" block, but glmtune builds its own over the LoRA parameters — '
+                            f"remove it and set {key}")
+    for key, (config_key, attr) in _SAME.items():
+        value = data.get(key, "auto")
+        if value != "auto" and value != getattr(run.train, attr):
+            problems.append(f"{key}={value} but {config_key}={getattr(run.train, attr)} — make them equal or "
+                            'write "auto"')
+    if stage == 3 and run.dist.strategy == "ddp":
+        problems.append("sets ZeRO stage 3 but dist.strategy=ddp — drop one of them")
+    if stage in (0, 1, 2) and run.dist.strategy == "zero3":
+        problems.append(f"sets ZeRO stage {stage} but dist.strategy=zero3 — drop one of them")
+    if stage == 3 and run.model.quantize != "none":
+        problems.append(f"sets ZeRO stage 3, which cannot shard model.quantize={run.model.quantize} weights")
+    for precision in ("bf16", "fp16"):
+        enabled = (data.get(precision) or {}).get("enabled", "auto")
+        wanted = run.train.precision
+        if enabled is True and wanted not in ("auto", precision):
+            problems.append(f"{precision}.enabled=true but train.precision={wanted} — make them agree or write "
+                            '"auto"')
+    if problems:
+        raise ConfigError(f"{shown}: " + "; ".join(problems))
+
+
+def apply(run: RunConfig) -> dict[str, Any] | None:
+    """Read and check dist.deepspeed_config (None when unset); its stage then decides dist.strategy."""
+    if not run.dist.deepspeed_config:
+        return None
+    data = read(run.dist.deepspeed_config)
+    check(data, run, run.dist.deepspeed_config)
+    if run.dist.strategy == "auto":
+        run.dist.strategy = "zero3" if zero(data)[0] == 3 else "ddp"
+    return data
+
+
+def offloads(run: RunConfig) -> tuple[bool, bool]:
+    """(offload_params, offload_optimizer) the plan starts from: the file's, else none."""
+    if not run.dist.deepspeed_config:
+        return False, False
+    _, params, optimizer = zero(read(run.dist.deepspeed_config))
+    return params, optimizer
