@@ -101,6 +101,8 @@ class StepCollator:
         self.collator = collator
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        if "step_tokens" not in features[0]:  # the evaluation loader shares the Trainer's collator
+            return self.collator(features)
         ids = [f.pop("example_id") for f in features]
         tokens = {f.pop("step_tokens") for f in features}
         assert len(tokens) == 1, "a micro-batch spans two optimizer steps"  # G is a multiple of the micro-batch
