@@ -106,7 +106,7 @@ def test_zero3_two_ranks_train_agree_and_the_saved_adapter_is_the_trained_one(tm
 @pytest.mark.slow
 def test_two_torchrun_agents_on_loopback_share_one_run_dir(tmp_path, repo):
     port, run_id = free_port(), "loopback-run"
-    data = repo / "glmtune" / "data" / "samples"
+    data = repo / "data" / "samples"
     agents = [subprocess.Popen(
         [str(BIN / "torchrun"), "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
          "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", run_id,

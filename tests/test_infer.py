@@ -1,7 +1,5 @@
 """mode=infer: base + adapter generation, batching with images, the merged checkpoint, bad prompt files."""
 import json
-import subprocess
-import sys
 
 import torch
 from peft import PeftModel
@@ -12,14 +10,15 @@ from glmtune.infer.generate import generate
 from glmtune.models import load_model, load_tokenizer
 from glmtune.models.presets import ensure_tiny
 
+from conftest import glmtune_in_process
+
 PROMPTS = [{"messages": [{"role": "user", "content": "What is the capital of France?"}]},
            {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "你好，介绍一下你自己"}]},
            {"messages": [{"role": "user", "content": "Add 2 and 3."}]}]
 
 
 def run_cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "glmtune", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=600)
+    return glmtune_in_process(*args, cwd=cwd)  # the command's entry point, in this process
 
 
 def write_jsonl(path, rows):
@@ -59,7 +58,7 @@ def test_infer_with_adapter_and_merged_checkpoint(tmp_path, repo, trained):
 def test_vision_batches_with_and_without_images_match_single_prompts(repo):
     model_dir = ensure_tiny("glm4v")
     model, tok = load_model(model_dir).eval(), load_tokenizer(model_dir)
-    image = str(repo / "glmtune" / "data" / "samples_vision" / "images" / "red_square.png")
+    image = str(repo / "data" / "samples_vision" / "images" / "red_square.png")
     prompts = [[{"role": "user", "content": "What shape is this?", "image": image}],
                [{"role": "user", "content": "Who are you? Answer in one sentence."}],
                [{"role": "user", "content": "图片里是什么？", "image": image}]]

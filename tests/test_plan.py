@@ -12,7 +12,7 @@ from glmtune.config import DataConfig, DistConfig, HwConfig, RunConfig, TrainCon
 from glmtune.models import released_config
 from glmtune.plan.planner import make_plan, step_down
 
-HW = Path(__file__).resolve().parents[1] / "glmtune" / "conf" / "hw"
+HW = Path(__file__).resolve().parents[1] / "conf" / "hw"
 
 
 def run_on(hw: str, max_length: int = 500, **train) -> RunConfig:

@@ -43,8 +43,10 @@ def test_grid_sweep_records_a_failed_trial_and_finishes_the_others(tmp_path, rep
 
 
 def test_plan_sweep_records_a_trial_that_does_not_fit(tmp_path, repo):
-    proc = multirun("-m", "mode=plan", "model=glm4_9b_chat", "+hw=rtx4090_24g", "data.max_length=512,131072",
-                    f"hydra.sweep.dir={tmp_path}", cwd=repo)
+    from conftest import glmtune_in_process  # a multirun of plans: Hydra's basic launcher, in this process
+
+    proc = glmtune_in_process("-m", "mode=plan", "model=glm4_9b_chat", "+hw=rtx4090_24g", "data.max_length=512,131072",
+                              f"hydra.sweep.dir={tmp_path}", cwd=repo)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = sorted(trials(tmp_path), key=lambda r: r["num"])
     assert [r["status"] for r in rows] == ["ok", "does not fit"] and rows[1]["exit_code"] == 3
@@ -73,7 +75,7 @@ def test_optuna_preset_runs_trials_and_summarises(tmp_path, repo):
 def test_slurm_preset_submission(tmp_path, repo, monkeypatch):
     import submitit
 
-    with initialize_config_dir(version_base="1.3", config_dir=str(repo / "glmtune" / "conf")):
+    with initialize_config_dir(version_base="1.3", config_dir=str(repo / "conf")):
         cfg = compose("config", return_hydra_config=True, overrides=[
             "hydra/launcher=slurm", "hydra.launcher.nodes=2", "hydra.launcher.gpus_per_node=4",
             "hydra.launcher.partition=gpu", f"hydra.sweep.dir={tmp_path}"])

@@ -22,7 +22,7 @@ from glmtune.plan.planner import make_plan
 from glmtune.train.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]
-SAMPLES = REPO / "glmtune" / "data" / "samples_vision"
+SAMPLES = REPO / "data" / "samples_vision"
 
 
 def test_glm4v_9b_meta_names_and_exact_parameter_count():
@@ -208,7 +208,7 @@ def test_relative_image_paths_resolve_against_the_data_file_and_text_models_refu
 
 
 def _run_on(hw: str) -> RunConfig:
-    return RunConfig(hw=HwConfig(**yaml.safe_load((REPO / "glmtune" / "conf" / "hw" / f"{hw}.yaml").read_text())))
+    return RunConfig(hw=HwConfig(**yaml.safe_load((REPO / "conf" / "hw" / f"{hw}.yaml").read_text())))
 
 
 def test_glm4v_plan_one_a100_40g():
