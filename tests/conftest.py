@@ -1,6 +1,8 @@
 """Shared test set-up: a private tiny-checkpoint cache, offline Hugging Face, quiet tokenizers."""
 import contextlib
+import fcntl
 import gc
+import json
 import logging
 import os
 import subprocess
@@ -38,45 +40,6 @@ def pytest_collection_finish(session):
     (the probe, transformers' model loading, accelerate's cache clearing) costs 0.3-0.7 s of CPU here."""
     gc.collect()
     gc.freeze()
-
-
-def _shared_fixtures(item) -> list[str]:
-    """The module- and session-scoped fixtures of this suite (trainings, batches of launches) an item uses."""
-    info = getattr(item, "_fixtureinfo", None)
-    found = []
-    for name in item.fixturenames if info else ():
-        defs = info.name2fixturedefs.get(name)
-        fixture = defs[-1] if defs else None
-        if fixture and fixture.scope in ("module", "session") and name != "repo" and \
-                getattr(fixture.func, "__module__", "").startswith(("conftest", "test_")):
-            found.append(f"{fixture.func.__module__}.{name}")
-    return found
-
-
-def pytest_collection_modifyitems(items):
-    """Under pytest-xdist (`-n 2 --dist loadgroup`), the tests that share such fixtures, directly or through each
-    other (test_infer_use's adapter comes from conftest's training), go to one worker, so each fixture runs once
-    instead of once per worker; every other test is balanced one by one."""
-    parent: dict[str, str] = {}
-
-    def find(name: str) -> str:
-        while parent.setdefault(name, name) != name:
-            name = parent[name]
-        return name
-
-    uses = {item.nodeid: _shared_fixtures(item) for item in items}
-    for names in uses.values():
-        for name in names[1:]:
-            parent[find(name)] = find(names[0])
-    for item in items:
-        if uses[item.nodeid]:
-            item.add_marker(pytest.mark.xdist_group(find(uses[item.nodeid][0])))
-
-
-def glmtune(*args, cwd=REPO, timeout=600) -> subprocess.CompletedProcess:
-    """`python -m glmtune ARGS` as a user types it (a real process: Hydra, the Trainer, torch's import)."""
-    return subprocess.run([sys.executable, "-m", "glmtune", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 @contextlib.contextmanager
@@ -169,10 +132,20 @@ TRAINED = ["lora=all_linear", "train.learning_rate=5e-3", "train.max_steps=6", "
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory) -> SimpleNamespace:
     """The tiny model trained twice through the CLI entry point (in this process) with TRAINED, with and without
-    the probe. .with_probe/.without_probe are the run dirs, .proc/.proc_without the finished runs."""
-    root = tmp_path_factory.mktemp("trained")
-    proc = glmtune_in_process(*TRAINED, f"hydra.run.dir={root / 'with_probe'}")
-    proc_without = glmtune_in_process(*TRAINED, "probe.enabled=false", f"hydra.run.dir={root / 'without_probe'}")
+    the probe. .with_probe/.without_probe are the run dirs, .proc/.proc_without the finished runs. Under
+    pytest-xdist the first worker to ask trains, in the session's shared temp folder, and the others wait on its
+    lock and read the same runs (the tests only read them)."""
+    shared = os.environ.get("PYTEST_XDIST_WORKER") is not None
+    root = tmp_path_factory.getbasetemp().parent / "trained" if shared else tmp_path_factory.mktemp("trained")
+    root.mkdir(exist_ok=True)
+    record = root / "runs.json"
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not record.is_file():
+            runs = [glmtune_in_process(*TRAINED, f"hydra.run.dir={root / 'with_probe'}"),
+                    glmtune_in_process(*TRAINED, "probe.enabled=false", f"hydra.run.dir={root / 'without_probe'}")]
+            record.write_text(json.dumps([vars(run) for run in runs]))
+        proc, proc_without = (subprocess.CompletedProcess(**run) for run in json.loads(record.read_text()))
     assert proc.returncode == 0 and proc_without.returncode == 0, (proc.stderr[-3000:], proc_without.stderr[-3000:])
     return SimpleNamespace(with_probe=root / "with_probe", without_probe=root / "without_probe", proc=proc,
                            proc_without=proc_without)
