@@ -42,6 +42,12 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+def glmtune(*args, cwd=REPO, timeout=600) -> subprocess.CompletedProcess:
+    """`python -m glmtune ARGS` as a user types it (a real process: Hydra, the Trainer, torch's import)."""
+    return subprocess.run([sys.executable, "-m", "glmtune", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+
+
 @contextlib.contextmanager
 def _log_streams(out, err):
     """Point every logging StreamHandler bound to the real stdout/stderr at out/err for the duration: libraries
