@@ -42,6 +42,16 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+# The files whose tests wait longest on launched processes (torchrun, signals, resumes), longest first: under
+# `--dist loadfile` each file runs whole on one worker, so these start first instead of being the last to finish.
+LONG_FIRST = ("test_durable.py", "test_distributed.py", "test_sweeps.py", "test_evaluation.py", "test_cli.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FIRST)))  # stable: the rest keep their order
+
+
 def glmtune(*args, cwd=REPO, timeout=600) -> subprocess.CompletedProcess:
     """`python -m glmtune ARGS` as a user types it (a real process: Hydra, the Trainer, torch's import)."""
     return subprocess.run([sys.executable, "-m", "glmtune", *args], cwd=cwd, capture_output=True, text=True,
