@@ -1,4 +1,6 @@
-"""Shared test set-up: a private tiny-checkpoint cache, offline Hugging Face, quiet tokenizers."""
+"""Shared test set-up: a private tiny-checkpoint cache, offline Hugging Face, quiet tokenizers; the command run
+in this process (glmtune_in_process) or as a real one (glmtune); the shared CLI training (trained); what keeps the
+suite fast on few cores (pytest-xdist threads and file order, gc.freeze). Timings: bench/RESULTS.md §8."""
 import contextlib
 import fcntl
 import gc
@@ -24,7 +26,8 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # an xdist worker (set before torch is imported): the cores shared
     # out, since N workers x 2 OpenMP threads on 2 cores would spin against each other
-    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // workers))
 
 REPO = Path(__file__).resolve().parents[1]
 
