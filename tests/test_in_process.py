@@ -14,7 +14,7 @@ def output(proc) -> tuple:
     stamp = re.compile(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}\]")
 
     def lines(text):
-        return [stamp.sub("[time]", line) for line in re.split(r"[\r\n]", text) if "%|" not in line]
+        return [stamp.sub("[time]", line) for line in re.split(r"[\r\n]", text) if line and "%|" not in line]
 
     return proc.returncode, lines(proc.stdout), lines(proc.stderr)
 
@@ -31,7 +31,7 @@ def test_in_process_runs_read_like_the_real_command(tmp_path):
     for args in cases:
         real, here = glmtune(*args, cwd=tmp_path), glmtune_in_process(*args, cwd=tmp_path)
         assert output(here) == output(real), args
-        assert real.returncode in (2, 3) and output(real)[2][-2].startswith("glmtune: error: "), real.stderr
+        assert real.returncode in (2, 3) and output(real)[2][-1].startswith("glmtune: error: "), real.stderr
 
 
 def test_an_in_process_run_leaves_the_test_process_as_it_was(tmp_path, monkeypatch):
