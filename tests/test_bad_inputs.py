@@ -1,15 +1,14 @@
 """Every bad input of issue 12 through the real command line: one line on stderr, its exit code, no traceback,
 and the inputs (data, model folder, prompts, earlier outputs) left exactly as they were.
 
-One row per case. Rows run two at a time (each launch spends seconds importing torch).
+One row per case, each through glmtune's entry point in this process (conftest.glmtune_in_process: the same
+argument checks, Hydra, modes and exit paths, without a torch import per row); test_cli checks a bad input's one
+line from a real process.
 """
 import os
 import shutil
 import struct
-import subprocess
-import sys
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -17,6 +16,8 @@ import pytest
 import torch
 
 from glmtune.models.presets import ensure_tiny
+
+from conftest import glmtune_in_process
 
 REPO = Path(__file__).resolve().parents[1]
 GOOD = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}'
@@ -218,18 +219,15 @@ def launch(row: Row, folder: Path):
     folder.mkdir()
     argv = row.setup(folder)
     before = snapshot(folder)
-    proc = subprocess.run([sys.executable, "-m", "glmtune", *argv, f"hydra.run.dir={folder / 'run'}"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300, env={**os.environ, **row.env})
+    proc = glmtune_in_process(*argv, f"hydra.run.dir={folder / 'run'}", cwd=REPO, env=row.env)
     return proc, before, snapshot(folder)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    ensure_tiny("glm4"), ensure_tiny("glm4v")  # built once here, not raced by the launches
+    ensure_tiny("glm4"), ensure_tiny("glm4v")  # built before the rows copy them
     root = tmp_path_factory.mktemp("bad")
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {row.name: pool.submit(launch, row, root / row.name) for row in ROWS}
-        return {name: future.result() for name, future in futures.items()}
+    return {row.name: launch(row, root / row.name) for row in ROWS}
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])

@@ -77,12 +77,10 @@ def test_unknown_lora_target_is_a_config_error_naming_the_valid_layers():
 
 
 def test_command_line_typo_exits_2_naming_the_valid_keys(tmp_path, repo):
-    import subprocess
-    import sys
+    from conftest import glmtune_in_process
 
-    proc = subprocess.run([sys.executable, "-m", "glmtune", "train.lrr=1", "+lora.rank=4", "+hw=a100_40g",
-                           "hw.memory_gib=30", f"hydra.run.dir={tmp_path / 'r'}"],
-                          cwd=repo, capture_output=True, text=True, timeout=300)
+    proc = glmtune_in_process("train.lrr=1", "+lora.rank=4", "+hw=a100_40g", "hw.memory_gib=30",
+                              f"hydra.run.dir={tmp_path / 'r'}", cwd=repo)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     line = proc.stderr.strip()
     assert "\n" not in line

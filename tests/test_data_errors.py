@@ -2,16 +2,12 @@
 
 Each case is checked in-process (`read_conversations` / `validate_files`), where it must raise a DataError.
 The command line turns every DataError into exit 2 the same way, so a representative few (file-level,
-bytes, JSON, conversation structure, the validation file) also run through the real command line
-(`python -m glmtune data.train_file=...`): exit 2, the same `file:line` on stderr, no traceback, and an
-existing run dir left alone. One process per case costs seconds of torch import each.
+bytes, JSON, conversation structure, the validation file) also run through the command line's entry point
+(`glmtune data.train_file=...`, in this process: conftest.glmtune_in_process): exit 2, the same `file:line` on
+stderr, no traceback, and an existing run dir left alone.
 """
 import importlib.util
 import json
-import os
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple, Optional
 
@@ -19,6 +15,8 @@ import pytest
 
 from glmtune.config import ConfigError, DataConfig
 from glmtune.data.validate import DataError, read_conversations, validate_files
+
+from conftest import glmtune_in_process
 
 REPO = Path(__file__).resolve().parents[1]
 GOOD = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
@@ -188,18 +186,14 @@ def _run_cli(case: Case, folder: Path) -> CliResult:
     else:
         data_file = write_case(case, folder)
         data_args = [f"data.train_file={data_file}", "data.val_file=null"]
-    proc = subprocess.run([sys.executable, "-m", "glmtune", *data_args, f"hydra.run.dir={run_dir}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300, env=os.environ.copy())
+    proc = glmtune_in_process(*data_args, f"hydra.run.dir={run_dir}", cwd=REPO)
     return CliResult(proc.returncode, proc.stderr, data_file, keep)
 
 
 @pytest.fixture(scope="module")
 def cli_results(tmp_path_factory) -> dict[str, CliResult]:
-    """All launches at once (each spends seconds importing torch), one worker per CPU core."""
     root = tmp_path_factory.mktemp("cli")
-    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        futures = {case.name: pool.submit(_run_cli, case, root / case.name) for case in CLI_CASES}
-        return {name: future.result() for name, future in futures.items()}
+    return {case.name: _run_cli(case, root / case.name) for case in CLI_CASES}
 
 
 @pytest.mark.skipif(not HAS_CLI, reason="the launcher (glmtune/__main__.py) is not wired yet")

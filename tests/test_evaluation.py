@@ -4,6 +4,8 @@ import subprocess
 import sys
 
 import pytest
+
+from conftest import glmtune_in_process
 from transformers import TrainerControl
 
 from glmtune.config import ConfigError, EvalConfig, parse_config
@@ -19,11 +21,10 @@ def test_eval_generate_writes_metrics_keeps_best_and_stops_early(tmp_path, repo)
     run = tmp_path / "run"
     # Exact match stays 0 on an untrained tiny model: the first evaluation (step 2) is the best, the second
     # (step 4) is not better, and patience 1 ends the 10-step run there.
-    proc = subprocess.run([sys.executable, "-m", "glmtune", f"data.val_file={VAL}", "eval.generate=true",
-                           "eval.max_new_tokens=8", "eval.max_examples=4", "train.max_steps=10", "train.eval_steps=2",
-                           "eval.metric_for_best=eval_exact_match", "eval.early_stopping_patience=1",
-                           "probe.enabled=false", f"hydra.run.dir={run}"],
-                          cwd=repo, capture_output=True, text=True, timeout=600)
+    proc = glmtune_in_process(f"data.val_file={VAL}", "eval.generate=true", "eval.max_new_tokens=8",
+                              "eval.max_examples=4", "train.max_steps=10", "train.eval_steps=2",
+                              "eval.metric_for_best=eval_exact_match", "eval.early_stopping_patience=1",
+                              "probe.enabled=false", f"hydra.run.dir={run}", cwd=repo)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads((run / "metrics.json").read_text())
     for key in ("eval_loss", "eval_perplexity", "eval_rouge-1", "eval_rouge-2", "eval_rouge-l", "eval_bleu-4",

@@ -1,7 +1,5 @@
 """mode=infer: base + adapter generation, batching with images, the merged checkpoint, bad prompt files."""
 import json
-import subprocess
-import sys
 
 import torch
 from peft import PeftModel
@@ -12,14 +10,15 @@ from glmtune.infer.generate import generate
 from glmtune.models import load_model, load_tokenizer
 from glmtune.models.presets import ensure_tiny
 
+from conftest import glmtune_in_process
+
 PROMPTS = [{"messages": [{"role": "user", "content": "What is the capital of France?"}]},
            {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "你好，介绍一下你自己"}]},
            {"messages": [{"role": "user", "content": "Add 2 and 3."}]}]
 
 
 def run_cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "glmtune", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=600)
+    return glmtune_in_process(*args, cwd=cwd)  # the command's entry point, in this process
 
 
 def write_jsonl(path, rows):

@@ -2,8 +2,6 @@
 settings, and an adapter trained on another base refused with exit 2."""
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -11,20 +9,18 @@ from glmtune.infer.generate import reference_text
 from glmtune.models import make_tiny_checkpoint
 from glmtune.models.presets import ensure_tiny
 
+from conftest import glmtune_in_process
+
 SAMPLE_PROMPTS = "data/samples/prompts.jsonl"
 
 
 def run_cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "glmtune", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=600)
+    return glmtune_in_process(*args, cwd=cwd)  # the command's entry point, in this process
 
 
 @pytest.fixture(scope="module")
-def adapter(tmp_path_factory, repo):
-    run = tmp_path_factory.mktemp("train")
-    proc = run_cli(f"hydra.run.dir={run}", "train.max_steps=2", "probe.enabled=false", cwd=repo)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run / "adapter"
+def adapter(trained):
+    return trained.without_probe / "adapter"  # a CLI training (conftest.TRAINED), shared with other files
 
 
 def test_predictions_carry_prompt_and_reference_and_the_run_records_provenance(tmp_path, repo, adapter):

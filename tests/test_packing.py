@@ -189,12 +189,10 @@ def test_planner_and_config_know_the_packed_row():
 
 
 def test_cli_trains_on_packed_rows_with_the_probe(tmp_path, repo):
-    import subprocess
-    import sys
+    from conftest import glmtune_in_process
 
-    out = subprocess.run([sys.executable, "-m", "glmtune", "data.packing=on", "data.pack_length=600",
-                          "train.max_steps=2", "train.eval_steps=0", f"hydra.run.dir={tmp_path / 'run'}"],
-                         cwd=repo, capture_output=True, text=True, timeout=600)
+    out = glmtune_in_process("data.packing=on", "data.pack_length=600", "train.max_steps=2", "train.eval_steps=0",
+                             f"hydra.run.dir={tmp_path / 'run'}", cwd=repo)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "packing: on (data.packing=on); rows of 600 positions" in out.stdout
     assert "train: 51 examples -> " in out.stdout and (tmp_path / "run" / "adapter").is_dir()

@@ -1,8 +1,6 @@
 """The probe on CPU: measured peak, step-down under a budget, no effect on the run, failure diagnosis."""
 import json
 from pathlib import Path
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -20,10 +18,11 @@ from glmtune.plan.planner import make_plan, run_shape
 from glmtune.probe.probe import run_probe
 from glmtune.train.trainer import train
 
+from conftest import glmtune_in_process
+
 
 def run_cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "glmtune", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=600)
+    return glmtune_in_process(*args, cwd=cwd)  # the command's entry point, in this process
 
 
 def test_probe_json_measured_peak_matches_an_independent_measurement(tmp_path, repo):

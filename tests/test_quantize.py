@@ -107,8 +107,9 @@ def test_quantize_is_validated_with_every_other_problem():
 
 
 def _plan(*args, cwd, tmp_path):
-    return subprocess.run([sys.executable, "-m", "glmtune", "mode=plan", *args, f"hydra.run.dir={tmp_path}"],
-                          cwd=cwd, capture_output=True, text=True, timeout=120)
+    from conftest import glmtune_in_process
+
+    return glmtune_in_process("mode=plan", *args, f"hydra.run.dir={tmp_path}", cwd=cwd)
 
 
 def test_glm4v_plans_on_one_24gb_card_with_nf4_and_advice_names_it(tmp_path, repo):

@@ -43,8 +43,10 @@ def test_grid_sweep_records_a_failed_trial_and_finishes_the_others(tmp_path, rep
 
 
 def test_plan_sweep_records_a_trial_that_does_not_fit(tmp_path, repo):
-    proc = multirun("-m", "mode=plan", "model=glm4_9b_chat", "+hw=rtx4090_24g", "data.max_length=512,131072",
-                    f"hydra.sweep.dir={tmp_path}", cwd=repo)
+    from conftest import glmtune_in_process  # a multirun of plans: Hydra's basic launcher, in this process
+
+    proc = glmtune_in_process("-m", "mode=plan", "model=glm4_9b_chat", "+hw=rtx4090_24g", "data.max_length=512,131072",
+                              f"hydra.sweep.dir={tmp_path}", cwd=repo)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = sorted(trials(tmp_path), key=lambda r: r["num"])
     assert [r["status"] for r in rows] == ["ok", "does not fit"] and rows[1]["exit_code"] == 3

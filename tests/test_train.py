@@ -2,8 +2,6 @@
 import json
 import math
 import re
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -20,7 +18,7 @@ from glmtune.plan.planner import make_plan
 from glmtune.report import optimizer_steps
 from glmtune.train.trainer import train
 
-from conftest import glmtune
+from conftest import glmtune_in_process
 
 FIXED = [("What is the capital of France?", "The capital of France is Paris."),
          ("你好，请介绍一下你自己。", "我是一个乐于助人的助手。"),
@@ -90,8 +88,7 @@ def test_a_real_model_config_trains_whole_epochs_when_max_steps_is_not_set(tmp_p
 
 
 def run_cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "glmtune", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=600)
+    return glmtune_in_process(*args, cwd=cwd)  # the command's entry point, in this process
 
 
 def test_cli_train_writes_a_complete_run_dir(trained, repo):
@@ -135,7 +132,8 @@ def test_cli_plan_for_glm4_9b_on_a100_needs_no_weights(tmp_path, repo):
 
 def test_cli_plan_that_cannot_fit_exits_3_with_advice_and_leaves_nothing(tmp_path, repo):
     # launched from another folder, no hydra.run.dir: the configs come from the package, nothing is written
-    proc = glmtune("mode=plan", "model=glm4_9b_chat", "+hw=rtx4090_24g", "data.max_length=131072", cwd=tmp_path)
+    proc = glmtune_in_process("mode=plan", "model=glm4_9b_chat", "+hw=rtx4090_24g", "data.max_length=131072",
+                              cwd=tmp_path)
     assert proc.returncode == 3
     assert "does not fit" in proc.stderr and "data.max_length=" in proc.stderr and "Traceback" not in proc.stderr
     assert proc.stderr.count("\n") == 1 and "what fits: data.max_length=" in proc.stderr and "; +hw=h100_80g" in proc.stderr
