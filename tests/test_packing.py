@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from glmtune.config import DataConfig, LoraConfig
-from glmtune.data.packing import pack, pack_datasets, positions
+from glmtune.data.packing import format_packing, pack, pack_datasets, positions
 from glmtune.data.pipeline import IGNORE_INDEX, DataCollator, build_datasets
 from glmtune.models import load_config, load_model, load_tokenizer
 from glmtune.models.presets import ensure_tiny
@@ -141,11 +141,44 @@ def test_pack_datasets_decides_and_reports(packing, on_gpu, packs):
     data = build_datasets(cfg, tok)
     packed, info = pack_datasets(cfg, data, image_extra=0, micro_batch=2, on_gpu=on_gpu)
     assert info.enabled is packs and (packed.train is not data.train) is packs
+    assert info.shape() == ((1024, 0) if packs else None)
+    if packing == "off" or not on_gpu and packing == "auto":
+        assert info.train is None and "rows of" not in format_packing(info, 2)  # off: no packing work at all
+        return
     stats = info.train
     assert stats.examples == len(data.train) and stats.positions == data.stats.train.tokens
-    assert stats.rows == len(pack(data.train, 1024)) == 13 and stats.examples == 51  # ceil(12,691 / 1,024) = 13
-    assert 0.8 < stats.fill <= 1.0 and info.shape() == ((1024, 0) if packs else None)
+    rows = pack(list(data.train), 1024)  # the dict path gives the same rows as the column path
+    assert stats.rows == len(rows) == len(packed.train) == 13 and stats.examples == 51  # ceil(12,691 / 1,024)
+    if packs:
+        assert [packed.train[i] for i in range(len(packed.train))] == rows
+    assert 0.8 < stats.fill <= 1.0
     assert stats.pad_unpacked > stats.pad_packed  # micro-batches of 2 unpacked examples pad to the longer one
+    assert stats.pad_unpacked == _padding_by_hand([len(e["input_ids"]) for e in data.train], 2)
+
+
+def _padding_by_hand(lengths: list[int], micro: int) -> int:
+    return sum(max(lengths[i:i + micro]) * len(lengths[i:i + micro]) - sum(lengths[i:i + micro])
+               for i in range(0, len(lengths), micro))
+
+
+@pytest.mark.parametrize("packing", ["off", "on"])
+def test_packing_plans_from_the_length_column_without_reading_tokens(packing, monkeypatch):
+    """Issue 25: packing off reads no token list, and packing on reads only the rows asked for."""
+    from glmtune.data import tokenized
+
+    tok = load_tokenizer(ensure_tiny("glm4"))
+    cfg = DataConfig(train_file=str(REPO / "data/samples/train.jsonl"), val_file=str(REPO / "data/samples/val.jsonl"),
+                     packing=packing, pack_length=1024)
+    data = build_datasets(cfg, tok)
+    reads = []
+    real = tokenized._ListColumn.__getitem__
+    monkeypatch.setattr(tokenized._ListColumn, "__getitem__", lambda self, row: reads.append(row) or real(self, row))
+    packed, info = pack_datasets(cfg, data, image_extra=0, micro_batch=2, on_gpu=False)
+    format_packing(info, 2)
+    assert reads == []
+    if packing == "on":
+        row = packed.train[3]
+        assert len(reads) == 2 * len(row["lengths"])  # input_ids and labels of that row's examples only
 
 
 def test_flex_attention_block_mask_matches_the_dense_mask_forward():

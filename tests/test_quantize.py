@@ -252,5 +252,5 @@ def test_quantized_cli_run_trains_evaluates_generates_and_saves(tmp_path, quanti
 
 
 def test_a_run_that_does_not_quantize_prints_no_bitsandbytes_warning(trained):
-    """peft imports bitsandbytes when it is installed; its CPU backend's 'kernels' warning is not for this run."""
+    """A run that does not quantize never imports bitsandbytes (tests/test_lazy_imports.py), so no 'kernels' warning."""
     assert "kernels" not in trained.proc.stderr + trained.proc.stdout

@@ -35,6 +35,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
+import torch
+
 from ..config import DataConfig
 from .pipeline import IGNORE_INDEX, Datasets
 
@@ -85,26 +88,69 @@ def positions(example: dict[str, Any], image_extra: int) -> int:
     return len(example["input_ids"]) + (image_extra if example.get("image") else 0)
 
 
-def pack(examples: list[dict[str, Any]], pack_length: int, image_extra: int = 0) -> list[dict[str, Any]]:
-    """Best-fit decreasing: longest example first, into the fullest row it still fits (O(n log n)).
-    An example longer than pack_length gets a row of its own (it is never cut: max_length already did)."""
-    order = sorted(range(len(examples)), key=lambda i: -positions(examples[i], image_extra))
-    bins: list[list[int]] = []
-    free: list[tuple[int, int]] = []  # (room left, bin index), sorted: the first with room >= n is the best fit
+def example_positions(split, image_extra: int) -> np.ndarray:
+    """Positions of every example of a split: from the cache's length column for a TokenizedSplit (no token
+    list is read: issue 25, 2.8 M list conversions at 200K conversations), else from the dicts themselves."""
+    if hasattr(split, "positions"):
+        return split.positions(image_extra)
+    return np.array([positions(e, image_extra) for e in split], dtype=np.int64)
+
+
+def plan_rows(lengths: np.ndarray, pack_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Best-fit decreasing over example lengths: longest first, into the fullest row it still fits (O(n log n)).
+    An example longer than pack_length gets a row of its own (it is never cut: max_length already did).
+    Returns (members, offsets): row r holds examples members[offsets[r]:offsets[r + 1]], in index order, and
+    rows come in order of their first example. Two int64 arrays, 8 B per example: no Python list per row."""
+    order = np.argsort(-lengths, kind="stable").tolist()
+    sizes = lengths.tolist()
+    row_of = [0] * len(sizes)
+    rows = 0
+    # Free room as one sorted list of room * 2**32 + row: the first entry >= n * 2**32 is the best fit.
+    free: list[int] = []
     for i in order:
-        n = positions(examples[i], image_extra)
-        at = bisect.bisect_left(free, (n, -1))
+        n = sizes[i]
+        at = bisect.bisect_left(free, n << 32)
         if at < len(free):
-            room, b = free.pop(at)
-            bins[b].append(i)
+            key = free.pop(at)
+            room, row = key >> 32, key & 0xFFFFFFFF
             if room - n > 0:
-                bisect.insort(free, (room - n, b))
+                bisect.insort(free, ((room - n) << 32) | row)
         else:
-            bins.append([i])
+            row, rows = rows, rows + 1
             if pack_length - n > 0:
-                bisect.insort(free, (pack_length - n, len(bins) - 1))
-    # Rows keep the examples in file order inside them, and rows come in order of their first example.
-    return [join_row([examples[i] for i in sorted(b)]) for b in sorted(bins, key=min)]
+                bisect.insort(free, ((pack_length - n) << 32) | row)
+        row_of[i] = row
+    row_of_np = np.asarray(row_of, dtype=np.int64)
+    first = np.full(rows, len(sizes), dtype=np.int64)
+    np.minimum.at(first, row_of_np, np.arange(len(sizes)))
+    rank = np.empty(rows, dtype=np.int64)
+    rank[np.argsort(first, kind="stable")] = np.arange(rows)  # renumber rows by their first example
+    members = np.lexsort((np.arange(len(sizes)), rank[row_of_np]))
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(rank[row_of_np], minlength=rows))])
+    return members, offsets
+
+
+def pack(examples, pack_length: int, image_extra: int = 0) -> list[dict[str, Any]]:
+    """Every packed row of `examples` (a list or split), as dicts: for tests and small data."""
+    rows = PackedSplit(examples, *plan_rows(example_positions(examples, image_extra), pack_length))
+    return [rows[i] for i in range(len(rows))]
+
+
+class PackedSplit(torch.utils.data.Dataset):
+    """Packed rows over a split, joined when the Trainer asks for one: only that row's examples are read
+    (memory-mapped from the cache), so a launch never holds all the tokens as Python lists."""
+
+    def __init__(self, split, members: np.ndarray, offsets: np.ndarray) -> None:
+        self.split, self.members, self.offsets = split, members, offsets
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, row: int) -> dict[str, Any]:
+        if not -len(self) <= row < len(self):
+            raise IndexError(f"row {row} out of range for {len(self)} packed rows")
+        row %= len(self)
+        return join_row([self.split[int(i)] for i in self.members[self.offsets[row]:self.offsets[row + 1]]])
 
 
 def join_row(members: list[dict[str, Any]]) -> dict[str, Any]:
@@ -121,22 +167,31 @@ def join_row(members: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
-def split_stats(examples, rows, pack_length: int, image_extra: int, micro_batch: int) -> PackStats:
-    oversize = sum(positions(e, image_extra) > pack_length for e in examples)
-    return PackStats(examples=len(examples), rows=len(rows), pack_length=pack_length,
-                     positions=sum(positions(e, image_extra) for e in examples),
-                     max_images=max((len(r.get("images", ())) for r in rows), default=0), oversize=oversize,
-                     pad_unpacked=_padding([positions(e, image_extra) for e in examples], micro_batch),
-                     pad_packed=_padding([len(r["input_ids"]) + image_extra * len(r.get("images", ()))
-                                          for r in rows], micro_batch))
+def split_stats(split, lengths: np.ndarray, members: np.ndarray, offsets: np.ndarray, pack_length: int,
+                image_extra: int, micro_batch: int) -> PackStats:
+    """Rows, fill and padding of one split, vectorized over the length (and image) columns."""
+    row_positions = np.add.reduceat(lengths[members], offsets[:-1]) if len(members) else lengths[:0]
+    max_images = 0
+    if image_extra:
+        if hasattr(split, "column"):
+            has_image = split.column("image")[split.rows]
+        else:
+            has_image = np.array([bool(e.get("image")) for e in split])
+        if has_image.any():
+            max_images = int(np.add.reduceat(has_image[members].astype(np.int64), offsets[:-1]).max())
+    return PackStats(examples=len(lengths), rows=len(offsets) - 1, pack_length=pack_length,
+                     positions=int(lengths.sum()), max_images=max_images,
+                     oversize=int((lengths > pack_length).sum()),
+                     pad_unpacked=_padding(lengths, micro_batch), pad_packed=_padding(row_positions, micro_batch))
 
 
-def _padding(lengths: list[int], micro_batch: int) -> int:
-    total = 0
-    for start in range(0, len(lengths), micro_batch):
-        chunk = lengths[start:start + micro_batch]
-        total += max(chunk) * len(chunk) - sum(chunk)
-    return total
+def _padding(lengths: np.ndarray, micro_batch: int) -> int:
+    """Padding of consecutive micro-batches of `lengths`, each padded to its longest."""
+    if not len(lengths):
+        return 0
+    starts = np.arange(0, len(lengths), micro_batch)
+    counts = np.diff(np.append(starts, len(lengths)))
+    return int((np.maximum.reduceat(lengths, starts) * counts).sum() - lengths.sum())
 
 
 def pack_length_for(cfg: DataConfig, longest: int) -> int:
@@ -156,21 +211,23 @@ def planned_packing(cfg: DataConfig, image_extra: int) -> Optional[tuple[int, in
 def pack_datasets(cfg: DataConfig, data: Datasets, image_extra: int, micro_batch: int, on_gpu: bool
                   ) -> tuple[Datasets, Packing]:
     """Datasets of packed rows when data.packing says so (auto: on a GPU when it at least halves the rows).
+    Off (or auto on CPU) does no packing work at all; on plans rows from the length columns and joins each
+    row only when it is read (PackedSplit).
 
     image_extra: positions an image adds beyond its 3 placeholders (plan.estimate.image_extra_tokens)."""
     splits = [s for s in (data.train, data.val) if s is not None]
-    longest = max(positions(e, image_extra) for s in splits for e in s)
-    length = pack_length_for(cfg, longest)
-    packed = [pack(s, length, image_extra) for s in splits]
-    stats = [split_stats(s, p, length, image_extra, micro_batch) for s, p in zip(splits, packed)]
-    gain = stats[0].examples / max(1, stats[0].rows)
+    lengths = [example_positions(s, image_extra) for s in splits]  # numpy over the cached columns: milliseconds
+    length = pack_length_for(cfg, max(int(n.max(initial=0)) for n in lengths))
     if cfg.packing == "off":
-        enabled, reason = False, "data.packing=off"
-    elif cfg.packing == "on":
+        return data, Packing(False, "data.packing=off", length)
+    if cfg.packing == "auto" and not on_gpu:
+        return data, Packing(False, "auto: off on CPU (compute-bound per token: no launch overhead to save, and "
+                                    "the dense block-diagonal mask costs attention over the whole row)", length)
+    plans = [plan_rows(n, length) for n in lengths]
+    stats = [split_stats(s, n, *p, length, image_extra, micro_batch) for s, n, p in zip(splits, lengths, plans)]
+    gain = stats[0].examples / max(1, stats[0].rows)
+    if cfg.packing == "on":
         enabled, reason = True, "data.packing=on"
-    elif not on_gpu:
-        enabled, reason = False, ("auto: off on CPU (compute-bound per token: no launch overhead to save, and the "
-                                  "dense block-diagonal mask costs attention over the whole row)")
     elif gain >= AUTO_MIN_GAIN:
         enabled, reason = True, f"auto: {gain:.1f} examples per row, {gain:.1f}x fewer forward passes"
     else:
@@ -178,12 +235,14 @@ def pack_datasets(cfg: DataConfig, data: Datasets, image_extra: int, micro_batch
     result = Packing(enabled, reason, length, stats[0], stats[1] if len(stats) > 1 else None)
     if not enabled:
         return data, result
+    packed = [PackedSplit(s, *p) for s, p in zip(splits, plans)]
     return Datasets(packed[0], packed[1] if len(packed) > 1 else None, data.stats), result
 
 
 def format_packing(p: Packing, micro_batch: int) -> str:
     """Rows, fill and padding per split, plain text under the data table."""
-    lines = [f"packing: {'on' if p.enabled else 'off'} ({p.reason}); rows of {p.pack_length} positions"]
+    lines = [f"packing: {'on' if p.enabled else 'off'} ({p.reason})"
+             + (f"; rows of {p.pack_length} positions" if p.train is not None else "")]
     for name, s in (("train", p.train), ("val", p.val)):
         if s is None:
             continue

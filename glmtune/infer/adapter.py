@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, InferConfig
-from ..models.quantize import quiet_unused_bitsandbytes
+from ..models.quantize import peft_without_bitsandbytes
 
 
 def read_adapter_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -53,8 +53,8 @@ def load_adapter(model, adapter: str):
     except (ValueError, TypeError, OSError) as err:
         raise ConfigError(f"{folder / 'adapter_config.json'}: unreadable ({err}) — restore it from the run") from None
     config.inference_mode = True
-    quiet_unused_bitsandbytes()
-    model = PeftModel(model, config)
+    with peft_without_bitsandbytes():
+        model = PeftModel(model, config)
     result = set_peft_model_state_dict(model, weights)
     if result.unexpected_keys or not weights:
         raise ConfigError(f"{folder}: the adapter does not fit this model ({len(result.unexpected_keys)} unknown "

@@ -23,10 +23,13 @@ Kept in the compute dtype (bf16 on cards that have it):
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import sys
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -123,15 +126,24 @@ def _unpack_for_training(layer: nn.Module, args) -> None:
         layer.weight.data, layer.weight.quant_state = _convert_weight_packed_for_cpu_inverse(layer.weight.data, state)
 
 
-def quiet_unused_bitsandbytes() -> None:
-    """peft imports bitsandbytes whenever it is installed (to offer its k-bit LoRA layers), and bitsandbytes 0.50
-    then warns on CPUs with AVX512-BF16 that an optional Hub kernel ('kernels') is missing. A run that does not
-    quantize never calls that kernel: before peft's first import of bitsandbytes, that one logger is set to
-    errors only. A quantized run imports bitsandbytes earlier (the loader) and keeps the warning."""
-    import sys
+@contextlib.contextmanager
+def peft_without_bitsandbytes() -> Iterator[None]:
+    """peft 0.11 imports bitsandbytes whenever it is installed, to try its k-bit LoRA layers on every adapted
+    layer (~2 s of imports, and on CPUs with AVX512-BF16 a warning about an optional 'kernels' package). A
+    model that is not quantized has no bitsandbytes layer for them to match, so while peft adapts one, its two
+    availability checks answer False. A quantized model's loader has imported bitsandbytes already: then
+    nothing changes (issue 25)."""
+    if "bitsandbytes" in sys.modules:
+        yield
+        return
+    from peft.tuners.lora import model as lora_model
 
-    if "bitsandbytes" not in sys.modules:
-        logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    saved = lora_model.is_bnb_available, lora_model.is_bnb_4bit_available
+    lora_model.is_bnb_available = lora_model.is_bnb_4bit_available = lambda: False
+    try:
+        yield
+    finally:
+        lora_model.is_bnb_available, lora_model.is_bnb_4bit_available = saved
 
 
 def weight_files(path: str | os.PathLike) -> list[Path]:

@@ -7,7 +7,7 @@ import peft
 import torch
 
 from ..config import LORA_TARGETS, ConfigError, LoraConfig
-from ..models.quantize import quiet_unused_bitsandbytes
+from ..models.quantize import peft_without_bitsandbytes
 
 
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> peft.PeftModel:
@@ -15,9 +15,9 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> peft.PeftModel:
     lora = peft.LoraConfig(task_type=peft.TaskType.CAUSAL_LM, r=cfg.r, lora_alpha=cfg.alpha,
                            lora_dropout=cfg.dropout, target_modules=_targets(model, cfg), use_dora=cfg.use_dora,
                            use_rslora=cfg.use_rslora)
-    quiet_unused_bitsandbytes()
     try:
-        model = peft.get_peft_model(model, lora)
+        with peft_without_bitsandbytes():
+            model = peft.get_peft_model(model, lora)
     except ValueError as err:
         if "not found" not in str(err):
             raise
