@@ -146,6 +146,12 @@ class PackedSplit(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
+    def target_counts(self) -> np.ndarray:
+        """Target tokens per row (train/steps.py weighs each step by them), from the examples' cached counts."""
+        counts = self.split.target_counts() if hasattr(self.split, "target_counts") else \
+            np.array([sum(label != IGNORE_INDEX for label in e["labels"][1:]) for e in self.split], dtype=np.int64)
+        return np.add.reduceat(counts[self.members], self.offsets[:-1]) if len(self.members) else counts[:0]
+
     def __getitem__(self, row: int) -> dict[str, Any]:
         if not -len(self) <= row < len(self):
             raise IndexError(f"row {row} out of range for {len(self)} packed rows")

@@ -79,6 +79,11 @@ class TokenizedSplit(torch.utils.data.Dataset):
             return np.concatenate(chunks or [np.zeros(0, np.int8)]).astype(bool)
         return np.concatenate([_numpy(chunk) for chunk in self.table.column(name).chunks] or [np.zeros(0, np.int32)])
 
+    def target_counts(self) -> np.ndarray:
+        """Target tokens per kept example, from the cached column (no token read): what the loss counts, since an
+        example's first label is never a target (it starts with the [gMASK] prompt)."""
+        return self.column("targets")[self.rows].astype(np.int64)
+
     def positions(self, image_extra: int) -> np.ndarray:
         """Positions of each kept example (tokens, plus image_extra when it has an image), from the length and
         image columns alone: packing plans and counts with these, never reading a token list (issue 25)."""
