@@ -187,7 +187,7 @@ def _decide(run_dir: Path, mode: str, config: dict, last_checkpoint: Path | None
     if changed:
         shown = ", ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in changed[:3])
         raise ConfigError(f"{run_dir}: run dir holds a run with another config ({shown}"
-                          f"{', …' if len(changed) > 3 else ''}; changed: {', '.join(changed)}) — a resume keeps the "
+                          f"{', …' if len(changed) > 3 else ''}) — a resume keeps the "
                           "model, LoRA, data, lengths and learning settings (only memory levers such as +hw=, dist.*, "
                           "the micro-batch and accumulation may change): repeat the original command to resume it, "
                           "pass train.resume=restart to start over, or use another hydra.run.dir")

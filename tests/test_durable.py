@@ -265,9 +265,11 @@ def test_zero3_two_ranks_sigterm_then_resume_matches_the_uninterrupted_run(tmp_p
     wait_for(lambda: logged_steps(out) >= 3, proc, what="three logged steps")
     proc.send_signal(signal.SIGTERM)  # torchrun forwards it to both workers
     _, _, stderr = finish(proc)
+    # Rank 0 speaks on the console; rank 1 writes the same step's line to its own log (issue 21).
     stops = [line for line in stderr.splitlines() if "glmtune: error: stopped by SIGTERM at step" in line]
-    assert len(stops) == 2 and len({line.split("at step ")[1].split(":")[0] for line in stops}) == 1, stderr[-4000:]
+    assert len(stops) == 1, stderr[-4000:]
     stopped_at = int(stops[0].split("at step ")[1].split(":")[0])
+    assert f"stopped by SIGTERM at step {stopped_at}:" in (out / "rank1.log").read_text()
     assert stopped_at < 12 and is_complete(out / "checkpoints" / f"checkpoint-{stopped_at}")
 
     code, stdout, stderr = finish(torchrun(*args, f"hydra.run.dir={out}", port=free_port()))
