@@ -9,9 +9,9 @@ hands in) by `datasets.map` on the node's cores, then saved with `save_to_disk`.
 
 Stops: the workers are forked from the launcher without its stop-signal handler (train/signals.py resets it in
 every forked child): Ctrl-C's SIGINT, which reaches the whole foreground group, and SIGUSR1 are left to the
-launcher, which stops the build and terminates the pool (SIGTERM, default action). On its first batch each
-worker asks the kernel to SIGKILL it when the launcher dies (PR_SET_PDEATHSIG, `_as_worker`), so a `kill -9`
-of the launcher leaves no worker behind.
+launcher, which stops the build and terminates the pool (SIGTERM, default action). Every process the builder
+forks asks the kernel, at the fork, to SIGKILL it when the launcher dies (PR_SET_PDEATHSIG,
+`_die_with_the_builder`), so a `kill -9` of the launcher leaves no worker behind.
 """
 from __future__ import annotations
 
@@ -48,6 +48,24 @@ def _as_worker() -> None:
         pass
     if os.getppid() != _BUILDER:  # the launcher died before the line above: nothing to build for
         os._exit(1)
+
+
+def _die_with_the_builder() -> None:
+    """In every process the builder forks (the map workers, and the manager process datasets starts for their
+    progress queue), at the fork itself: SIGKILL when the builder dies. Set on the first batch only, a manager
+    or a worker still starting outlived a `kill -9` of the launcher, holding its stdout and stderr open."""
+    if _BUILDER is None or os.getppid() != _BUILDER:
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG (Linux)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != _BUILDER:  # the builder died before the line above
+        os._exit(1)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_die_with_the_builder)
 
 
 def write_lines(items: Iterable[tuple[int, int, bytes]], path: Path) -> int:
