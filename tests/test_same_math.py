@@ -135,9 +135,9 @@ def cli(out: Path, *args: str, nproc: int = 1, timeout=900) -> subprocess.Comple
                           text=True, timeout=timeout)
 
 
-def step_losses(run_dir: Path) -> list[float]:
+def step_losses(run_dir: Path, key: str = "loss") -> list[float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r]
+    return [r[key] for r in rows if "loss" in r]
 
 
 def adapter(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -156,11 +156,12 @@ def test_ten_steps_agree_across_processes_and_zero3(tmp_path):
         proc = cli(out, "train.max_steps=14", f"train.per_device_batch_size={micro}", f"train.grad_accum={accum}",
                    *extra, nproc=nproc)
         assert proc.returncode == 0, (name, proc.stderr[-3000:])
-        results[name] = (step_losses(out), adapter(out))
-    ref_losses, ref_adapter = results["4x1x1"]
+        results[name] = (step_losses(out), adapter(out), step_losses(out, "grad_norm"))
+    ref_losses, ref_adapter, ref_norms = results["4x1x1"]
     assert len(ref_losses) == 14
-    for name, (losses, weights) in results.items():
+    for name, (losses, weights, norms) in results.items():
         assert losses == pytest.approx(ref_losses, rel=1e-5), name
+        assert norms == pytest.approx(ref_norms, rel=1e-5), name  # the whole LoRA gradient's norm, every step
         assert_same_adapter(weights, ref_adapter, name)
 
 
