@@ -100,8 +100,8 @@ def write_state(run_dir: Path, **fields: Any) -> None:
     write_json(run_dir / STATE, state)
 
 
-def comparable(config: dict) -> dict[str, Any]:
-    """The composed config flattened to dotted keys, without the keys a resume may change."""
+def flatten(config: dict) -> dict[str, Any]:
+    """The composed config as dotted keys (`train.grad_accum`) and their leaf values."""
     flat: dict[str, Any] = {}
 
     def walk(prefix: str, value: Any) -> None:
@@ -112,7 +112,12 @@ def comparable(config: dict) -> dict[str, Any]:
             flat[prefix.rstrip(".")] = value
 
     walk("", config)
-    return {k: v for k, v in flat.items() if k not in RESUMABLE_CHANGES and not is_memory_lever(k)}
+    return flat
+
+
+def comparable(config: dict) -> dict[str, Any]:
+    """The composed config flattened to dotted keys, without the keys a resume may change."""
+    return {k: v for k, v in flatten(config).items() if k not in RESUMABLE_CHANGES and not is_memory_lever(k)}
 
 
 def is_memory_lever(key: str) -> bool:
@@ -121,13 +126,7 @@ def is_memory_lever(key: str) -> bool:
 
 def changed_levers(before: dict, now: dict) -> list[str]:
     """The memory levers whose values differ between two composed configs (dotted keys)."""
-    def flat(config: dict, prefix: str = "") -> dict:
-        out = {}
-        for key, value in config.items():
-            out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
-        return out
-
-    a, b = flat(before), flat(now)
+    a, b = flatten(before), flatten(now)
     return sorted(k for k in a.keys() | b.keys() if is_memory_lever(k) and a.get(k) != b.get(k))
 
 
