@@ -32,7 +32,7 @@ from .report import header, summary
 from .resume import check_inputs, input_fingerprints, refuse_training_run, resume_command
 from .rundir import console, fail, remove_empty_dirs, report_probe, write_run_files
 from .runlock import Start, decide, trim_metrics, write_state
-from .train.checkpoints import last_complete
+from .train.checkpoints import checkpoint_step, last_complete
 from .train.compile import check_attention, describe, resolve_compile
 from .train.preflight import check_device, check_disk, check_host_memory
 from .train.signals import EXIT_DIVERGED, EXIT_INTERRUPTED, Interrupted
@@ -126,8 +126,7 @@ def planned(prep: Prepared, run_dir: Path, plan_scratch: bool):
     """The plan (exit 3 when nothing fits), the resume decision, the run files and the header."""
     run, arch, data = prep.run, prep.arch, prep.data
     world = world_size() if run.mode != "plan" else run.dist.nnodes * run.dist.nproc_per_node
-    length_set = run.data.max_length != 500 or any(
-        o.lstrip("+~").startswith("data.max_length=") for o in prep.overrides)
+    length_set = run.data.max_length != 500 or typed(prep.overrides, "data.max_length")
     packed = prep.packing.shape() if prep.packing else planned_packing(run.data, image_extra_tokens(arch))
     plan = make_plan(run, arch, world, length_set, data_max_tokens=longest_length(data.stats) if data else None,
                      packed=packed)
@@ -136,8 +135,8 @@ def planned(prep: Prepared, run_dir: Path, plan_scratch: bool):
         start = decide(run_dir, run.train.resume, prep.config, last_complete(run_dir / "checkpoints"), rank() == 0)
         recorded = Choices(**start.choices) if start.choices else None
         if recorded and (recorded.world_size != world or start.levers_changed):  # other hardware: re-split
-            batch_set = any(k in ("train.per_device_batch_size", "train.grad_accum") and  # typed now, and changed
-                            any(o.lstrip("+").startswith(f"{k}=") for o in prep.overrides) for k in start.levers_changed)
+            batch_set = any(k in ("train.per_device_batch_size", "train.grad_accum") and typed(prep.overrides, k)
+                            for k in start.levers_changed)  # typed on this command line, and changed
             plan.choices, line = elastic_choices(recorded, plan.choices, world, batch_set)  # same global batch
             start = replace(start, choices=None, note=f"{start.note}; {line}")  # probed like a first launch
         if start.resume_from and rank() == 0:
@@ -157,6 +156,11 @@ def planned(prep: Prepared, run_dir: Path, plan_scratch: bool):
                 "no preset card, GPU count or data.max_length fits: lower lora.r or train.per_device_batch_size"),
              code=3)
     return plan, start
+
+
+def typed(overrides: list[str], key: str) -> bool:
+    """Whether the command line set `key` (key=, +key= or ~key=)."""
+    return any(o.lstrip("+~").startswith(f"{key}=") for o in overrides)
 
 
 def probe_stage(prep: Prepared, plan, start: Start, run_dir: Path) -> tuple[Choices, int]:
@@ -209,7 +213,7 @@ def train_mode(prep: Prepared, plan, start: Start, choices: Choices, peak: int, 
     from .train.trainer import train
 
     run, data, leader = prep.run, prep.data, rank() == 0
-    resume_step = int(start.resume_from.name.rsplit("-", 1)[-1]) if start.resume_from else 0  # checkpoint-<step>
+    resume_step = checkpoint_step(start.resume_from) if start.resume_from else 0
     if leader:
         # `started` orders unfinished runs for resume.unfinished_run; a resume keeps the first launch's
         write_state(run_dir, status="running", mode="train", config=prep.config, choices=choices.to_dict(),

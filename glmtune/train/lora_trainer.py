@@ -11,7 +11,7 @@ from .evaluation import BestTracker, GenerationEval, perplexity
 from .guard import Guard
 from .lora import trainable_parameters
 from .optim import OPTIMIZERS, make_optimizer
-from .portable import PORTABLE, load_portable_into_torch, load_torch_states, save_portable_zero3
+from .portable import load_states, save_portable_zero3
 from .progress import StepLines
 from .steps import ExampleLog, StepCollator, StepExamples, StepSampler, step_loss, target_counts
 
@@ -88,22 +88,13 @@ class LoraTrainer(Trainer):
         states (train/portable.py) when this run is not ZeRO-3. A ZeRO-3 run reads its own engine's files."""
         if checkpoint is None or self.is_deepspeed_enabled:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        folder = Path(checkpoint)
-        if not load_torch_states(self, folder) and (folder / PORTABLE).is_file():
-            load_portable_into_torch(getattr(self.optimizer, "optimizer", self.optimizer), self.model, folder)
-            if (folder / "scheduler.pt").is_file():
-                self.lr_scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
-                # A scheduler's state holds its last rate but does not set it: the optimizer's groups would keep
-                # the initial rate until the scheduler's next step (an optimizer.pt carries the rate itself).
-                for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
-                    group["lr"] = lr
+        load_states(self, Path(checkpoint))
 
     def _save_checkpoint(self, model, trial, metrics=None):
         super()._save_checkpoint(model, trial, metrics)
         if self.is_deepspeed_enabled:  # gathered optimizer states, so a ZeRO-3 run can resume as DDP
             folder = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
-            save_portable_zero3(self.model_wrapped, self.optimizer, self.state.global_step, folder,
-                                self.is_world_process_zero())
+            save_portable_zero3(self.model_wrapped, self.state.global_step, folder, self.is_world_process_zero())
 
     def training_step(self, model, inputs):
         loss = super().training_step(model, inputs)

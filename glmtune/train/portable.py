@@ -27,7 +27,7 @@ def named_trainable(model) -> list[tuple[str, torch.nn.Parameter]]:
     return out
 
 
-def save_portable_zero3(model, optimizer, step: int, folder: Path, leader: bool) -> None:
+def save_portable_zero3(model, step: int, folder: Path, leader: bool) -> None:
     """Every rank calls it (the gathers are collective); the leader writes `optimizer_portable.pt`."""
     from deepspeed.utils import safe_get_full_optimizer_state
 
@@ -55,12 +55,17 @@ def load_portable_into_torch(optimizer: torch.optim.Optimizer, model, folder: Pa
                                   "exp_avg_sq": moments["exp_avg_sq"].to(param.device, param.dtype).view_as(param)}
 
 
-def load_torch_states(trainer, folder: Path) -> bool:
-    """optimizer.pt and scheduler.pt of a DDP / single-process checkpoint, read onto the CPU whatever the world
-    size (AdamW's load_state_dict moves each state to its parameter's device); False when there are none."""
-    if not (folder / OPTIMIZER).is_file():
-        return False
-    trainer.optimizer.load_state_dict(torch.load(folder / OPTIMIZER, map_location="cpu", weights_only=True))
+def load_states(trainer, folder: Path) -> None:
+    """The optimizer and scheduler states of a checkpoint into a DDP or single-process run, whatever world size
+    or engine wrote it: optimizer.pt read onto the CPU (AdamW's load_state_dict moves each state to its
+    parameter's device), or else a ZeRO-3 checkpoint's gathered moments; then scheduler.pt."""
+    if (folder / OPTIMIZER).is_file():
+        trainer.optimizer.load_state_dict(torch.load(folder / OPTIMIZER, map_location="cpu", weights_only=True))
+    elif (folder / PORTABLE).is_file():
+        load_portable_into_torch(getattr(trainer.optimizer, "optimizer", trainer.optimizer), trainer.model, folder)
     if (folder / SCHEDULER).is_file():
         trainer.lr_scheduler.load_state_dict(torch.load(folder / SCHEDULER, map_location="cpu", weights_only=True))
-    return True
+        # A scheduler's state holds its last rate but does not set it, and gathered moments carry no rate: set
+        # the groups' rate from it (the rate an optimizer.pt restored is the same one).
+        for group, lr in zip(trainer.optimizer.param_groups, trainer.lr_scheduler.get_last_lr()):
+            group["lr"] = lr
