@@ -32,6 +32,16 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # an xdist worker (set before t
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    """The tiny GLM-4 tokenizer, written and loaded once per test module."""
+    from glmtune.models.tokenizer_files import load_tokenizer, write_tiny_tokenizer  # torch after the thread setting
+
+    folder = tmp_path_factory.mktemp("tok_glm4")
+    write_tiny_tokenizer(folder, "glm4")
+    return load_tokenizer(folder)
+
+
 @pytest.fixture(scope="session")
 def repo() -> Path:
     return REPO

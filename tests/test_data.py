@@ -20,13 +20,6 @@ X = -100  # no loss at this position
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tok_glm4")
-    write_tiny_tokenizer(folder, "glm4")
-    return load_tokenizer(folder)
-
-
-@pytest.fixture(scope="module")
 def tok3(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tok_chatglm3")
     write_tiny_tokenizer(folder, "chatglm3")

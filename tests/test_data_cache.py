@@ -34,13 +34,6 @@ def write(path: Path, conversations, blank_every: int = 0) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tok")
-    write_tiny_tokenizer(folder, "glm4")
-    return load_tokenizer(folder)
-
-
 def entries(cache: Path) -> list[Path]:
     return sorted(p for p in cache.iterdir() if p.is_dir())
 

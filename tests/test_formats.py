@@ -11,7 +11,6 @@ from glmtune.config import DataConfig
 from glmtune.data.formats import detect
 from glmtune.data.pipeline import DataError, build_datasets, encode_conversation
 from glmtune.data.validate import read_conversations
-from glmtune.models.tokenizer_files import load_tokenizer, write_tiny_tokenizer
 
 from conftest import glmtune
 
@@ -75,13 +74,6 @@ def write(records: list, folder: Path, kind: str, name: str = "train") -> Path:
         path = folder / (f"{name}.parquet" if kind == "parquet" else name)
         rows.to_parquet(str(path)) if kind == "parquet" else rows.save_to_disk(str(path))
     return path
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tok")
-    write_tiny_tokenizer(folder, "glm4")
-    return load_tokenizer(folder)
 
 
 @pytest.mark.parametrize("fmt,kind", CASES, ids=[f"{f}-{k}" for f, k in CASES])
