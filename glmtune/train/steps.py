@@ -31,7 +31,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100
+from ..data.pipeline import IGNORE_INDEX
+
 NULL = -1  # a padding slot of an epoch's last, short block
 
 
