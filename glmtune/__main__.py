@@ -22,6 +22,9 @@ from pathlib import Path
 # A value the user set is kept, and the plan then assumes the default allocator's larger reserve
 # (glmtune/plan/reserve.py).
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+from .quiet import quiet_libraries  # noqa: E402 - after the allocator setting, before DeepSpeed is imported
+
+quiet_libraries()
 
 import hydra
 from hydra.core.hydra_config import HydraConfig

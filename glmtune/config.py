@@ -10,8 +10,10 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import os
 import types
 import typing
+from pathlib import Path
 from typing import Any
 
 from .config_schema import (CONF_DIR, EVAL_METRICS, GROUPS, LORA_TARGETS, MODES, DataConfig,  # noqa: F401
@@ -228,6 +230,26 @@ def _check_values(cfg: RunConfig) -> list[str]:
     if absent:
         problems.append(f"train.report_to has {', '.join(absent)}, not installed: pip install {' '.join(absent)} "
                         '(or pip install "glmtune[track]")')
+    elif "mlflow" in cfg.train.report_to:
+        problems += _mlflow_store_problem()
     if cfg.train.learning_rate <= 0:
         problems.append(f"train.learning_rate must be > 0, got {cfg.train.learning_rate}")
     return problems
+
+
+def _mlflow_store_problem() -> list[str]:
+    """MLflow 3 refuses its file store (./mlruns, file:...) unless MLFLOW_ALLOW_FILE_STORE=true, and says so only
+    when the Trainer's callback opens the run, after the model has loaded and the probe has run, as a
+    traceback. Read from the environment as mlflow resolves it (an unset URI means sqlite:///mlflow.db unless
+    ./mlruns already holds experiments); mlflow itself is not imported here (~1 s)."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    existing = any((d / "meta.yaml").exists() for d in Path("mlruns").glob("[0-9]*")) if not uri else False
+    file_store = existing or uri.startswith("file:") or (uri and "://" not in uri)
+    allowed = os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("true", "1")
+    spec = importlib.util.find_spec("mlflow")
+    origin = Path(spec.origin).parent / "environment_variables.py" if spec and spec.origin else None
+    refuses = origin is not None and origin.exists() and "MLFLOW_ALLOW_FILE_STORE" in origin.read_text()
+    if not (file_store and refuses and not allowed):
+        return []
+    return [f"train.report_to has mlflow, whose file store ({uri or './mlruns'}) this mlflow refuses: set "
+            "MLFLOW_TRACKING_URI=sqlite:///mlflow.db (or a tracking server), or MLFLOW_ALLOW_FILE_STORE=true"]

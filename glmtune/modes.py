@@ -6,6 +6,7 @@ exit 2) raised before any weights load; every other stop is `rundir.fail` with i
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import time
@@ -92,10 +93,10 @@ def run_mode(prep: Prepared, run_dir: Path, plan_scratch: bool) -> float | None:
         if rank() == 0 and not plan_scratch:
             console.print(f"plan written to {run_dir / 'plan.json'}", markup=False)
         return None
-    choices, peak = probe_stage(prep, plan, start, run_dir)
+    choices, peak, measured = probe_stage(prep, plan, start, run_dir)
     if prep.run.mode == "probe":
         return None
-    return train_mode(prep, plan, start, choices, peak, run_dir, started)
+    return train_mode(prep, plan, start, choices, (peak, measured), run_dir, started)
 
 
 def infer_mode(prep: Prepared, run_dir: Path) -> None:
@@ -163,8 +164,9 @@ def typed(overrides: list[str], key: str) -> bool:
     return any(o.lstrip("+~").startswith(f"{key}=") for o in overrides)
 
 
-def probe_stage(prep: Prepared, plan, start: Start, run_dir: Path) -> tuple[Choices, int]:
-    """Device and host checks, the data tables, then the probe: the choices to train with and their peak (bytes)."""
+def probe_stage(prep: Prepared, plan, start: Start, run_dir: Path) -> tuple[Choices, int, int | None]:
+    """Device and host checks, the data tables, then the probe: the choices to train with, their predicted
+    peak and the probe's measured one (bytes; None when nothing was probed)."""
     run, arch = prep.run, prep.arch
     try:
         check_device(plan.choices)
@@ -181,8 +183,9 @@ def probe_stage(prep: Prepared, plan, start: Start, run_dir: Path) -> tuple[Choi
         console.print(format_stats(prep.data.stats))
         console.print(format_packing(prep.packing, run.train.per_device_batch_size))
         console.print(describe(run.train, plan.choices.zero_stage, arch.attention_dropout, prep.packing.enabled))
+    settle_process()
     if start.choices:  # a resume trains with the first launch's final choices; no second probe
-        return Choices(**start.choices), plan.peak_bytes
+        return Choices(**start.choices), plan.peak_bytes, None
     if not run.probe.enabled:
         if rank() == 0 and plan.unmeasured_risk:  # never skipped silently: the plan alone is not enough here
             console.print(f"probe.enabled=false, but {plan.unmeasured_risk}; nothing measures them before training "
@@ -190,7 +193,7 @@ def probe_stage(prep: Prepared, plan, start: Start, run_dir: Path) -> tuple[Choi
         if rank() == 0 and resolve_compile(run.train, plan.choices.zero_stage)[0]:
             console.print("probe.enabled=false with compiled blocks: their memory is in no estimate and no probe "
                           "measures it (probe.enabled=true to measure it before training)")
-        return plan.choices, plan.peak_bytes
+        return plan.choices, plan.peak_bytes, None
     probe = run_probe(run, plan, arch, prep.model_dir, longest_length(prep.data.stats), prep.tokenizer,
                       collator(prep), run_dir, world_size(), evaluates=prep.data.val is not None,
                       packed=prep.packing.shape())
@@ -198,16 +201,30 @@ def probe_stage(prep: Prepared, plan, start: Start, run_dir: Path) -> tuple[Choi
     remove_empty_dirs(run_dir, "probe")  # the probe's Trainer makes an output folder it never writes to
     if not probe.fits:
         fail(probe_shortfall(probe, run), code=3)
-    return Choices(**probe.final), probe.predicted_peak_bytes
+    return Choices(**probe.final), probe.predicted_peak_bytes, probe.measured_peak_bytes
+
+
+def settle_process() -> None:
+    """What every training process pays once, paid before the probe's clock starts so that its seconds are
+    its own: the first torch optimizer imports torch._dynamo (~1.5 s on CPU; DeepSpeed's ZeRO checks import
+    it too), and full garbage collections walk every object alive. Everything alive now (modules, configs,
+    the data's index) lives to the end, so it is frozen out of the collector: accelerate and DeepSpeed
+    collect at every engine set-up and release, 4 x ~0.25 s per probe rung on a 2-rank CPU ZeRO-3 launch
+    before (cProfile)."""
+    import torch._dynamo  # noqa: F401
+
+    gc.collect()
+    gc.freeze()
 
 
 def collator(prep: Prepared) -> DataCollator:
     return DataCollator(prep.tokenizer.pad_token_id, image_size=(prep.arch.vision_config or {}).get("image_size"))
 
 
-def train_mode(prep: Prepared, plan, start: Start, choices: Choices, peak: int, run_dir: Path,
+def train_mode(prep: Prepared, plan, start: Start, choices: Choices, peaks: tuple[int, int | None], run_dir: Path,
                started: float) -> float:
-    """Train (resuming when `start` says so); a signal, divergence or finish each ends in its state and line."""
+    """Train (resuming when `start` says so); a signal, divergence or finish each ends in its state and line.
+    peaks: the predicted and the probe's measured peak (bytes), for the memory timeline and the trackers."""
     from .probe.diagnose import diagnosed, record_memory_history
     from .train.guard import Diverged, StoppedBySignal, describe_checkpoint, divergence_advice
     from .train.trainer import train
@@ -225,7 +242,8 @@ def train_mode(prep: Prepared, plan, start: Start, choices: Choices, peak: int, 
     try:
         with diagnosed(run_dir, plan.breakdown, choices.to_dict(), run.probe.enabled):
             metrics, _ = train(run, choices, run_dir, prep.model_dir, data.train, data.val, collator(prep),
-                               prep.tokenizer, peak, plan.budget_bytes, resume_from=start.resume_from)
+                               prep.tokenizer, peaks[0], plan.budget_bytes, resume_from=start.resume_from,
+                               probe_bytes=peaks[1])
     except StoppedBySignal as stop:
         last = last_complete(run_dir / "checkpoints")
         if leader:

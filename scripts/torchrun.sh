@@ -8,4 +8,7 @@
 set -euo pipefail
 NPROC=${1:?usage: scripts/torchrun.sh NPROC [glmtune overrides...]}
 shift
+# torchrun sets OMP_NUM_THREADS=1 in each rank when it is unset, with a 4-line banner saying so; the same default
+# is set here without the banner (export another value to give each rank more CPU threads).
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec "${PYTHON:-python}" -m glmtune.supervise torchrun --standalone --nproc_per_node "$NPROC" -m glmtune "$@"

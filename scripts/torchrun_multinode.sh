@@ -11,6 +11,9 @@
 set -euo pipefail
 : "${NNODES:?set NNODES}" "${MASTER_ADDR:?set MASTER_ADDR (node 0 host name or address)}"
 : "${RUN_ID:?set RUN_ID, the same on every node (it names the run dir)}"
+# torchrun sets OMP_NUM_THREADS=1 in each rank when it is unset, with a 4-line banner saying so; the same default
+# is set here without the banner (export another value to give each rank more CPU threads).
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec "${PYTHON:-python}" -m glmtune.supervise torchrun --nnodes "$NNODES" --node_rank "${NODE_RANK:-0}" \
     --nproc_per_node "${NPROC:-1}" --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}" \
     --rdzv_id "$RUN_ID" -m glmtune "$@"

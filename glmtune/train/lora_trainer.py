@@ -53,6 +53,14 @@ class LoraTrainer(Trainer):
     normalization = "tokens"  # train.loss_normalization
     example_log: ExampleLog | None = None
     glm = None  # the GLM model under PEFT (and the engine): its loss_reduction is switched per micro-batch
+    memory = None  # train/timeline.py MemoryTimeline: its figures ride on every training log line
+
+    def log(self, logs: dict) -> None:
+        # Through the Trainer's own log, the memory figures reach every train.report_to tracker, at its step,
+        # and metrics.jsonl; the console's step lines leave them out (train/progress.py).
+        if self.memory is not None and "loss" in logs:
+            logs = {**logs, **self.memory.tracker_figures()}
+        super().log(logs)
 
     def get_train_dataloader(self):
         # A resume with another micro-batch (plan/elastic.py): transformers 4.40 would take the checkpoint's

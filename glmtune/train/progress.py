@@ -27,7 +27,8 @@ class StepLines(ProgressCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs or "train_runtime" in logs:
             return
-        line = step_line(state.global_step, {k: v for k, v in logs.items() if k != "total_flos"})
+        line = step_line(state.global_step, {k: v for k, v in logs.items()
+                                             if k != "total_flos" and not k.startswith("memory/")})
         if self.training_bar is not None:
             self.training_bar.write(line)
         else:

@@ -34,22 +34,47 @@ def _sample() -> dict[str, float]:
     return {"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
+def _peak_key(sample: dict) -> str:
+    return "peak_process" if "peak_process" in sample else "peak_rss"
+
+
 class MemoryTimeline(TrainerCallback):
-    def __init__(self, run_dir: Path, planned_bytes: int | None = None, budget_bytes: int | None = None):
+    def __init__(self, run_dir: Path, planned_bytes: int | None = None, budget_bytes: int | None = None,
+                 probe_bytes: int | None = None):
         self.run_dir = run_dir
-        self.planned_bytes, self.budget_bytes = planned_bytes, budget_bytes
+        self.planned_bytes, self.budget_bytes, self.probe_bytes = planned_bytes, budget_bytes, probe_bytes
         self.steps: list[dict] = []
+        self.logged = 0  # steps already summed into a tracker line
+
+    def tracker_figures(self) -> dict[str, float]:
+        """What each training log line carries to the trackers (train.report_to), in GiB: the measured peak of
+        the steps since the previous line (what `peak_kind` says: the whole GPU process, or the CPU resident set),
+        beside the plan's predicted peak, the probe's measured peak and the card's budget, so every tracker
+        draws the margin the console only states once."""
+        recent, self.logged = self.steps[self.logged:], len(self.steps)
+        figures = {}
+        if recent:
+            key = _peak_key(recent[0])
+            figures["memory/step_peak_gib"] = max(s[key] for s in recent) / GIB
+        for name, value in (("planned", self.planned_bytes), ("probe", self.probe_bytes),
+                            ("budget", self.budget_bytes)):
+            if value:
+                figures[f"memory/{name}_peak_gib" if name != "budget" else "memory/budget_gib"] = value / GIB
+        return figures
 
     def on_step_end(self, args, state, control, **kwargs):
         self.steps.append({"step": state.global_step, **_sample()})
 
     def peak(self) -> dict:
-        """The run's measured peak for the summary: reserved bytes on a GPU, the process's resident set on CPU."""
-        key = "peak_reserved" if self.steps and "peak_reserved" in self.steps[0] else "peak_rss"
+        """The run's one measured peak for the closing line, named by what it measures: on a GPU the whole
+        process (peak reserve + context and kernels outside the allocator), the figure the plan's estimated
+        peak predicts; on CPU the process's resident set, which the plan's tensor bytes do not predict."""
         if not self.steps:
             return {}
+        key = _peak_key(self.steps[0])
         return {"measured_peak_bytes": max(s[key] for s in self.steps),
-                "peak_kind": "GPU reserved" if key == "peak_reserved" else "CPU resident set"}
+                "peak_kind": "GPU, whole process, as planned" if key == "peak_process"
+                else "CPU resident set of the process; the plan counts tensors only"}
 
     def on_train_end(self, args, state, control, **kwargs):
         if state.is_world_process_zero and self.steps:

@@ -21,6 +21,7 @@ from ..atomic import write_json
 from ..config import EVAL_METRICS, RunConfig, TrainConfig
 from ..infer.provenance import write_base_identity
 from ..launch import single_process_env
+from ..quiet import prints_to_log
 from .checkpoints import allow_numpy_rng_state, checkpoint_step, last_complete, remove_incomplete
 from .compile import compile_blocks, resolve_compile, resolve_packed_attention, set_packed_attention
 from .evaluation import BestTracker, GenerationEval, keep_best_adapter
@@ -103,6 +104,11 @@ def training_args(cfg: TrainConfig, choices: Choices, run_dir: Path, has_eval: b
 
 
 def build_model(model_dir: Path, run: RunConfig, choices: Choices) -> torch.nn.Module:
+    with prints_to_log(__name__):  # under ZeRO-3, zero.Init's first collective prints a line per rank (quiet.py)
+        return _build_model(model_dir, run, choices)
+
+
+def _build_model(model_dir: Path, run: RunConfig, choices: Choices) -> torch.nn.Module:
     if run.model.quantize != "none":  # bitsandbytes weights in the GLM blocks, loaded straight to this rank's GPU
         model = load_quantized(model_dir, run.model.quantize, _TORCH_DTYPE[choices.dtype],
                                double_quant=run.model.double_quant)
@@ -145,13 +151,14 @@ def swanlab_callback(report_to: list[str], run_dir: Path) -> list:
 
 def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, train_set, val_set,
           collator, tokenizer=None, planned_bytes: int | None = None, budget_bytes: int | None = None,
-          resume_from: Path | None = None) -> tuple[dict, torch.nn.Module]:
+          resume_from: Path | None = None, probe_bytes: int | None = None) -> tuple[dict, torch.nn.Module]:
     """Fine-tune (from `resume_from`, a complete checkpoint, when given), save the adapter (rank 0) and
     return (metrics, the trained PEFT model). Raises guard.Diverged / guard.StoppedBySignal instead of
     returning when the run stopped early; the last complete checkpoint is then in run_dir/checkpoints.
 
     tokenizer: needed for eval.generate (replies are generated and decoded). planned_bytes and budget_bytes
-    (the plan's per-GPU peak and budget) are drawn on memory_timeline.png."""
+    (the plan's per-GPU peak and budget) are drawn on memory_timeline.png; they and probe_bytes (the probe's
+    measured peak) go to the trackers with every training log line."""
     args = training_args(run.train, choices, run_dir, has_eval=bool(val_set), user_ds=userds.apply(run))
     output_dir = Path(args.output_dir)
     if resume_from is not None:
@@ -164,7 +171,7 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
         generation_eval = GenerationEval(run.eval, run.data.val_file, tokenizer, choices.eval_batch_size,
                                          run_dir / "eval", synced_gpus=choices.zero_stage == 3, fmt=run.data.format)
     best = BestTracker(run.eval) if val_set else None
-    timeline = MemoryTimeline(run_dir, planned_bytes, budget_bytes)
+    timeline = MemoryTimeline(run_dir, planned_bytes, budget_bytes, probe_bytes)
     guard = Guard(run.train.save_minutes, trainable_parameters(model))
     trainer = make_trainer(args, model, train_set, val_set, collator,
                            callbacks=[MetricsFile(run_dir / "metrics.jsonl"), timeline,
@@ -172,7 +179,7 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
                                       *swanlab_callback(run.train.report_to, run_dir)],
                            generation_eval=generation_eval, best=best,
                            normalization=run.train.loss_normalization)
-    trainer.guard = guard
+    trainer.guard, trainer.memory = guard, timeline
     resumed_at = checkpoint_step(resume_from) if resume_from else 0
     result = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     guard.raise_if_stopped()

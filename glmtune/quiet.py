@@ -1,0 +1,44 @@
+"""Third-party notices that carry no action for someone running glmtune, silenced where they start.
+
+The console is glmtune's (README "What a run does"): its header, tables, step lines and one closing line.
+Anything else a library prints there is either an error (kept) or one of the notices below, each measured on a
+2-rank CPU ZeRO-3 torchrun launch, where they were 40 of the console's lines. What is silenced here still
+reaches nobody: it is a deprecation inside a library, or a fact the header already states.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import warnings
+
+
+def quiet_libraries() -> None:
+    """Before DeepSpeed is imported (it reads DS_ACCELERATOR then)."""
+    import torch
+
+    # DeepSpeed warns at import, on every rank, that it fell back to its CPU accelerator; the header says where
+    # the run is. Naming the accelerator DeepSpeed would pick anyway (no CUDA device: cpu) is how it is told.
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    # torch 2.13 deprecates all_gather_into_tensor/reduce_scatter_tensor, which DeepSpeed's ZeRO-3 calls
+    # on every step: two FutureWarnings per call site and rank, about code that is not the user's.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.c10d_logger")
+    # accelerate and peft import transformers.deepspeed, deprecated for transformers.integrations in 4.40.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\.deepspeed")
+
+
+@contextlib.contextmanager
+def prints_to_log(name: str):
+    """Lines a library print()s inside the block go to this rank's log (INFO) instead of the console: DeepSpeed
+    prints "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully" on every rank when its
+    first engine sets up the CPU shared-memory collectives."""
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buffer):
+            yield
+    finally:
+        for line in buffer.getvalue().splitlines():
+            if line.strip():
+                logging.getLogger(name).info("%s", line)

@@ -1,0 +1,120 @@
+"""train.report_to: TensorBoard, W&B (offline), MLflow (a local SQLite store) and SwanLab (local mode) each get the
+run's losses and the memory figures (the plan's predicted peak, the probe's measured peak, each logging
+interval's measured peak) at their step, read back from what each tracker wrote. A real CLI run in a
+subprocess: the trackers keep global state (wandb.run, mlflow's active run) that must not outlive it."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, glmtune_in_process
+
+GIB = 2**30
+MEMORY = ("memory/planned_peak_gib", "memory/probe_peak_gib", "memory/step_peak_gib")
+
+
+def leveldb_records(path: Path, header: int = 7, block: int = 32768) -> list[bytes]:
+    """The records of a W&B or SwanLab run file: LevelDB's log format (32 KiB blocks; each fragment has a
+    4-byte CRC, a 2-byte length and a type: 1 whole, 2 first, 3 middle, 4 last) after a 7-byte file header."""
+    data, pos, out, parts = path.read_bytes(), header, [], b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        if left < 7 or (length == 0 and kind == 0):  # a block's zero-filled tail
+            pos += left
+            continue
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 2):
+            parts = chunk
+        else:
+            parts += chunk
+        if kind in (1, 4):
+            out.append(parts)
+    return out
+
+
+def wandb_history(run_file: Path) -> list[dict]:
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    rows = []
+    for data in leveldb_records(run_file):
+        record = pb.Record()
+        record.ParseFromString(data)
+        if record.WhichOneof("record_type") == "history":
+            rows.append({it.key or "/".join(it.nested_key): json.loads(it.value_json) for it in record.history.item})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def tracked(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("trackers")
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp), "WANDB_SILENT": "true",
+           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp}/mlflow.db", "SWANLAB_MODE": "local",
+           "SWANLAB_LOG_DIR": str(tmp / "swanlab")}
+    run = tmp / "run"
+    proc = subprocess.run([sys.executable, "-m", "glmtune", "train.report_to=[tensorboard,wandb,mlflow,swanlab]",
+                           "train.max_steps=4", "train.logging_steps=2", "data.val_file=null",
+                           f"hydra.run.dir={run}"], cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    probe = json.loads((run / "probe.json").read_text())
+    expected = {"memory/planned_peak_gib": json.loads((run / "plan.json").read_text())["peak_bytes"] / GIB,
+                "memory/probe_peak_gib": probe["measured_peak_bytes"] / GIB}
+    return tmp, run, expected
+
+
+def _check(series: dict[str, dict[int, float]], expected: dict[str, float]) -> None:
+    """series: key -> {step: value}, for the keys as glmtune named them."""
+    for key, value in expected.items():
+        assert series[key] and all(v == pytest.approx(value, rel=1e-6) for v in series[key].values()), key
+    assert sorted(series["memory/step_peak_gib"]) == [2, 4] and min(series["memory/step_peak_gib"].values()) > 0
+    assert sorted(series["loss"]) == [2, 4]
+
+
+def test_tensorboard_gets_the_plan_s_and_the_probe_s_peak(tracked):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, run, expected = tracked
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    series = {k: {e.step: e.value for e in acc.Scalars(f"train/{k}")} for k in (*MEMORY, "loss")}
+    _check(series, expected)
+
+
+def test_wandb_offline_gets_them(tracked):
+    tmp, _, expected = tracked
+    (run_file,) = tmp.glob("wandb/offline-run-*/run-*.wandb")
+    series: dict[str, dict[int, float]] = {}
+    for row in wandb_history(run_file):  # the W&B callback prefixes train/ and logs the step as a value
+        for key in (*MEMORY, "loss"):
+            if f"train/{key}" in row:
+                series.setdefault(key, {})[row["train/global_step"]] = row[f"train/{key}"]
+    _check(series, expected)
+
+
+def test_mlflow_gets_them(tracked):
+    from mlflow.tracking import MlflowClient
+
+    tmp, _, expected = tracked
+    client = MlflowClient(f"sqlite:///{tmp}/mlflow.db")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    series = {k: {m.step: m.value for m in client.get_metric_history(run.info.run_id, k)} for k in (*MEMORY, "loss")}
+    _check(series, expected)
+    assert run.data.params["per_device_train_batch_size"] == "1"  # the plan's choices, as the Trainer's arguments
+
+
+def test_swanlab_local_gets_them(tracked):
+    tmp, _, _ = tracked
+    (run_file,) = tmp.glob("swanlab/run-*/run-*.swanlab")
+    text = b"".join(leveldb_records(run_file))
+    assert all(key.encode() in text for key in MEMORY)
+
+
+def test_an_mlflow_file_store_that_mlflow_refuses_is_one_line_before_anything_runs(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path}/mlruns")
+    proc = glmtune_in_process("train.report_to=[mlflow]", f"hydra.run.dir={tmp_path}/run", cwd=REPO)
+    assert proc.returncode == 2 and "MLFLOW_ALLOW_FILE_STORE=true" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
