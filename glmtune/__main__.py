@@ -86,6 +86,7 @@ def execute(cfg: DictConfig) -> float | None:
         fail(str(err))
     except Interrupted as sig:
         stop_children()
+        STOP.requeue()  # submitit's pre-emption signal: resubmitted (rank 0 exits in it); nothing was saved
         fail(f"stopped by a second {sig.name} before the checkpoint was complete — re-run the same command to resume "
              "from the last complete one" if STOP.deferred else f"stopped by {sig.name} before training began; "
              "nothing to save — re-run the same command to start again", code=EXIT_INTERRUPTED, leader_speaks=True)
@@ -164,4 +165,9 @@ def cli() -> None:
 
 
 if __name__ == "__main__":
-    cli()
+    # `python -m glmtune` runs this file as `__main__`; the submitit launchers (SLURM, submitit_local) pickle the
+    # task function, which cloudpickle copies by value from `__main__` (failing on its locks) but by reference
+    # from an importable module. So the command runs the same code imported as glmtune.__main__.
+    from glmtune.__main__ import cli as _cli
+
+    _cli()

@@ -36,7 +36,7 @@ from .runlock import Start, decide, trim_metrics, write_state
 from .train.checkpoints import checkpoint_step, last_complete
 from .train.compile import check_attention, describe, resolve_compile
 from .train.preflight import check_device, check_disk, check_host_memory
-from .train.signals import EXIT_DIVERGED, EXIT_INTERRUPTED, Interrupted
+from .train.signals import EXIT_DIVERGED, EXIT_INTERRUPTED, STOP, Interrupted
 
 
 @dataclass
@@ -248,9 +248,13 @@ def train_mode(prep: Prepared, plan, start: Start, choices: Choices, peaks: tupl
         last = last_complete(run_dir / "checkpoints")
         if leader:
             write_state(run_dir, status="interrupted", step=stop.step, checkpoint=str(last))
-        fail(f"stopped by {stop.name} at step {stop.step}: {describe_checkpoint(last)} — re-run the same command "
-             f"to resume from it, or: {resume_command(run_dir, prep.overrides)}", code=EXIT_INTERRUPTED,
-             leader_speaks=True)
+        line = f"stopped by {stop.name} at step {stop.step}: {describe_checkpoint(last)} — "
+        if STOP.requeues():  # a submitit job at its time limit: submitit resubmits it, and it resumes here
+            if leader:
+                console.print(f"glmtune: {line}submitit requeues the job, which resumes from it", markup=False)
+            STOP.requeue()  # rank 0 exits in it; the others end below, with exit 7
+        fail(f"{line}re-run the same command to resume from it, or: {resume_command(run_dir, prep.overrides)}",
+             code=EXIT_INTERRUPTED, leader_speaks=True)
     except Diverged as bad:
         last = last_complete(run_dir / "checkpoints")
         if leader:

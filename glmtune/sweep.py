@@ -32,9 +32,12 @@ import time
 from pathlib import Path
 from typing import Callable, TextIO
 
+from hydra.experimental.callback import Callback
+
 from .atomic import append_line, read_jsonl, write_text
 from .launch import rank
 from .rundir import ERROR_PREFIX, console
+from .train.signals import Requeued
 
 GIB = 2**30
 EXIT_NO_TRIAL = 9  # a sweep in which no trial succeeded
@@ -77,6 +80,8 @@ def run_trial(task: Callable[[], float | None], sweep_dir: Path, run_dir: Path, 
     sys.stderr = tee
     try:
         task()
+    except Requeued as again:  # submitit resubmitted the job at its time limit: the trial goes on there
+        raise SystemExit(again.code) from None
     except SystemExit as exc:  # glmtune's own stops: 2 bad input, 3 does not fit, 4 out of memory, ...
         code = exc.code if isinstance(exc.code, int) else 1
         status = "ok" if code == 0 else "does not fit" if code == 3 else "failed"
@@ -164,6 +169,17 @@ def best_trial(trials: list[dict]) -> str:
     return (f"best: trial {best['num']} (`{' '.join(best['overrides'])}`), loss {best['metric']:.4f}, "
             f"run dir {best['run_dir']}" + (f", adapter {best['adapter']}" if best.get("adapter") else "")
             if best else "no trial has a loss (none trained, or all failed)")
+
+
+class SweepDir(Callback):
+    """A Hydra callback (conf/config.yaml hydra.callbacks): the sweep dir, known in the process that launches
+    the sweep. With the basic launcher the trials run in that process and run_trial records it anyway; with the
+    submitit launchers (SLURM, submitit_local) they run in jobs, and the launching process, which prints the
+    sweep's last line and exit code, reads their trials.jsonl from the (shared) sweep dir."""
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        global _SWEEP_DIR
+        _SWEEP_DIR = Path(config.hydra.sweep.dir)
 
 
 def final_line() -> str | None:

@@ -157,3 +157,29 @@ def test_optuna_study_goes_on_after_a_failed_trial_and_a_rerun_does_not_repeat_f
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("ok before") == sum(r["status"] == "ok" for r in rows)
     assert len(trials(sweep)) == 3 + sum(r["status"] != "ok" for r in rows)  # only the failed one ran again
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_SUBMITIT, reason="hydra-submitit-launcher not installed (pip install -e '.[slurm]')")
+def test_a_submitit_job_at_its_time_limit_saves_is_requeued_and_resumes(tmp_path, repo):
+    """The SLURM launcher's timeout path, run by submitit's local executor (the same job environment, signal and
+    requeue, without SLURM): 30 s before timeout_min it sends SIGUSR2; glmtune finishes the step and saves a
+    checkpoint, then submitit's handler resubmits the job; the requeued job resumes in the same trial dir and
+    finishes. Steps enough that the first job cannot end inside its 30 s (~85 steps/s here)."""
+    steps, sweep = 2500, tmp_path / "sweep"
+    proc = multirun("-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=1", f"train.max_steps={steps}",
+                    "data.val_file=null", "probe.enabled=false", "train.logging_steps=100",
+                    f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    logs = "".join(p.read_text() for p in sweep.glob(".submitit/*/*_log.*"))
+    assert "Requeued job" in logs and "submitit requeues the job" in logs, logs[-3000:]
+    stopped = int(logs.split("stopped by SIGUSR2 at step ")[1].split(":")[0])
+    assert f"resuming from {sweep / '0' / 'checkpoints' / f'checkpoint-{stopped}'}" in logs
+    (trial,) = trials(sweep)
+    assert trial["status"] == "ok" and trial["run_dir"] == str(sweep / "0")
+    state = json.loads((sweep / "0" / "run_state.json").read_text())
+    assert state["status"] == "done" and state["step"] == steps
+    logged = [json.loads(line)["step"] for line in (sweep / "0" / "metrics.jsonl").read_text().splitlines()
+              if '"loss"' in line]
+    assert logged == list(range(100, steps + 1, 100))  # every interval once: the resume trimmed nothing twice
+    assert proc.stdout.strip().splitlines()[-1].startswith("sweep done: 1 trials, 0 failed")  # the launcher's line

@@ -1,4 +1,4 @@
-"""SIGTERM / SIGINT / SIGUSR1: stop cleanly, saving a checkpoint once training has begun.
+"""SIGTERM / SIGINT / SIGUSR1 (and submitit's SIGUSR2): stop cleanly, saving a checkpoint once training has begun.
 
 Clusters pre-empt jobs with SIGTERM (SLURM sends it at the time limit, or `--signal=USR1@120` earlier); a
 user presses Ctrl-C (SIGINT). Before the training loop runs there is nothing worth saving, so the signal
@@ -22,6 +22,15 @@ EXIT_DIVERGED = 8  # a NaN/inf loss or weight stopped training (train/guard.py)
 STOP_SIGNALS = tuple(s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGUSR1", None)) if s)
 
 
+def preempt_signal() -> int | None:
+    """Inside a submitit job (hydra/launcher=slurm, or submitit_local): the signal submitit has SLURM send
+    `signal_delay_s` before the time limit or at pre-emption (SUBMITIT_PREEMPT_SIGNAL, USR2 by default), which
+    its own handler answers by resubmitting the job. Elsewhere None."""
+    if not os.environ.get("SUBMITIT_EXECUTOR"):
+        return None
+    return getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"), None)
+
+
 class Interrupted(BaseException):
     """Raised where the main thread is when a stop signal arrives and no save is possible or wanted.
 
@@ -30,6 +39,15 @@ class Interrupted(BaseException):
     def __init__(self, name: str):
         super().__init__(name)
         self.name = name
+
+
+class Requeued(BaseException):
+    """submitit resubmitted this job: the process exits with submitit's `code`, and a sweep records no result
+    for the trial (the requeued job runs it on). Not a SystemExit, which a sweep's trial records as a failure."""
+
+    def __init__(self, code):
+        super().__init__(code)
+        self.code = code
 
 
 class StopSignals:
@@ -45,7 +63,7 @@ class StopSignals:
     def install(self) -> "StopSignals":
         if threading.current_thread() is not threading.main_thread():
             return self  # Python delivers signals to the main thread only; nothing to install elsewhere
-        for sig in STOP_SIGNALS:
+        for sig in (*STOP_SIGNALS, *filter(None, [preempt_signal()])):
             self._previous[sig] = signal.signal(sig, self._handle)
         if not self._fork_hook:  # once per process
             os.register_at_fork(after_in_child=self._in_child)
@@ -62,10 +80,26 @@ class StopSignals:
         sends to the whole foreground group, and SIGUSR1 are the parent's to act on."""
         if self._previous:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            for sig in STOP_SIGNALS:
+            for sig in self._previous:
                 if sig != signal.SIGTERM:
                     signal.signal(sig, signal.SIG_IGN)
             self._previous.clear()
+
+    def requeues(self) -> bool:
+        """Whether the stop came from submitit's pre-emption signal, whose handler requeues the job."""
+        sig = preempt_signal()
+        return sig is not None and self.received == signal.Signals(sig).name and callable(self._previous.get(sig))
+
+    def requeue(self) -> None:
+        """After the stop that submitit's signal asked for (the checkpoint is written): hand the signal to
+        submitit's handler. On rank 0 it resubmits the job (at most max_num_timeout times; then it raises) and
+        exits; the requeued job runs in the same trial dir and resumes from the checkpoint. Other ranks return."""
+        if self.requeues():
+            sig = preempt_signal()
+            try:
+                self._previous[sig](sig, None)
+            except SystemExit as done:
+                raise Requeued(done.code) from None
 
     def uninstall(self) -> None:
         for sig, previous in self._previous.items():
