@@ -185,7 +185,9 @@ def probe_stage(prep: Prepared, plan, start: Start, run_dir: Path) -> tuple[Choi
         console.print(describe(run.train, plan.choices.zero_stage, arch.attention_dropout, prep.packing.enabled))
     settle_process()
     if start.choices:  # a resume trains with the first launch's final choices; no second probe
-        return Choices(**start.choices), plan.peak_bytes, None
+        probed = run_dir / "probe.json"  # the first launch's measured peak, for the trackers
+        measured = json.loads(probed.read_text()).get("measured_peak_bytes") if probed.exists() else None
+        return Choices(**start.choices), plan.peak_bytes, measured
     if not run.probe.enabled:
         if rank() == 0 and plan.unmeasured_risk:  # never skipped silently: the plan alone is not enough here
             console.print(f"probe.enabled=false, but {plan.unmeasured_risk}; nothing measures them before training "
