@@ -246,8 +246,6 @@ def gone(pids: list[int], timeout: float = 10) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="rare: a signal landing while datasets starts its Manager can still hang "
-                   "the launcher at exit (about 1 in 13 tries on 2 loaded cores); open in issue #21")
 def test_a_signal_during_a_multi_process_cache_build_stops_within_seconds(tmp_path):
     ensure_tiny("glm4")
     data, cache = big_data(tmp_path), tmp_path / "cache"
