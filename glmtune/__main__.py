@@ -9,6 +9,7 @@ diverged (NaN/inf loss or weights); 9 a sweep in which no trial succeeded.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import shutil
@@ -98,6 +99,7 @@ def execute(cfg: DictConfig) -> float | None:
              "then re-run the same command: it resumes from the last complete checkpoint")
     finally:
         lock.release()
+        gc.unfreeze()  # modes.settle_process froze the heap for the run; the exit's own collection sees it again
         STOP.uninstall()
         STOP.received, STOP.deferred = None, False  # a sweep runs the next trial in this process
 

@@ -247,9 +247,12 @@ def train_mode(prep: Prepared, plan, start: Start, choices: Choices, peaks: tupl
                                prep.tokenizer, peaks[0], plan.budget_bytes, resume_from=start.resume_from,
                                probe_bytes=peaks[1])
     except StoppedBySignal as stop:
+        STOP.settle()  # the checkpoint is complete: nothing left for a later signal to protect
         last = last_complete(run_dir / "checkpoints")
         if leader:
             write_state(run_dir, status="interrupted", step=stop.step, checkpoint=str(last))
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()  # no rank exits (and makes torchrun stop the rest) before rank 0 is done
         line = f"stopped by {stop.name} at step {stop.step}: {describe_checkpoint(last)} — "
         if STOP.requeues():  # a submitit job at its time limit: submitit resubmits it, and it resumes here
             if leader:

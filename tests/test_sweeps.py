@@ -3,8 +3,11 @@ import importlib.util
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -159,27 +162,48 @@ def test_optuna_study_goes_on_after_a_failed_trial_and_a_rerun_does_not_repeat_f
     assert len(trials(sweep)) == 3 + sum(r["status"] != "ok" for r in rows)  # only the failed one ran again
 
 
+def _submitit_task(root: int) -> int | None:
+    """The pid of submitit's task process (`python -u -m submitit.core._submit FOLDER`) below `root`, if started."""
+    from glmtune.supervise import descendants
+
+    for pid in descendants(root):
+        try:
+            if b"submitit.core._submit" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+        except OSError:
+            continue
+    return None
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_SUBMITIT, reason="hydra-submitit-launcher not installed (pip install -e '.[slurm]')")
-def test_a_submitit_job_at_its_time_limit_saves_is_requeued_and_resumes(tmp_path, repo):
-    """The SLURM launcher's timeout path, run by submitit's local executor (the same job environment, signal and
-    requeue, without SLURM): 30 s before timeout_min it sends SIGUSR2; glmtune finishes the step and saves a
-    checkpoint, then submitit's handler resubmits the job; the requeued job resumes in the same trial dir and
-    finishes. Steps enough that the first job cannot end inside its 30 s (~85 steps/s here)."""
-    steps, sweep = 2500, tmp_path / "sweep"
-    proc = multirun("-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=1", f"train.max_steps={steps}",
-                    "data.val_file=null", "probe.enabled=false", "train.logging_steps=100",
-                    f"hydra.sweep.dir={sweep}", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+def test_a_submitit_job_signalled_before_its_time_limit_saves_is_requeued_and_resumes(tmp_path, repo):
+    """The SLURM launcher's time-limit path, run by submitit's local executor (the same job environment, signal
+    handler and requeue, without SLURM). The test sends the task submitit's signal (SIGUSR2) once training has
+    logged, as SLURM does `signal_delay_s` before the limit: glmtune finishes the step and writes a checkpoint,
+    submitit's handler resubmits the job, and the requeued job resumes in the same trial dir and finishes."""
+    steps, sweep = 400, tmp_path / "sweep"
+    proc = subprocess.Popen([sys.executable, "-m", "glmtune", "-m", "hydra/launcher=submitit_local",
+                             "hydra.launcher.timeout_min=10", f"train.max_steps={steps}", "data.val_file=null",
+                             "probe.enabled=false", "train.logging_steps=20", f"hydra.sweep.dir={sweep}"],
+                            cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    metrics, deadline = sweep / "0" / "metrics.jsonl", time.monotonic() + 300
+    while not (metrics.exists() and metrics.read_text().strip()):  # training has begun and logged a step
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(0.1)
+    os.kill(_submitit_task(proc.pid), signal.SIGUSR2)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
     logs = "".join(p.read_text() for p in sweep.glob(".submitit/*/*_log.*"))
     assert "Requeued job" in logs and "submitit requeues the job" in logs, logs[-3000:]
     stopped = int(logs.split("stopped by SIGUSR2 at step ")[1].split(":")[0])
+    assert 0 < stopped < steps
     assert f"resuming from {sweep / '0' / 'checkpoints' / f'checkpoint-{stopped}'}" in logs
     (trial,) = trials(sweep)
     assert trial["status"] == "ok" and trial["run_dir"] == str(sweep / "0")
     state = json.loads((sweep / "0" / "run_state.json").read_text())
     assert state["status"] == "done" and state["step"] == steps
-    logged = [json.loads(line)["step"] for line in (sweep / "0" / "metrics.jsonl").read_text().splitlines()
-              if '"loss"' in line]
-    assert logged == list(range(100, steps + 1, 100))  # every interval once: the resume trimmed nothing twice
-    assert proc.stdout.strip().splitlines()[-1].startswith("sweep done: 1 trials, 0 failed")  # the launcher's line
+    logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"loss"' in line]
+    assert logged == list(range(20, steps + 1, 20))  # every interval once: the resume trimmed nothing twice
+    assert out.strip().splitlines()[-1].startswith("sweep done: 1 trials, 0 failed")  # the launching process

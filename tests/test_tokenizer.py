@@ -3,11 +3,12 @@ without remote code, and the id layout of the released vocabularies."""
 import base64
 import json
 import random
+import struct
 import sys
 
 import pytest
 import regex
-from sentencepiece import sentencepiece_model_pb2
+import sentencepiece
 
 from glmtune.models.tokenizer_files import TINY_CORPUS, load_tokenizer, write_tiny_tokenizer
 from glmtune.models.tokenization_chatglm3 import ChatGLM3Tokenizer, tiny_chatglm3_tokenizer
@@ -291,13 +292,34 @@ def test_released_glm4_id_layout(tmp_path):
         [151331, 151333, 151336] + tok.encode("\nhi") + [151337])
 
 
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def with_pieces(model_proto: bytes, pieces: list[tuple[str, float]]) -> bytes:
+    """A serialized SentencePiece model with pieces appended: ModelProto field 1 (wire type 2) holds a piece
+    message (piece = field 1, a string; score = field 2, a float), and protobuf merges a repeated field's
+    entries in the order they appear. Written by hand: sentencepiece_model_pb2's generated code needs a
+    protobuf runtime as new as the wheel's, and the track extra (swanlab) pins an older one."""
+    out = bytearray(model_proto)
+    for text, score in pieces:
+        raw = text.encode()
+        body = b"\x0a" + _varint(len(raw)) + raw + b"\x15" + struct.pack("<f", score)
+        out += b"\x0a" + _varint(len(body)) + body
+    return bytes(out)
+
+
 def test_released_chatglm3_id_layout(chatglm3):
     """A 64,789-piece SentencePiece model (the release) gives the README ids [gMASK]=64790, sop=64792, ..."""
-    proto = sentencepiece_model_pb2.ModelProto()
-    proto.ParseFromString(chatglm3.model_proto)
-    for i in range(64_789 - len(proto.pieces)):
-        proto.pieces.add(piece=f"▁synthetic{i}", score=-1000.0 - i)
-    tok = ChatGLM3Tokenizer(proto.SerializeToString())
+    have = sentencepiece.SentencePieceProcessor(model_proto=chatglm3.model_proto).get_piece_size()
+    model = with_pieces(chatglm3.model_proto, [(f"▁synthetic{i}", -1000.0 - i) for i in range(64_789 - have)])
+    assert sentencepiece.SentencePieceProcessor(model_proto=model).get_piece_size() == 64_789
+    tok = ChatGLM3Tokenizer(model)
     assert tok.vocab_size == 64_798
     layout = {"[MASK]": 64789, "[gMASK]": 64790, "[sMASK]": 64791, "sop": 64792, "eop": 64793, "<|system|>": 64794,
               "<|user|>": 64795, "<|assistant|>": 64796, "<|observation|>": 64797}

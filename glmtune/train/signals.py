@@ -85,6 +85,13 @@ class StopSignals:
                     signal.signal(sig, signal.SIG_IGN)
             self._previous.clear()
 
+    def settle(self) -> None:
+        """The stop's checkpoint is complete: a later stop signal changes nothing and is ignored. torchrun sends
+        one to the ranks still running when the first exits (exit 7 is a failure to it); that rank would have
+        said "a second SIGTERM before the checkpoint was complete" about a complete checkpoint."""
+        for sig in self._previous:
+            signal.signal(sig, signal.SIG_IGN)
+
     def requeues(self) -> bool:
         """Whether the stop came from submitit's pre-emption signal, whose handler requeues the job."""
         sig = preempt_signal()
