@@ -8,6 +8,7 @@ reaches nobody: it is a deprecation inside a library, or a fact the header alrea
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import logging
 import os
@@ -19,14 +20,27 @@ def quiet_libraries() -> None:
     import torch
 
     # DeepSpeed warns at import, on every rank, that it fell back to its CPU accelerator; the header says where
-    # the run is. Naming the accelerator DeepSpeed would pick anyway (no CUDA device: cpu) is how it is told.
-    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+    # the run is. Naming the accelerator DeepSpeed would pick anyway is how it is told: cpu, when its own
+    # detection finds nothing else (CUDA, XPU, MPS, or one of the vendor packages it tries to import).
+    if "DS_ACCELERATOR" not in os.environ and not _other_accelerator(torch):
         os.environ["DS_ACCELERATOR"] = "cpu"
     # torch 2.13 deprecates all_gather_into_tensor/reduce_scatter_tensor, which DeepSpeed's ZeRO-3 calls
     # on every step: two FutureWarnings per call site and rank, about code that is not the user's.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.c10d_logger")
     # accelerate and peft import transformers.deepspeed, deprecated for transformers.integrations in 4.40.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\.deepspeed")
+
+
+# The packages DeepSpeed 0.19's get_accelerator() imports to detect NPU, SDAA, HPU, MLU, SUPA and KLXPU devices.
+_VENDOR_PACKAGES = ("torch_npu", "torch_sdaa", "habana_frameworks", "torch_mlu", "torch_supa", "torch_xmlir")
+
+
+def _other_accelerator(torch) -> bool:
+    if torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available()):
+        return True
+    if hasattr(torch.backends, "mps") and torch.backends.mps.is_available():
+        return True
+    return any(importlib.util.find_spec(name) is not None for name in _VENDOR_PACKAGES)
 
 
 @contextlib.contextmanager

@@ -119,6 +119,10 @@ def main() -> None:
     if len(sys.argv) < 2:
         print("usage: python -m glmtune.supervise LAUNCHER [ARGS...]", file=sys.stderr)
         sys.exit(2)
+    if os.path.basename(sys.argv[1]) == "deepspeed":  # its runner and launcher import DeepSpeed too: tell them
+        from .quiet import quiet_libraries  # the accelerator, as the ranks are told (costs a torch import)
+
+        quiet_libraries()
     sys.exit(Supervisor(sys.argv[1:]).run())
 
 

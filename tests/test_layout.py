@@ -22,7 +22,7 @@ ALLOWED = {
     "quiet": set(),
     "runlock": {"atomic", "config"},
     "resume": {"config", "launch", "runlock"},
-    "supervise": {"train"},
+    "supervise": {"train", "quiet"},
     "models": {"config"},
     "data": {"config", "models"},
     "plan": {"config", "models"},
