@@ -31,7 +31,7 @@ from .plan.elastic import elastic_choices
 from .plan.planner import Choices, format_plan, make_plan
 from .report import header, summary
 from .resume import check_inputs, input_fingerprints, refuse_training_run, resume_command
-from .rundir import console, fail, remove_empty_dirs, report_probe, write_run_files
+from .rundir import console, fail, probed_peak, remove_empty_dirs, report_probe, write_run_files
 from .runlock import Start, decide, trim_metrics, write_state
 from .train.checkpoints import checkpoint_step, last_complete
 from .train.compile import check_attention, describe, resolve_compile
@@ -185,9 +185,7 @@ def probe_stage(prep: Prepared, plan, start: Start, run_dir: Path) -> tuple[Choi
         console.print(describe(run.train, plan.choices.zero_stage, arch.attention_dropout, prep.packing.enabled))
     settle_process()
     if start.choices:  # a resume trains with the first launch's final choices; no second probe
-        probed = run_dir / "probe.json"  # the first launch's measured peak, for the trackers
-        measured = json.loads(probed.read_text()).get("measured_peak_bytes") if probed.exists() else None
-        return Choices(**start.choices), plan.peak_bytes, measured
+        return Choices(**start.choices), plan.peak_bytes, probed_peak(run_dir)  # the first launch's, for trackers
     if not run.probe.enabled:
         if rank() == 0 and plan.unmeasured_risk:  # never skipped silently: the plan alone is not enough here
             console.print(f"probe.enabled=false, but {plan.unmeasured_risk}; nothing measures them before training "
@@ -229,6 +227,7 @@ def train_mode(prep: Prepared, plan, start: Start, choices: Choices, peaks: tupl
     peaks: the predicted and the probe's measured peak (bytes), for the memory timeline and the trackers."""
     from .probe.diagnose import diagnosed, record_memory_history
     from .train.guard import Diverged, StoppedBySignal, describe_checkpoint, divergence_advice
+    from .train.saving import barrier
     from .train.trainer import train
 
     run, data, leader = prep.run, prep.data, rank() == 0
@@ -251,8 +250,7 @@ def train_mode(prep: Prepared, plan, start: Start, choices: Choices, peaks: tupl
         last = last_complete(run_dir / "checkpoints")
         if leader:
             write_state(run_dir, status="interrupted", step=stop.step, checkpoint=str(last))
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.barrier()  # no rank exits (and makes torchrun stop the rest) before rank 0 is done
+        barrier()  # no rank exits (and makes torchrun stop the rest) before rank 0 is done
         line = f"stopped by {stop.name} at step {stop.step}: {describe_checkpoint(last)} — "
         if STOP.requeues():  # a submitit job at its time limit: submitit resubmits it, and it resumes here
             if leader:

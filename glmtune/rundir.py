@@ -7,6 +7,7 @@ disk or a kill leaves the old file or the new one, never a 0-byte one.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import sys
 from importlib.metadata import PackageNotFoundError, version
@@ -69,6 +70,15 @@ def report_probe(report, run_dir: Path) -> None:
 
     write_json(run_dir / "probe.json", report.to_dict())
     console.print(format_probe(report))
+
+
+def probed_peak(run_dir: Path) -> int | None:
+    """The measured peak (bytes) an earlier launch's probe recorded in probe.json; None when there is none or it
+    cannot be read (it only feeds the trackers on a resume, which must not fail over it)."""
+    try:
+        return json.loads((run_dir / "probe.json").read_text()).get("measured_peak_bytes")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def remove_empty_dirs(run_dir: Path, *names: str) -> None:

@@ -24,12 +24,12 @@ class CompleteMarker(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         folder = self.output_dir / f"checkpoint-{state.global_step}"
-        _barrier()  # under ZeRO-3 each rank writes its own shard files into the folder
+        barrier()  # under ZeRO-3 each rank writes its own shard files into the folder
         if state.is_world_process_zero:
             mark_complete(folder, state.global_step)
             for old in rotate(self.output_dir, self.keep):
                 log.info("removed old checkpoint %s (train.keep_checkpoints=%d)", old, self.keep)
-        _barrier()  # no rank resumes work believing in a marker rank 0 has not written yet
+        barrier()  # no rank resumes work believing in a marker rank 0 has not written yet
         self.last = folder
 
 
@@ -44,7 +44,7 @@ def save_adapter(trainer, final: Path) -> None:
         trainer.save_model(str(final))  # gathers the shards; only rank 0 writes
 
 
-def _barrier() -> None:
+def barrier() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

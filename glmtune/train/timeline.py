@@ -56,10 +56,10 @@ class MemoryTimeline(TrainerCallback):
         if recent:
             key = _peak_key(recent[0])
             figures["memory/step_peak_gib"] = max(s[key] for s in recent) / GIB
-        for name, value in (("planned", self.planned_bytes), ("probe", self.probe_bytes),
-                            ("budget", self.budget_bytes)):
+        for key, value in (("memory/planned_peak_gib", self.planned_bytes), ("memory/probe_peak_gib", self.probe_bytes),
+                           ("memory/budget_gib", self.budget_bytes)):
             if value:
-                figures[f"memory/{name}_peak_gib" if name != "budget" else "memory/budget_gib"] = value / GIB
+                figures[key] = value / GIB
         return figures
 
     def on_step_end(self, args, state, control, **kwargs):
