@@ -17,7 +17,6 @@ one launch pick the same dir while rank 0 already writes into it.
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -29,7 +28,7 @@ from typing import Any
 
 from .config import ConfigError
 from .launch import rank, world_size
-from .runlock import comparable, read_state
+from .runlock import RunDirLock, comparable, read_state
 
 RESUMABLE = ("interrupted", "running", "failed")  # running/failed: only when no process holds the lock
 # Names glmtune generates under the outputs root: DATE/TIME.mmm-<4 hex> (one process), DATE/torchrun-<8 hex>
@@ -49,23 +48,6 @@ def generated(run_dir: Path) -> bool:
         return False
 
 
-def in_use(run_dir: Path, this_rank: int) -> bool:
-    """Whether a live process holds this rank's lock on `run_dir` (runlock.RunDirLock; the kernel drops it
-    when its holder dies, even by SIGKILL)."""
-    try:
-        fd = os.open(run_dir / f".lock.rank{this_rank}", os.O_RDWR)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    except OSError:
-        return True
-    finally:
-        os.close(fd)
-
-
 def unfinished_run(config: dict, this_rank: int, root: Path | None = None) -> Path | None:
     """The newest run under the outputs root of the same config that stopped before it finished, or None."""
     root = root or outputs_root()
@@ -74,7 +56,7 @@ def unfinished_run(config: dict, this_rank: int, root: Path | None = None) -> Pa
         run_dir, state = state_file.parent, read_state(state_file.parent) or {}
         if state.get("mode", "train") != "train" or state.get("status") not in RESUMABLE:
             continue
-        if comparable(state.get("config", {})) != want or in_use(run_dir, this_rank):
+        if comparable(state.get("config", {})) != want or RunDirLock(run_dir, this_rank).held():
             continue
         started = state.get("started")  # seconds since the epoch; absent in runs older than this field
         found.append((started if isinstance(started, (int, float)) else 0.0, run_dir.as_posix(), run_dir))

@@ -65,6 +65,22 @@ class RunDirLock:
         self.fd = fd
         return self
 
+    def held(self) -> bool:
+        """Whether a live process holds this lock (the kernel drops an flock when its holder dies, even by
+        SIGKILL); probed without taking it for longer than the probe."""
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return False
+        except OSError:
+            return True
+        finally:
+            os.close(fd)
+
     def discard(self) -> None:
         """Release and remove the lock file of a launch that never started (bad input): held by us, nobody else
         can be using it, and the run dir it sat in may then be removed as empty."""
