@@ -23,7 +23,7 @@ from pathlib import Path
 # A value the user set is kept, and the plan then assumes the default allocator's larger reserve
 # (glmtune/plan/reserve.py).
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-from .quiet import quiet_libraries  # noqa: E402 - after the allocator setting, before DeepSpeed is imported
+from .launch.quiet import quiet_libraries  # noqa: E402 - after the allocator setting, before DeepSpeed is imported
 
 quiet_libraries()
 
@@ -32,17 +32,17 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from .atomic import disk_nearly_full, is_disk_full
-from .cli import check_command_line, chosen_mode, is_multirun, wants_info
 from .config import CONF_DIR, ConfigError, check_override_keys
+from .config.cli import check_command_line, chosen_mode, is_multirun, wants_info
 from .launch import export_slurm_env, rank, run_name
-from .modes import prepare, run_mode
-from .resume import redirect
-from .rundir import console, discard_unused, fail
-from .runlock import RunDirLock
-from .supervise import descendants
-from .sweep import EXIT_NO_TRIAL, final_line, none_succeeded, run_trial
-from .train.signals import EXIT_INTERRUPTED, STOP, Interrupted
+from .launch.signals import EXIT_INTERRUPTED, STOP, Interrupted
+from .launch.supervise import descendants
+from .rundir.atomic import disk_nearly_full, is_disk_full
+from .rundir.files import console, discard_unused, fail
+from .rundir.lock import RunDirLock
+from .rundir.resume import redirect
+from .run.modes import prepare, run_mode
+from .run.sweep import EXIT_NO_TRIAL, final_line, none_succeeded, run_trial
 
 # Every rank of one launch must agree on the run dir; ${now:} alone would differ by a second. Cached in the
 # config, so a SLURM sweep's jobs reuse the sweep dir the submitting process resolved.
@@ -69,7 +69,7 @@ def execute(cfg: DictConfig) -> float | None:
     """One run, holding its run dir's lock throughout; every way it can stop ends in one line and an exit code."""
     hydra_cfg = HydraConfig.get()
     fresh = Path(hydra_cfg.runtime.output_dir)
-    # The same command as an interrupted run resumes it (resume.py); only a dir glmtune named is redirected.
+    # The same command as an interrupted run resumes it (rundir/resume.py); only a dir glmtune named is redirected.
     run_dir = redirect(fresh, OmegaConf.to_container(cfg, resolve=True), hydra_cfg.mode == RunMode.MULTIRUN)
     if run_dir != fresh:
         discard_unused(fresh)  # what Hydra made for the fresh dir: this rank's empty log, then the empty folder
@@ -77,7 +77,7 @@ def execute(cfg: DictConfig) -> float | None:
             console.print(f"the same command ran before and did not finish: continuing {run_dir} "
                           "(train.resume=restart starts a new run instead)", markup=False)
     lock = RunDirLock(run_dir, rank())
-    STOP.install()  # SIGTERM/SIGINT: one line now; a checkpoint first once training runs (train/signals.py)
+    STOP.install()  # SIGTERM/SIGINT: one line now; a checkpoint first once training runs (launch/signals.py)
     try:
         lock.acquire()
         return _execute(cfg, run_dir, list(hydra_cfg.overrides.task))
@@ -108,7 +108,7 @@ def stop_children() -> None:
     """SIGTERM every process this one forked and that still runs. A signal that lands while a library starts
     a helper process (datasets' multi-process map starts a Manager server, then waits for its address) leaves
     that child running and unknown to its library; Python's exit would then wait for it forever. The children
-    die on SIGTERM: train/signals.py resets their handler at the fork."""
+    die on SIGTERM: launch/signals.py resets their handler at the fork."""
     for pid in descendants(os.getpid()):
         try:
             os.kill(pid, signal.SIGTERM)

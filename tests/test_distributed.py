@@ -136,7 +136,7 @@ def test_deepspeed_launcher_on_localhost(tmp_path, repo):
     # Module mode with no --local_rank for Hydra to reject: the ranks' command lines as Hydra recorded them.
     assert "local_rank" not in (out / ".hydra" / "overrides.yaml").read_text()
     # The launcher's lines (its command, world info, one per process spawned and exited, its CPU-accelerator
-    # notice at import) stay off the console: glmtune/quiet.py, scripts/deepspeed_launch.sh.
+    # notice at import) stay off the console: glmtune/launch/quiet.py, scripts/deepspeed_launch.sh.
     foreign = [line for line in (proc.stdout + proc.stderr).splitlines() if re.match(r"\[\d{4}-", line)]
     assert not foreign, foreign
     assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["ds-run"]
@@ -157,7 +157,7 @@ def test_probe_under_zero3_on_two_ranks_then_training(tmp_path, repo):
         cwd=repo, env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Neither DeepSpeed's notices and prints nor torch's deprecation warnings about DeepSpeed's calls (they were
-    # 40 of the console's lines, glmtune/quiet.py) reach the console; they are in the rank logs or nowhere.
+    # 40 of the console's lines, glmtune/launch/quiet.py) reach the console; they are in the rank logs or nowhere.
     noise = re.compile(r"Warning|warn\(|\[WARNING\]|built successfully|Traceback")
     assert not [line for line in (proc.stdout + proc.stderr).splitlines() if noise.search(line)]
     report = json.loads((out / "probe.json").read_text())

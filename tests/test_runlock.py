@@ -4,9 +4,9 @@ import os
 
 import pytest
 
-from glmtune.atomic import folder_as_one_unit, write_text
+from glmtune.rundir.atomic import folder_as_one_unit, write_text
 from glmtune.config import ConfigError
-from glmtune.runlock import RunDirLock, decide, trim_metrics, write_state
+from glmtune.rundir.lock import RunDirLock, decide, trim_metrics, write_state
 from glmtune.train.checkpoints import last_complete, mark_complete, remove_incomplete, rotate
 
 CONFIG = {"train": {"learning_rate": 5e-4, "max_steps": 40, "resume": "auto"}, "lora": {"r": 8}}

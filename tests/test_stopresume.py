@@ -212,7 +212,7 @@ def test_a_corrupted_cache_entry_is_built_again_never_trained_on(tmp_path):
 
 
 def children(pid: int) -> list[int]:
-    from glmtune.supervise import descendants
+    from glmtune.launch.supervise import descendants
 
     return descendants(pid)
 

@@ -164,7 +164,7 @@ def test_optuna_study_goes_on_after_a_failed_trial_and_a_rerun_does_not_repeat_f
 
 def _submitit_task(root: int) -> int | None:
     """The pid of submitit's task process (`python -u -m submitit.core._submit FOLDER`) below `root`, if started."""
-    from glmtune.supervise import descendants
+    from glmtune.launch.supervise import descendants
 
     for pid in descendants(root):
         try:

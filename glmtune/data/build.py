@@ -7,7 +7,7 @@ hands in) by `datasets.map` on the node's cores, then saved with `save_to_disk`.
     checks        the same one-line DataErrors as validate.read_conversations, with the same line numbers
     dataset/      the rows (tokenized.COLUMNS) in file order; the scratch files are deleted
 
-Stops: the workers are forked from the launcher without its stop-signal handler (train/signals.py resets it in
+Stops: the workers are forked from the launcher without its stop-signal handler (launch/signals.py resets it in
 every forked child): Ctrl-C's SIGINT, which reaches the whole foreground group, and SIGUSR1 are left to the
 launcher, which stops the build and terminates the pool (SIGTERM, default action). Every process the builder
 forks asks the kernel, at the fork, to SIGKILL it when the launcher dies (PR_SET_PDEATHSIG,
@@ -41,7 +41,7 @@ def _as_worker() -> None:
     global _READY
     if _READY == os.getpid() or _BUILDER in (None, os.getpid()):  # done, or the map runs in the launcher itself
         return
-    _READY = os.getpid()  # the stop signals were reset at the fork (train/signals.py StopSignals._in_child)
+    _READY = os.getpid()  # the stop signals were reset at the fork (launch/signals.py StopSignals._in_child)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG (Linux)
     except (OSError, AttributeError):
@@ -138,7 +138,7 @@ def build_split(lines_file: Path, out: Path, shown: str, key: str, fingerprint: 
         encoded = _map(lines, features, tokenizer, max_length, folder, encode, fingerprint, scratch, shown, num_proc,
                        fmt)
     except Exception as err:
-        # A stop signal raises a BaseException (train/signals.Interrupted, KeyboardInterrupt) in this process;
+        # A stop signal raises a BaseException (launch/signals.Interrupted, KeyboardInterrupt) in this process;
         # datasets' multi-process map then collects its workers' results in a `finally` and raises a TimeoutError
         # in its place. The signal is what happened: re-raise it, so the launcher stops with its one line.
         cause = err.__context__

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from ..atomic import folder_as_one_unit, write_text
+from ..rundir.atomic import folder_as_one_unit, write_text
 from ..config import ConfigError, InferConfig, ModelConfig
 from .adapter import check_outputs, load_adapter
 from ..data.pipeline import encode_one

@@ -17,7 +17,7 @@ import re
 import shutil
 from pathlib import Path
 
-from ..atomic import fsync_tree, write_json
+from ..rundir.atomic import fsync_tree, write_json
 
 MARKER = "COMPLETE"
 _NAME = re.compile(r"^checkpoint-(\d+)$")

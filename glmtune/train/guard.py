@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from .signals import EXIT_DIVERGED, EXIT_INTERRUPTED, STOP
+from ..launch.signals import EXIT_DIVERGED, EXIT_INTERRUPTED, STOP
 
 __all__ = ["EXIT_DIVERGED", "EXIT_INTERRUPTED", "Diverged", "Guard", "StoppedBySignal"]
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from ..atomic import append_line
+from ..rundir.atomic import append_line
 
 
 class MetricsFile(TrainerCallback):

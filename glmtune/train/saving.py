@@ -9,7 +9,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from ..atomic import folder_as_one_unit
+from ..rundir.atomic import folder_as_one_unit
 from .checkpoints import mark_complete, rotate
 
 log = logging.getLogger(__name__)

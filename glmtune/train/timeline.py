@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from ..atomic import write_bytes, write_text
+from ..rundir.atomic import write_bytes, write_text
 from .gpumem import outside_allocator_bytes
 
 GIB = 2**30

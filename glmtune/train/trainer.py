@@ -17,11 +17,11 @@ import torch
 import transformers
 from transformers import TrainingArguments
 
-from ..atomic import write_json
+from ..rundir.atomic import write_json
 from ..config import EVAL_METRICS, RunConfig, TrainConfig
 from ..infer.provenance import write_base_identity
 from ..launch import single_process_env
-from ..quiet import prints_to_log
+from ..launch.quiet import prints_to_log
 from .checkpoints import allow_numpy_rng_state, checkpoint_step, last_complete, remove_incomplete
 from .compile import compile_blocks, resolve_compile, resolve_packed_attention, set_packed_attention
 from .evaluation import BestTracker, GenerationEval, keep_best_adapter

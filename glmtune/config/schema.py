@@ -1,6 +1,6 @@
 """The typed run configuration: one dataclass per Hydra config group, with each key's default and meaning.
 
-`config.parse_config` builds these from the composed config and validates them once; this module holds only
+`validate.parse_config` builds these from the composed config and validates them once; this module holds only
 the schema and the names other modules share (modes, LoRA-able layers, evaluation metrics).
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-_PACKAGE = Path(__file__).resolve().parent
+_PACKAGE = Path(__file__).resolve().parent.parent  # glmtune/
 # One copy of the configs: conf/ at the top of a source checkout (beside glmtune/), mapped into glmtune/conf/ inside a
 # wheel by pyproject.toml's package-dir; whichever exists is the one this install runs with.
 CONF_DIR = _PACKAGE / "conf" if (_PACKAGE / "conf").is_dir() else _PACKAGE.parent / "conf"

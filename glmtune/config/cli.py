@@ -12,8 +12,8 @@ import textwrap
 from pathlib import Path
 from importlib.metadata import PackageNotFoundError, requires, version
 
-from . import __version__
-from .config import CONF_DIR, MODES, ConfigError
+from .. import __version__
+from .validate import CONF_DIR, MODES, ConfigError
 
 # Groups chosen in conf/config.yaml's defaults list (`model=x`), and groups appended to it (`+hw=x`).
 DEFAULT_GROUPS = ("model", "data", "lora", "dist", "train")
@@ -170,7 +170,7 @@ def _wrap(label: str, text: str, width: int = 100) -> str:
 def help_text() -> str:
     import dataclasses
 
-    from .config import RunConfig
+    from .schema import RunConfig
 
     lines = ["usage: glmtune [+hw=CARD] [group=option ...] [key=value ...]",
              "       glmtune -m key=a,b [key=c,d ...]      a sweep: one run per combination (Hydra multirun)",

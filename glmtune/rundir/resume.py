@@ -5,9 +5,9 @@
 
 Hydra gives every launch a fresh, unique run dir (launch.run_name), so on its own the same command would start
 over. Before the run takes its lock, `redirect` looks under the outputs root for the newest run of the same
-composed config (`runlock.comparable`: the keys a resume may change aside) that stopped before it finished
+composed config (`lock.comparable`: the keys a resume may change aside) that stopped before it finished
 (status interrupted; running or failed with no process holding its lock: a crash or a kill) and moves the
-launch there; `runlock.decide` then resumes it from its last complete checkpoint, as with `hydra.run.dir=`.
+launch there; `lock.decide` then resumes it from its last complete checkpoint, as with `hydra.run.dir=`.
 
 Only a run dir glmtune named itself is redirected (a date and time with a random id, or a launcher's random
 rendezvous id): `hydra.run.dir=`, `GLMTUNE_RUN_ID`, a torchrun `--rdzv_id` or a SLURM job name their own dir,
@@ -26,9 +26,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError
-from .launch import rank, world_size
-from .runlock import RunDirLock, comparable, read_state
+from ..config import ConfigError
+from ..launch import rank, world_size
+from .lock import RunDirLock, comparable, read_state
 
 RESUMABLE = ("interrupted", "running", "failed")  # running/failed: only when no process holds the lock
 # Names glmtune generates under the outputs root: DATE/TIME.mmm-<4 hex> (one process), DATE/torchrun-<8 hex>

@@ -1,7 +1,7 @@
 """What a run leaves in its run dir besides the adapter: config, versions, and the console summary.
 
 Written by rank 0 only, and only after the inputs validated, so a run that stops on bad input never
-overwrites the files of an earlier run in the same folder; each file atomically (glmtune.atomic), so a full
+overwrites the files of an earlier run in the same folder; each file atomically (atomic.py), so a full
 disk or a kill leaves the old file or the new one, never a 0-byte one.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from rich.console import Console
 
 from .atomic import write_json, write_text
-from .launch import rank
+from ..launch import rank
 
 # Logs and pipes get 120 columns instead of rich's 80, so paths and reasons stay on one line.
 ERROR_PREFIX = "glmtune: error: "  # the sweep summary picks a failed trial's reason out of stderr by it
@@ -60,16 +60,6 @@ def write_run_files(run_dir: Path, config_yaml: str, overrides: list[str], model
     write_json(run_dir / "versions.json", versions)
     write_text(run_dir / "plan.json", plan.to_json() + "\n")
     return config_hash
-
-
-def report_probe(report, run_dir: Path) -> None:
-    """probe.json in the run dir and the predicted-vs-measured table on the console (rank 0)."""
-    if rank() != 0:
-        return
-    from .probe.probe import format_probe
-
-    write_json(run_dir / "probe.json", report.to_dict())
-    console.print(format_probe(report))
 
 
 def probed_peak(run_dir: Path) -> int | None:

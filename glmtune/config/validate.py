@@ -1,5 +1,5 @@
 """Typed run configuration, validated once: `parse_config` turns the composed Hydra config into the dataclasses
-of config_schema.py (re-exported here).
+of schema.py (re-exported here).
 
 `python -m glmtune` composes `conf/` with Hydra and hands the plain dict to `parse_config`. Every unknown key,
 wrong type and bad value is collected into one `ConfigError`, so a user fixes a config in one pass instead of
@@ -16,7 +16,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from .config_schema import (CONF_DIR, EVAL_METRICS, GROUPS, LORA_TARGETS, MODES, DataConfig,  # noqa: F401
+from .schema import (CONF_DIR, EVAL_METRICS, GROUPS, LORA_TARGETS, MODES, DataConfig,  # noqa: F401
                             DistConfig, EvalConfig, HwConfig, InferConfig, LoraConfig, ModelConfig, ProbeConfig,
                             RunConfig, TrainConfig)
 
@@ -77,7 +77,7 @@ def check_override_keys(argv: list[str]) -> None:
         if arg.startswith("-") or "=" not in arg:
             continue
         key = arg.split("=", 1)[0].lstrip("+~")
-        if key in GROUPS:  # group options: glmtune.cli.check_command_line names the valid ones
+        if key in GROUPS:  # group options: glmtune.config.cli.check_command_line names the valid ones
             continue
         if key.startswith(("hydra.", "hydra/")) or key == "hydra":
             continue

@@ -34,10 +34,10 @@ from typing import Callable, TextIO
 
 from hydra.experimental.callback import Callback
 
-from .atomic import append_line, read_jsonl, write_text
-from .launch import rank
-from .rundir import ERROR_PREFIX, console
-from .train.signals import Requeued
+from ..rundir.atomic import append_line, read_jsonl, write_text
+from ..launch import rank
+from ..rundir.files import ERROR_PREFIX, console
+from ..launch.signals import Requeued
 
 GIB = 2**30
 EXIT_NO_TRIAL = 9  # a sweep in which no trial succeeded

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .atomic import read_jsonl, write_json, write_text
-from .config import ConfigError
+from ..config import ConfigError
 
 STATE = "run_state.json"
 RESUME_MODES = ("auto", "always", "restart")
@@ -37,7 +37,7 @@ RESUMABLE_CHANGES = ("train.resume", "train.max_steps", "train.num_epochs", "tra
 # The memory levers: they change where and how fast the run trains, never what it computes (the loss is the mean
 # over each optimizer step's target tokens, train/steps.py), so a resume may move to another card, GPU count or
 # engine. The micro-batch and accumulation may change as long as the global batch (micro x accumulation x
-# processes, recorded at the first launch) stays; modes.py checks that and re-plans for the new hardware.
+# processes, recorded at the first launch) stays; run/modes.py checks that and re-plans for the new hardware.
 MEMORY_LEVERS = ("train.per_device_batch_size", "train.grad_accum", "train.eval_batch_size",
                  "train.gradient_checkpointing", "train.precision", "train.compile", "train.packed_attention")
 MEMORY_LEVER_GROUPS = ("hw.", "dist.", "probe.")  # the card preset, process counts and engine, the probe

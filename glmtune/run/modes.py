@@ -17,26 +17,26 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from .atomic import is_disk_full
-from .config import ConfigError, parse_config
-from .data.packing import format_packing, pack_datasets, planned_packing
-from .data.pipeline import DataCollator, build_datasets, format_stats, longest_length
-from .launch import rank, world_size
-from .models import load_tokenizer
-from .models.loading import check_weight_files
-from .models.presets import arch_config, resolve_model_dir
-from .plan import userds
-from .plan.estimate import GIB, image_extra_tokens
-from .plan.elastic import elastic_choices
-from .plan.planner import Choices, format_plan, make_plan
-from .report import header, summary
-from .resume import check_inputs, input_fingerprints, refuse_training_run, resume_command
-from .rundir import console, fail, probed_peak, remove_empty_dirs, report_probe, write_run_files
-from .runlock import Start, decide, trim_metrics, write_state
-from .train.checkpoints import checkpoint_step, last_complete
-from .train.compile import check_attention, describe, resolve_compile
-from .train.preflight import check_device, check_disk, check_host_memory
-from .train.signals import EXIT_DIVERGED, EXIT_INTERRUPTED, STOP, Interrupted
+from ..rundir.atomic import is_disk_full
+from ..config import ConfigError, parse_config
+from ..data.packing import format_packing, pack_datasets, planned_packing
+from ..data.pipeline import DataCollator, build_datasets, format_stats, longest_length
+from ..launch import rank, world_size
+from ..models import load_tokenizer
+from ..models.loading import check_weight_files
+from ..models.presets import arch_config, resolve_model_dir
+from ..plan import userds
+from ..plan.estimate import GIB, image_extra_tokens
+from ..plan.elastic import elastic_choices
+from ..plan.planner import Choices, format_plan, make_plan
+from .report import header, report_probe, summary
+from ..rundir.resume import check_inputs, input_fingerprints, refuse_training_run, resume_command
+from ..rundir.files import console, fail, probed_peak, remove_empty_dirs, write_run_files
+from ..rundir.lock import Start, decide, trim_metrics, write_state
+from ..train.checkpoints import checkpoint_step, last_complete
+from ..train.compile import check_attention, describe, resolve_compile
+from ..train.preflight import check_device, check_disk, check_host_memory
+from ..launch.signals import EXIT_DIVERGED, EXIT_INTERRUPTED, STOP, Interrupted
 
 
 @dataclass
@@ -100,7 +100,7 @@ def run_mode(prep: Prepared, run_dir: Path, plan_scratch: bool) -> float | None:
 
 
 def infer_mode(prep: Prepared, run_dir: Path) -> None:
-    from .infer.generate import run_infer  # checks the prompts file before loading the weights
+    from ..infer.generate import run_infer  # checks the prompts file before loading the weights
 
     run = prep.run
     config_sha = hashlib.sha256(OmegaConf.to_yaml(prep.cfg).encode()).hexdigest()[:16]  # as versions.json
@@ -115,7 +115,7 @@ def infer_mode(prep: Prepared, run_dir: Path) -> None:
 
 
 def chat_mode(prep: Prepared, run_dir: Path) -> None:
-    from .infer.chat import run_chat
+    from ..infer.chat import run_chat
 
     try:
         run_chat(prep.run.infer, prep.run.model, prep.run.hw.memory_gib, prep.model_dir, prep.tokenizer, run_dir)
@@ -177,7 +177,7 @@ def probe_stage(prep: Prepared, plan, start: Start, run_dir: Path) -> tuple[Choi
         console.print(start.note)
     if run.mode == "train" and rank() == 0:
         console.print(check_disk(run_dir, run, arch, Choices(**start.choices) if start.choices else plan.choices))
-    from .probe.probe import probe_shortfall, run_probe  # the Trainer stack: ~0.7 s mode=plan does not need
+    from ..probe.probe import probe_shortfall, run_probe  # the Trainer stack: ~0.7 s mode=plan does not need
 
     if rank() == 0:
         console.print(format_stats(prep.data.stats))
@@ -225,10 +225,10 @@ def train_mode(prep: Prepared, plan, start: Start, choices: Choices, peaks: tupl
                started: float) -> float:
     """Train (resuming when `start` says so); a signal, divergence or finish each ends in its state and line.
     peaks: the predicted and the probe's measured peak (bytes), for the memory timeline and the trackers."""
-    from .probe.diagnose import diagnosed, record_memory_history
-    from .train.guard import Diverged, StoppedBySignal, describe_checkpoint, divergence_advice
-    from .train.saving import barrier
-    from .train.trainer import train
+    from ..probe.diagnose import diagnosed, record_memory_history
+    from ..train.guard import Diverged, StoppedBySignal, describe_checkpoint, divergence_advice
+    from ..train.saving import barrier
+    from ..train.trainer import train
 
     run, data, leader = prep.run, prep.data, rank() == 0
     resume_step = checkpoint_step(start.resume_from) if start.resume_from else 0

@@ -9,9 +9,12 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from .config import EVAL_METRICS, RunConfig, TrainConfig
-from .plan.estimate import GIB
-from .plan.planner import Choices, Plan
+from ..config import EVAL_METRICS, RunConfig, TrainConfig
+from ..launch import rank
+from ..plan.estimate import GIB
+from ..plan.planner import Choices, Plan
+from ..rundir.atomic import write_json
+from ..rundir.files import console
 
 
 def optimizer_steps(cfg: TrainConfig, choices: Choices, examples: int) -> tuple[int, float]:
@@ -70,6 +73,16 @@ def header(run: RunConfig, plan: Plan, run_dir: Path | None, train_examples: int
                else f"{epochs:g} epoch(s)")
         lines.append(f"  steps  {steps} optimizer steps ({why} of {train_examples} examples)")
     return "\n".join(lines)
+
+
+def report_probe(report, run_dir: Path) -> None:
+    """probe.json in the run dir and the predicted-vs-measured table on the console (rank 0)."""
+    if rank() != 0:
+        return
+    from ..probe.probe import format_probe  # the probe imports the Trainer stack, which mode=plan does not need
+
+    write_json(run_dir / "probe.json", report.to_dict())
+    console.print(format_probe(report))
 
 
 def summary(metrics: dict, wall_s: float) -> str:

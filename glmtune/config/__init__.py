@@ -1,0 +1,8 @@
+"""Config: compose and validate. The command line before Hydra (`cli.py`), the typed schema (`schema.py`), and its
+validation into one ConfigError (`validate.py`).
+
+Imports nothing else of glmtune: every stage below receives these objects, and reads them from here.
+"""
+from .validate import (CONF_DIR, EVAL_METRICS, GROUPS, LORA_TARGETS, MODES, TRACKERS, ConfigError,  # noqa: F401
+                       DataConfig, DistConfig, EvalConfig, HwConfig, InferConfig, LoraConfig, ModelConfig,
+                       ProbeConfig, RunConfig, TrainConfig, check_override_keys, parse_config)

@@ -1,0 +1,7 @@
+"""Launch: a process of a launch. Who it is (`ranks.py`: rank, world size, the run name all ranks agree on, SLURM
+tasks), how it stops on a signal (`signals.py`), what libraries may print (`quiet.py`), and the supervisor the
+launch scripts run torchrun and deepspeed under (`supervise.py`).
+
+Imports nothing else of glmtune, so every stage may ask it who this process is.
+"""
+from .ranks import export_slurm_env, rank, run_name, single_process_env, unique_run_name, world_size  # noqa: F401
