@@ -27,7 +27,7 @@ from contextlib import nullcontext
 
 import torch
 
-from glmtune.infer.kvcache import preallocated_kv_cache
+from glmtune.models.kvcache import preallocated_kv_cache
 from glmtune.infer.sampling import GIB, auto_batch_size, free_gpu_bytes, per_row_bytes
 from glmtune.models import ChatGLMForConditionalGeneration, GLMConfig, released_config
 from glmtune.models.layers import SelfAttention

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from glmtune.config import ConfigError, RunConfig
-from glmtune.plan import userds
+from glmtune.config import userds
 from glmtune.plan.estimate import PREFETCH_BUCKET, REDUCE_BUCKET
 from glmtune.plan.planner import Choices
 from glmtune.train.zero3 import merged

@@ -2,7 +2,7 @@
 import torch
 
 from glmtune.config import InferConfig
-from glmtune.infer.generate import _batch, encode_prompt, generate
+from glmtune.models.generation import encode_prompt, generate, prompt_batch
 from glmtune.infer.sampling import auto_batch_size, per_row_bytes
 from glmtune.models import load_model, load_tokenizer, released_config
 from glmtune.models.presets import ensure_tiny
@@ -19,7 +19,7 @@ def _tiny():
 
 def test_generate_with_caller_position_ids_gives_the_same_tokens():
     model, tok = _tiny()
-    batch = _batch([encode_prompt(p, tok) for p in PROMPTS], tok.pad_token_id, None, "cpu")
+    batch = prompt_batch([encode_prompt(p, tok) for p in PROMPTS], tok.pad_token_id, None, "cpu")
     # What the official tokenizer returns for a left-padded batch: real tokens count from 0.
     positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
     kwargs = dict(max_new_tokens=20, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=[])
@@ -94,10 +94,10 @@ def test_grouped_decode_step_equals_the_expanded_attention():
 
 
 def test_preallocated_kv_cache_gives_the_same_tokens_and_is_freed():
-    from glmtune.infer.kvcache import preallocated_kv_cache
+    from glmtune.models.kvcache import preallocated_kv_cache
 
     model, tok = _tiny()
-    batch = _batch([encode_prompt(p, tok) for p in PROMPTS], tok.pad_token_id, None, "cpu")
+    batch = prompt_batch([encode_prompt(p, tok) for p in PROMPTS], tok.pad_token_id, None, "cpu")
     kwargs = dict(max_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=[])
     attn = model.transformer.encoder.layers[0].self_attention
     with torch.no_grad():

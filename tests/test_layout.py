@@ -23,7 +23,7 @@ ALLOWED = {
     "models": {"config"},
     "data": {"config", "models"},
     "plan": {"config", "models"},
-    "train": {"config", "launch", "rundir", "models", "data", "plan", "infer"},
+    "train": {"config", "launch", "rundir", "models", "data", "plan"},
     "probe": {"config", "launch", "models", "data", "plan", "train"},
     "infer": {"config", "rundir", "models", "data", "plan"},
     "run": {"config", "launch", "rundir", "models", "data", "plan", "probe", "train", "infer"},  # the modes

@@ -223,6 +223,10 @@ def _check_values(cfg: RunConfig) -> list[str]:
         problems.append(f"train.report_to has {', '.join(map(repr, unknown))}; trackers: {', '.join(TRACKERS)}")
     if cfg.train.optimizer == "adamw_8bit" and importlib.util.find_spec("bitsandbytes") is None:
         problems.append('train.optimizer=adamw_8bit needs bitsandbytes: pip install "glmtune[quant]"')
+    # Checked here, with the other installs a run needs, so the model loader below never reports a config error
+    # itself. mode=plan only counts quantized bytes and loads nothing.
+    if cfg.model.quantize != "none" and cfg.mode != "plan" and importlib.util.find_spec("bitsandbytes") is None:
+        problems.append("model.quantize needs bitsandbytes — pip install 'glmtune[quant]' (or model.quantize=none)")
     if cfg.train.optimizer == "adamw_8bit" and cfg.dist.strategy == "zero3":
         problems.append("train.optimizer=adamw_8bit is not used under ZeRO-3 (DeepSpeed keeps its own fp32 states): "
                         "use train.optimizer=adamw_torch or dist.strategy=auto|ddp")

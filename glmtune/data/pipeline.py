@@ -21,16 +21,17 @@ positions per image are reported separately (SplitStats.images, image_tokens).
 """
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import numpy as np
 import torch
 
 from ..config import DataConfig
-from ..models.vision import load_image, num_image_tokens
+# The message encoding is the tokenizers' chat template (models/template.py); the rest is re-exported for the probe.
+from ..models.template import (IMAGE_PLACEHOLDERS, MessageTokenizer, encode_one, image_message_ids,  # noqa: F401
+                               process_message)
 from .sources import is_rows, where
 from .validate import DataError, check_file, locate
 
@@ -40,34 +41,7 @@ if TYPE_CHECKING:
 IGNORE_INDEX = -100  # label value the loss skips (torch cross_entropy's default ignore_index)
 
 
-class MessageTokenizer(Protocol):
-    """What encoding needs from glmtune.models.tokenization's tokenizers."""
-
-    family: str
-    eos_token_id: int
-    pad_token_id: int
-
-    def prefix_ids(self) -> list[int]: ...
-    def get_command(self, token: str) -> int: ...
-    def encode_message(self, message: dict[str, Any]) -> list[int]: ...
-    def encode(self, text: str) -> list[int]: ...
-
-
 # --- encoding -------------------------------------------------------------------------------------------
-
-def process_message(message: dict[str, Any]) -> dict[str, Any]:
-    """The official `process_message`: `tools` only on system messages, and tool-parameter properties whose
-    value is None removed (`datasets` fills keys missing from a row with None). Returns a copy."""
-    message = copy.deepcopy(message)
-    if message.get("role") != "system":
-        message.pop("tools", None)
-        return message
-    for tool in message.get("tools") or []:
-        parameters = (tool.get("function") or {}).get("parameters")
-        if isinstance(parameters, dict) and isinstance(parameters.get("properties"), dict):
-            parameters["properties"] = {k: v for k, v in parameters["properties"].items() if v is not None}
-    return message
-
 
 def terminator_id(tokenizer: MessageTokenizer) -> int:
     """Token appended after the last message: what the model should emit after its final reply."""
@@ -91,24 +65,6 @@ def encode_conversation(messages: list[dict[str, Any]], tokenizer: MessageTokeni
     loss_mask = [False, *loss_mask]
     labels = [token if supervised else IGNORE_INDEX for token, supervised in zip(input_ids, loss_mask)]
     return input_ids, labels
-
-
-def encode_one(message: dict[str, Any], tokenizer: MessageTokenizer) -> list[int]:
-    """One message as training and inference both render it (official template, 4V image prefix)."""
-    if "image" in message:
-        return image_message_ids(message, tokenizer)
-    return tokenizer.encode_message(process_message(message))
-
-
-# The 3 ids the model swaps for the vision tower's boi + patches + eoi.
-IMAGE_PLACEHOLDERS = ("<|begin_of_image|>", "<|endoftext|>", "<|end_of_image|>")
-
-
-def image_message_ids(message: dict[str, Any], tokenizer: MessageTokenizer) -> list[int]:
-    """The 4V tokenizer's build_single_message with the image prefix between role line and content."""
-    placeholders = [tokenizer.get_command(t) for t in IMAGE_PLACEHOLDERS]
-    return ([tokenizer.get_command("<|user|>")] + tokenizer.encode(f"{message.get('metadata') or ''}\n")
-            + placeholders + tokenizer.encode(message.get("content") or ""))
 
 
 # --- datasets and stats ---------------------------------------------------------------------------------
@@ -200,6 +156,9 @@ def _load_split(cfg: DataConfig, path: str, key: str, tokenizer: MessageTokenize
     from .cache import load_split  # pyarrow and the cache machinery: the collator alone does not need them
 
     split = load_split(cfg, path, key, tokenizer, bool(vision_config), encode_example)
+    # The vision tower's module, only for data with images: the length statistics and the plan need no model code.
+    from ..models.vision import num_image_tokens
+
     per_image = num_image_tokens(vision_config) + 2 if vision_config else 0  # boi + N patches + eoi
     columns = (split.column(c) for c in ("line", "length", "untruncated", "targets", "image"))
     return split, split_stats(*columns, per_image)
@@ -302,6 +261,8 @@ class DataCollator:
         return batch
 
     def _load(self, path: str) -> torch.Tensor:
+        from ..models.vision import load_image  # only for data with images (see _load_split)
+
         try:
             return load_image(path, self.image_size)
         except (OSError, ValueError) as err:  # changed or damaged since validation

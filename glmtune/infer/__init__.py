@@ -1,5 +1,5 @@
 """Infer: generation from base + adapter and merging (`generate.py`), device maps over several GPUs
 (`devicemap.py`).
 
-May import: glmtune.config, models, data. Imported by the CLI only.
+May import: glmtune.config, rundir, models, data, plan. Imported by run/modes.py only.
 """

@@ -24,10 +24,10 @@ from transformers.generation.streamers import BaseStreamer
 
 from ..config import ConfigError, InferConfig, ModelConfig
 from ..models import load_config
-from .generate import _batch, encode_prompt, inference_dtype, load_merged, place
-from .kvcache import preallocated_kv_cache
-from .provenance import check_adapter_base
-from .sampling import generation_kwargs
+from .generate import inference_dtype, load_merged, place
+from ..models.generation import encode_prompt, generation_kwargs, prompt_batch
+from ..models.kvcache import preallocated_kv_cache
+from ..models.identity import check_adapter_base
 
 PROMPT = "you> "
 REPLY = "glm> "
@@ -63,7 +63,7 @@ def reply(model, tokenizer, messages: list[dict], cfg: InferConfig, out: TextIO)
     """Generate the assistant turn for `messages`, streaming it; returns it as a history message."""
     vision = getattr(model.config, "vision_config", None)
     stops = list(tokenizer.stop_token_ids)
-    batch = _batch([encode_prompt(messages, tokenizer)], tokenizer.pad_token_id,
+    batch = prompt_batch([encode_prompt(messages, tokenizer)], tokenizer.pad_token_id,
                    vision["image_size"] if vision else None, model.get_input_embeddings().weight.device)
     with torch.no_grad(), preallocated_kv_cache(model, cfg.max_new_tokens):
         ids = model.generate(**batch, max_new_tokens=cfg.max_new_tokens, eos_token_id=stops, use_cache=True,

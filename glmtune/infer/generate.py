@@ -21,15 +21,14 @@ import transformers
 from ..rundir.atomic import folder_as_one_unit, write_text
 from ..config import ConfigError, InferConfig, ModelConfig
 from .adapter import check_outputs, load_adapter
-from ..data.pipeline import encode_one
 from ..data.validate import Conversation, read_conversations
 from .devicemap import GIB, bytes_per_device, device_map
 from ..models import load_config, load_model
+from ..models.generation import encode_prompt, generate
 from ..models.quantize import load_quantized, weight_storage_bytes
-from .kvcache import preallocated_kv_cache
-from .provenance import check_adapter_base, write_provenance
-from .sampling import CPU_BATCH, auto_batch_size, free_gpu_bytes, generation_kwargs, settings
-from ..models.vision import load_image
+from ..models.template import reference_text
+from ..models.identity import check_adapter_base, write_provenance
+from .sampling import auto_batch_size, free_gpu_bytes, settings
 
 RESERVE = 2 * GIB  # per GPU, kept free for activations and the KV cache of a batch
 
@@ -87,62 +86,11 @@ def place(model, gpus: int, memory_gib: float | None):
     return dispatch_model(model, device_map=mapping), bytes_per_device(model, mapping)
 
 
-def encode_prompt(messages: list[dict], tokenizer) -> tuple[list[int], str | None]:
-    ids = list(tokenizer.prefix_ids())
-    for message in messages:
-        ids += encode_one(message, tokenizer)
-    image = next((m["image"] for m in messages if "image" in m), None)
-    return ids + [tokenizer.get_command("<|assistant|>")], image
-
-
-def _batch(encoded: list[tuple[list[int], str | None]], pad_id: int, image_size: int | None, device):
-    """Left-padded like the official tokenizer, so every row's last position is its last prompt token."""
-    width = max(len(ids) for ids, _ in encoded)
-    batch = {"input_ids": torch.tensor([[pad_id] * (width - len(ids)) + ids for ids, _ in encoded], device=device),
-             "attention_mask": torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in encoded],
-                                            device=device)}
-    rows = [i for i, (_, image) in enumerate(encoded) if image]
-    if rows:
-        batch["images"] = torch.stack([load_image(encoded[i][1], image_size) for i in rows]).to(device)
-        batch["image_rows"] = torch.tensor(rows, device=device)
-    return batch
-
-
-def reference_text(message: dict) -> str:
-    """An assistant message as the model writes it: the content, or `name\n{arguments}` for a tool call."""
-    metadata, content = message.get("metadata") or "", message.get("content") or ""
-    return f"{metadata}\n{content}" if metadata else content
-
-
 def split_reference(messages: list[dict]) -> tuple[list[dict], str | None]:
     """(the prompt, the reference answer): a conversation ending on an assistant message has one."""
     if messages and messages[-1]["role"] == "assistant":
         return messages[:-1], reference_text(messages[-1])
     return messages, None
-
-
-def generate(model, tokenizer, prompts: list[list[dict]], cfg: InferConfig, batch_size: int | None = None,
-             streamer=None, synced_gpus: bool = False) -> list[str]:
-    """Replies to each prompt (messages ending on the turn to answer), in order.
-
-    synced_gpus: every rank of a ZeRO-3 job runs the same number of forward steps (each one gathers weights
-    from all ranks), however early its own rows stop."""
-    vision = getattr(model.config, "vision_config", None)
-    device = model.get_input_embeddings().weight.device
-    stops = list(tokenizer.stop_token_ids)
-    batch_size = batch_size or cfg.batch_size or CPU_BATCH
-    outputs = []
-    for start in range(0, len(prompts), batch_size):
-        encoded = [encode_prompt(p, tokenizer) for p in prompts[start:start + batch_size]]
-        batch = _batch(encoded, tokenizer.pad_token_id, vision["image_size"] if vision else None, device)
-        with torch.no_grad(), preallocated_kv_cache(model, cfg.max_new_tokens):
-            out = model.generate(**batch, max_new_tokens=cfg.max_new_tokens, eos_token_id=stops,
-                                 pad_token_id=tokenizer.pad_token_id, use_cache=True, streamer=streamer,
-                                 synced_gpus=synced_gpus, **generation_kwargs(cfg))
-        for row in out[:, batch["input_ids"].shape[1]:].tolist():
-            cut = next((i for i, t in enumerate(row) if t in stops), len(row))
-            outputs.append(tokenizer.decode(row[:cut]).strip())
-    return outputs
 
 
 def one_prompt(cfg: InferConfig) -> list[dict]:

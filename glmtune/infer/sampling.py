@@ -1,4 +1,4 @@
-"""Decoding settings for generate(), and the batch size that the KV cache leaves room for.
+"""What decides generate()'s outputs (provenance.json), and the batch size that the KV cache leaves room for.
 
 Greedy by default (the same prompts give the same outputs on every run); `infer.do_sample=true` samples
 with temperature / top-p / top-k / repetition penalty from `infer.seed`.
@@ -8,21 +8,11 @@ from __future__ import annotations
 import torch
 
 from ..config import InferConfig
+from ..models.generation import CPU_BATCH
 from ..plan.estimate import RunShape, block_working, estimate
 
 GIB = 1024 ** 3
 MAX_AUTO_BATCH = 64  # above this, decode steps stop getting cheaper per token on a 9B model (weights-bound ends)
-CPU_BATCH = 8
-
-
-def generation_kwargs(cfg: InferConfig) -> dict:
-    """Keyword arguments for model.generate(); every value explicit so the checkpoint's generation_config
-    (top_k=50 by transformers' default) cannot change what the user asked for."""
-    if not cfg.do_sample:
-        return {"do_sample": False, "repetition_penalty": cfg.repetition_penalty, "temperature": None,
-                "top_p": None, "top_k": None}
-    return {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
-            "repetition_penalty": cfg.repetition_penalty}
 
 
 def settings(cfg: InferConfig, batch_size: int) -> dict:

@@ -60,12 +60,12 @@ class QuantizedGLM(ChatGLMForConditionalGeneration):
 
 
 def _bnb():
+    """bitsandbytes, imported on first use. A run's config check (config/validate.py) has found it installed; a
+    direct caller without it gets the same advice as an ImportError."""
     try:
         import bitsandbytes
     except ImportError:
-        from ..config import ConfigError
-
-        raise ConfigError("model.quantize needs bitsandbytes — pip install 'glmtune[quant]' "
+        raise ImportError("model.quantize needs bitsandbytes — pip install 'glmtune[quant]' "
                           "(or model.quantize=none)") from None
     return bitsandbytes
 

@@ -17,7 +17,7 @@ import torch
 from ..config import RunConfig
 from .advice import advise
 from .estimate import GIB, RunShape, estimate, gpu_family, image_extra_tokens
-from . import userds
+from ..config import userds
 from .provenance import derived_near_budget, term_sources
 from .quantized import allows_zero3, quantize_advice
 from .reserve import ALLOCATORS, allocator_in_force

@@ -32,7 +32,7 @@ from ..data.packing import join_row
 from ..data.pipeline import IMAGE_PLACEHOLDERS
 from ..plan.estimate import CUDA_CONTEXT_DEFAULT, GIB, estimate, image_extra_tokens
 from ..plan.advice import cards_for_measured
-from ..plan import userds
+from ..config import userds
 from ..plan.planner import Choices, Plan, run_shape, step_down
 from ..train.gpumem import outside_allocator_bytes
 from ..train.trainer import build_model, make_trainer, training_args

@@ -25,7 +25,7 @@ from ..launch import rank, world_size
 from ..models import load_tokenizer
 from ..models.loading import check_weight_files
 from ..models.presets import arch_config, resolve_model_dir
-from ..plan import userds
+from ..config import userds
 from ..plan.estimate import GIB, image_extra_tokens
 from ..plan.elastic import elastic_choices
 from ..plan.planner import Choices, format_plan, make_plan

@@ -19,7 +19,7 @@ from transformers import TrainingArguments
 
 from ..rundir.atomic import write_json
 from ..config import EVAL_METRICS, RunConfig, TrainConfig
-from ..infer.provenance import write_base_identity
+from ..models.identity import write_base_identity
 from ..launch import single_process_env
 from ..launch.quiet import prints_to_log
 from .checkpoints import allow_numpy_rng_state, checkpoint_step, last_complete, remove_incomplete
@@ -35,7 +35,7 @@ from .optim import HF_NAMES
 from .timeline import MemoryTimeline
 from ..models import enable_checkpointing, load_model
 from ..models.quantize import load_quantized
-from ..plan import userds
+from ..config import userds
 from ..plan.planner import Choices
 
 _TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

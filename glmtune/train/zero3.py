@@ -31,7 +31,7 @@ BUCKETS = {"reduce_bucket_size": REDUCE_BUCKET, "stage3_prefetch_bucket_size": P
 
 def deepspeed_config(choices: Choices, user: dict | None = None) -> dict | None:
     """The dict given to TrainingArguments(deepspeed=...), or None for plain data parallel. user: the
-    dist.deepspeed_config file (plan/userds.py checked it), merged with the plan instead of the generated one."""
+    dist.deepspeed_config file (config/userds.py checked it), merged with the plan instead of the generated one."""
     if user is not None:
         return merged(user, choices)
     if choices.zero_stage != 3:

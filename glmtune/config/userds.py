@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, RunConfig
+from .validate import ConfigError, RunConfig
 
 # Keys whose number must equal a glmtune setting (or be "auto"): key -> (config key, attribute of TrainConfig).
 _SAME = {"train_micro_batch_size_per_gpu": ("train.per_device_batch_size", "per_device_batch_size"),
