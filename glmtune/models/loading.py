@@ -13,11 +13,12 @@ import pickle
 from pathlib import Path
 
 import torch
-from transformers.integrations import is_deepspeed_zero3_enabled
 
 from ..config import ConfigError
 from .configuration import GLMConfig
-from .modeling_glm4 import ChatGLMForConditionalGeneration
+
+# The model code (and transformers' modeling, accelerate) is imported where a model is built: reading a
+# config.json or checking weight files, as mode=plan and the data stage do, needs none of it.
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -113,6 +114,10 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None, 
     config = load_config(path)
     if str(device) == "meta":
         return build_meta_model(config, dtype)
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    from .modeling_glm4 import ChatGLMForConditionalGeneration
+
     try:
         model, info = ChatGLMForConditionalGeneration.from_pretrained(
             str(path), config=config, torch_dtype=dtype or "auto", output_loading_info=True,
@@ -146,7 +151,9 @@ def _load_error(path, err: BaseException) -> str:
     return f"{path}: weights cannot be read ({first[:200]}) — re-download the checkpoint"
 
 
-def build_meta_model(config: GLMConfig, dtype: torch.dtype | None = None) -> ChatGLMForConditionalGeneration:
+def build_meta_model(config: GLMConfig, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    from .modeling_glm4 import ChatGLMForConditionalGeneration
+
     with torch.device("meta"):
         model = ChatGLMForConditionalGeneration(config)
     return model.to(dtype) if dtype is not None else model
@@ -203,6 +210,7 @@ def make_tiny_checkpoint(out_dir: str | os.PathLike, family: str = "glm4", seed:
 
     `arch` overrides TINY_ARCH (e.g. hidden_size=768, num_layers=12 for a ~100M-parameter model).
     """
+    from .modeling_glm4 import ChatGLMForConditionalGeneration
     from .tokenizer_files import load_tokenizer, write_tiny_tokenizer
 
     if family not in _FAMILY:
