@@ -15,25 +15,14 @@ Two allocators, fitted on the H100 rows of bench/gpu_calib_2026-11-23.jsonl (tor
   4 the reserve grew from 22.54 to 26.49 GiB (1.21 x the training's allocated peak), the evaluation's own
   tensors on top of the training's cache. So an evaluation or generation phase is charged the training's
   whole footprint plus its own activations and reserve.
-- an evaluation after training in one process (the CLI path: training steps, an evaluation, training again;
-  bench/gpu_cli.py on an H200, 2026-11-26, bench/RESULTS.md §11): with expandable segments too, the evaluation's
-  transients did not all fit in the cache the training left, and the whole process grew by 0 to 1.41 GiB (4K,
-  eval batch 4: +0.74; ~24.7K, eval batch 4: +1.41; eval batch 2 and short rows: none). The growth rose with
-  the evaluation's largest transient, but far slower than in proportion: EVAL_CARRY x sqrt(largest x 1 GiB),
-  less the reserve the training already holds, fitted on the 4K row (the tightest) and over by 0.2-1.6 % on
-  the others. An evaluation is then charged the training's whole footprint plus that growth.
 """
 from __future__ import annotations
-
-import math
 
 from ..models import GLMConfig
 
 RESERVE_FLOOR = 256 << 20
 RESERVE_PER_LARGEST = 0.55
 DEFAULT_PER_LARGEST = 0.9
-EVAL_CARRY = 1.21  # growth of an evaluation after training, per sqrt(largest transient x 1 GiB) (docstring)
-GIB = 1 << 30
 TRAINING_PHASES = ("loss", "backward", "vision")
 ALLOCATORS = {"expandable": "expandable segments", "default": "the default caching allocator"}
 
@@ -77,13 +66,7 @@ def phase_reserves(arch: GLMConfig, shape, e: int, phases: dict[str, int], state
     every phase holds (weights, adapters, optimizer)."""
     largest = largest_transients(arch, shape, e)
     if shape.allocator == "expandable":
-        reserves = {p: RESERVE_FLOOR + int(RESERVE_PER_LARGEST * largest[p]) for p in phases}
-        training = [p for p in phases if p in TRAINING_PHASES]
-        if "eval" in phases and training:  # the CLI path: this evaluation comes after training steps
-            top = max(training, key=lambda p: phases[p] + reserves[p])
-            growth = max(0, int(EVAL_CARRY * math.sqrt(largest["eval"] * GIB)) - reserves[top])
-            reserves["eval"] = max(reserves["eval"], phases[top] + reserves[top] + growth - phases["eval"])
-        return reserves
+        return {p: RESERVE_FLOOR + int(RESERVE_PER_LARGEST * largest[p]) for p in phases}
     reserves = {p: RESERVE_FLOOR + int(DEFAULT_PER_LARGEST * largest[p]) for p in phases}
     training = max(phases[p] + reserves[p] for p in phases if p in TRAINING_PHASES)
     for p in phases:
