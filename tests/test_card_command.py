@@ -145,3 +145,31 @@ def test_a_crash_in_training_is_one_line_exit_1_traceback_in_the_log(tmp_path, r
     assert "Traceback (most recent call last)" in log and "crash_in_the_runs_second_step" in log
     state = json.loads((run_dir / "run_state.json").read_text())
     assert state["status"] == "failed" and "SystemError" in state["error"]
+
+
+def test_the_estimate_counts_the_packed_rows_mask_as_the_attention_keeps_it():
+    """Packed rows under SDPA: each block's attention turns the bool mask into an additive bias of the compute
+    dtype and keeps it for backward (the 0.31 GiB the H200's row 1 measured beyond the estimate, RESULTS §11).
+    Live tensor bytes after the forward, packed (one document, so the same attention) minus unpacked, are what
+    the estimator adds for the mask."""
+    from glmtune.plan.estimate import RunShape, estimate
+    from glmtune.train.livebytes import LiveTensorTracker
+
+    model_dir = ensure_tiny("glm4")
+    model = load_model(model_dir).train()
+    arch, seq = load_config(model_dir), 256
+    ids = torch.randint(0, 1000, (1, seq))
+
+    def after_forward(seq_ids):
+        with LiveTensorTracker(baseline=[*model.parameters(), *model.buffers()]) as tracker:
+            loss = model(input_ids=ids, labels=ids, seq_ids=seq_ids, position_ids=torch.arange(seq)[None]).loss
+            kept = tracker.current_bytes
+            del loss
+        return kept
+
+    measured = after_forward(torch.zeros(1, seq, dtype=torch.long)) - after_forward(None)
+    shape = RunShape(dtype="fp32", seq_len=seq, lora_dropout=0.0, device="cpu")
+    planned = (estimate(arch, replace(shape, document_mask=True)).phases["loss"]
+               - estimate(arch, shape).phases["loss"])
+    assert planned == arch.num_layers * seq * seq * 4
+    assert measured == pytest.approx(planned, abs=8192), (measured, planned)
