@@ -5,6 +5,8 @@
                                              # probe + 20 steps of glm-4-9b-chat at 8K under the emulated 24 GB card
     python bench/gpu_pending.py --part 3     # compile and packing on/off (bench/throughput.py, demo-like data),
                                              # generation speed (bench/generate_speed.py)
+    python bench/gpu_pending.py --part cli   # the user's commands (issue 33): each run's exit, plan, probe and
+                                             # per-phase peaks on random-weight checkpoints (bench/gpu_cli.py)
     python bench/gpu_pending.py --tiny --part N   # the same steps on CPU with the tiny model (the test suite)
 
 Each step is the existing bench script (or the glmtune command) in its own process with its own time limit, so
@@ -107,9 +109,15 @@ def header() -> str:
         out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True)
         driver = out.stdout.strip() or "-"
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-    versions = ", ".join(f"{n} {version(n)}" for n in ("torch", "transformers", "peft", "deepspeed", "bitsandbytes"))
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    versions = ", ".join(f"{n} {installed(n)}" for n in ("torch", "transformers", "peft", "deepspeed", "bitsandbytes"))
     return f"{date.today().isoformat()}, {device}, driver {driver}; {versions}"
 
 
@@ -149,12 +157,16 @@ def run_part(part: int, tiny: bool, work: Path) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", type=int, choices=(1, 2, 3), required=True)
+    ap.add_argument("--part", choices=("1", "2", "3", "cli"), required=True)
     ap.add_argument("--tiny", action="store_true", help="CPU, tiny model: every step of the part, small")
     ap.add_argument("--work", default=None, help="scratch folder (checkpoint, data, run dirs); default /tmp/glmtune-pending")
     args = ap.parse_args()
     work = Path(args.work or f"/tmp/glmtune-pending{'-tiny' if args.tiny else ''}")
-    sys.exit(run_part(args.part, args.tiny, work))
+    if args.part == "cli":
+        from gpu_cli import run_cli  # bench/ is on sys.path when this script runs
+
+        sys.exit(run_cli(args.tiny, work, header()))
+    sys.exit(run_part(int(args.part), args.tiny, work))
 
 
 if __name__ == "__main__":

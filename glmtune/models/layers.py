@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
@@ -189,6 +189,17 @@ class GLMBlock(nn.Module):
         return F.dropout(self.mlp(normed), self.hidden_dropout, self.training) + residual, new_cache
 
 
+def no_early_stop():
+    """Non-reentrant checkpoints recompute their whole function in backward. By default they stop as soon as
+    the last saved tensor is rebuilt, by raising an exception from the saved-tensor hook, i.e. from inside a
+    C++ op; on CUDA with the allocator's history recording on (the run's OOM snapshot, probe/diagnose.py) that
+    exception was lost while the op's temporaries were freed, and backward died with `SystemError: <built-in
+    function cross_entropy_loss> returned NULL without setting an exception` (issue 33, bench/ckpt_early_stop.py).
+    Without early stop nothing is raised; the price is the ops after the last saved tensor (none in a loss
+    chunk, the block's last projection in a GLM block). Read when the forward runs; reentrant ones ignore it."""
+    return set_checkpoint_early_stop(False)
+
+
 class GLMTransformer(nn.Module):
     def __init__(self, config: GLMConfig):
         super().__init__()
@@ -206,7 +217,7 @@ class GLMTransformer(nn.Module):
         ckpt = self.gradient_checkpointing and self.training
         offload = (torch.autograd.graph.save_on_cpu(pin_memory=hidden.is_cuda)
                    if ckpt and self.offload_checkpoints and torch.is_grad_enabled() else contextlib.nullcontext())
-        with offload:
+        with offload, no_early_stop():
             for i, layer in enumerate(self.layers):
                 cache = kv_caches[i] if kv_caches is not None else None
                 if ckpt:

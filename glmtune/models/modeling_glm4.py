@@ -25,7 +25,7 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration import GLMConfig
-from .layers import Embedding, GLMBlock, GLMTransformer, RMSNorm, RotaryEmbedding
+from .layers import Embedding, GLMBlock, GLMTransformer, RMSNorm, RotaryEmbedding, no_early_stop
 from .vision import EVA2CLIPModel, splice_images
 
 
@@ -228,10 +228,11 @@ class ChatGLMForConditionalGeneration(GLMPreTrainedModel):
             return F.cross_entropy(head(hs).to(torch.float32), ys, ignore_index=-100, reduction="sum")
 
         total = hidden.new_zeros((), dtype=torch.float32)
-        for start in range(0, h.size(0), self.loss_chunk_tokens):
-            hs, ys = h[start:start + self.loss_chunk_tokens], y[start:start + self.loss_chunk_tokens]
-            if bool((ys != -100).any()):
-                total = total + (ckpt(chunk_sum, hs, ys) if torch.is_grad_enabled() else chunk_sum(hs, ys))
+        with no_early_stop():  # layers.no_early_stop says why
+            for start in range(0, h.size(0), self.loss_chunk_tokens):
+                hs, ys = h[start:start + self.loss_chunk_tokens], y[start:start + self.loss_chunk_tokens]
+                if bool((ys != -100).any()):
+                    total = total + (ckpt(chunk_sum, hs, ys) if torch.is_grad_enabled() else chunk_sum(hs, ys))
         return total if self.loss_reduction == "sum" else total / (y != -100).sum().clamp(min=1)
 
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,

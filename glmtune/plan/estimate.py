@@ -84,6 +84,7 @@ class RunShape:
     double_quant: bool = True  # nf4: quantized absmax scales
     allocator: str = "expandable"  # expandable | default: the CUDA caching allocator's mode (plan/reserve.py)
     use_dora: bool = False  # DoRA's terms and the 8-bit optimizer's states: plan/variants.py
+    document_mask: bool = False  # packed rows under SDPA: a dense block-diagonal mask (estimate() says what it costs)
     optimizer: str = "adamw_torch"  # adamw_torch | adamw_8bit
 
 
@@ -272,10 +273,20 @@ def estimate(arch: GLMConfig, shape: RunShape) -> Estimate:
     if shape.images_per_sample and arch.vision_config:  # frozen ViT (weights in "frozen weights")
         b["vision tower working set"] = vision_working(arch, shape.micro_batch * shape.images_per_sample, e)
 
+    # Packed rows under SDPA: the bool block-diagonal mask [b, s, s] is built once per forward (gone before the loss
+    # head), and every attention call turns it into an additive bias of the compute dtype [b, 1, s, s] that its
+    # backward keeps: one per block without checkpointing, the recomputed block's alone with it. Measured on CPU (tiny model, 2 blocks at 512:
+    # 2 x 512^2 x 4 B more live bytes than unpacked) and on an H200 (RESULTS §11 row 1: 40 blocks at 2,048
+    # positions, bf16: the 0.31-0.35 GiB the tensor terms missed).
+    mask_bytes = shape.micro_batch * shape.seq_len ** 2 if shape.document_mask else 0
+    bias = mask_bytes * e
+    kept_bias, recomputed_bias = (0, bias) if ckpt else (L * bias, 0)
+    if mask_bytes:
+        b["packed-row attention biases"] = kept_bias + recomputed_bias
     states = sum(v for k, v in b.items() if k.startswith(("frozen", "ZeRO", "LoRA")))
     phases = {
-        "loss": states + kept + final_norm + loss,
-        "backward": states + kept + recompute + working + e * tokens * h,
+        "loss": states + kept + final_norm + loss + kept_bias,
+        "backward": states + kept + recompute + working + e * tokens * h + kept_bias + recomputed_bias,
     }
     if "vision tower working set" in b:  # runs before the first GLM block: only the model states coexist
         phases["vision"] = states + b["vision tower working set"]
@@ -284,7 +295,7 @@ def estimate(arch: GLMConfig, shape: RunShape) -> Estimate:
         et = shape.eval_batch * shape.seq_len
         # Without grad nothing is kept between blocks: a block's working set is gone before the loss head runs.
         phases["eval"] = (states + max(eval_loss_bytes(arch, shape, et), block_working(arch, shape, et))
-                          + 2 * e * et * h)
+                          + 2 * e * et * h + (shape.eval_batch * shape.seq_len ** 2 * (1 + e) if mask_bytes else 0))
         if shape.eval_max_new_tokens:
             kv_per_token = L * arch.kv_groups * arch.kv_channels * 2 * e  # 40,960 B for GLM-4 bf16
             cache = kv_per_token * shape.eval_batch * (shape.seq_len + shape.eval_max_new_tokens)

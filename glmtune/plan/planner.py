@@ -99,7 +99,10 @@ def run_shape(run: RunConfig, arch, c: Choices, data_max_tokens: int | None = No
                     eval_max_new_tokens=run.eval.max_new_tokens if run.eval.generate else 0,
                     device="cuda" if on_gpu else "cpu", gpu_family=gpu_family(run.hw.name),
                     quantize=run.model.quantize, double_quant=run.model.double_quant, use_dora=run.lora.use_dora,
-                    optimizer=run.train.optimizer, allocator=allocator_in_force(os.environ.get("PYTORCH_CUDA_ALLOC_CONF")))
+                    optimizer=run.train.optimizer, allocator=allocator_in_force(os.environ.get("PYTORCH_CUDA_ALLOC_CONF")),
+                    # FlexAttention (train.packed_attention=flex) skips the dense mask; auto may pick it only with
+                    # compiled blocks on CUDA, so the dense one is planned unless flex is asked for.
+                    document_mask=packed is not None and run.train.packed_attention != "flex")
 
 
 def step_down(plan_or_choices: Plan | Choices, run: RunConfig, arch, world_size: int) -> Choices | None:

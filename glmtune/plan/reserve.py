@@ -15,14 +15,26 @@ Two allocators, fitted on the H100 rows of bench/gpu_calib_2026-11-23.jsonl (tor
   4 the reserve grew from 22.54 to 26.49 GiB (1.21 x the training's allocated peak), the evaluation's own
   tensors on top of the training's cache. So an evaluation or generation phase is charged the training's
   whole footprint plus its own activations and reserve.
+- an evaluation after training with expandable segments (the CLI path: training steps, an evaluation, training
+  again). On an H200 (bench/gpu_cli.py, RESULTS §11) the whole process grew during the first evaluation by
+  +0.74 GiB at 4K tokens with eval batch 4 and +1.41 GiB at ~24.7K with eval batch 4, and by nothing at eval
+  batch 2 and on short rows; the H100 grid's evaluations after training (gpu_calib_2026-11-23) grew by 0-0.14.
+  It grew when the evaluation's SwiGLU outputs [eval tokens, 2f] outgrew every transient the training had
+  freed, and far slower than in proportion: EVAL_CARRY x (sqrt(SwiGLU x 1 GiB) - sqrt(training's largest x
+  1 GiB)), fitted on the 4K row (the tightest); +1.7 % over on the ~24.7K row, +2.5 % at 4K eval batch 2, and
+  0 on every row that did not grow. An evaluation is then charged the training's whole footprint plus that.
 """
 from __future__ import annotations
+
+import math
 
 from ..models import GLMConfig
 
 RESERVE_FLOOR = 256 << 20
 RESERVE_PER_LARGEST = 0.55
 DEFAULT_PER_LARGEST = 0.9
+EVAL_CARRY = 1.62  # growth of an evaluation after training, per sqrt(GiB) of SwiGLU beyond the training's largest
+GIB = 1 << 30
 TRAINING_PHASES = ("loss", "backward", "vision")
 ALLOCATORS = {"expandable": "expandable segments", "default": "the default caching allocator"}
 
@@ -57,6 +69,7 @@ def largest_transients(arch: GLMConfig, shape, e: int) -> dict[str, int]:
     if shape.eval_batch:
         et = shape.eval_batch * shape.seq_len
         out["eval"] = step(et)
+        out["eval swiglu"] = e * et * two_f  # what the training's freed blocks could not hold (module docstring)
         out["generate"] = max(e * et * two_f, 4 * shape.eval_batch * v)
     return out
 
@@ -66,7 +79,14 @@ def phase_reserves(arch: GLMConfig, shape, e: int, phases: dict[str, int], state
     every phase holds (weights, adapters, optimizer)."""
     largest = largest_transients(arch, shape, e)
     if shape.allocator == "expandable":
-        return {p: RESERVE_FLOOR + int(RESERVE_PER_LARGEST * largest[p]) for p in phases}
+        reserves = {p: RESERVE_FLOOR + int(RESERVE_PER_LARGEST * largest[p]) for p in phases}
+        training = [p for p in phases if p in TRAINING_PHASES]
+        if "eval" in phases and training:  # the evaluation runs on the cache the training steps left
+            top = max(training, key=lambda p: phases[p] + reserves[p])
+            growth = EVAL_CARRY * (math.sqrt(largest["eval swiglu"] * GIB) - math.sqrt(largest[top] * GIB))
+            if growth > 0:
+                reserves["eval"] = max(reserves["eval"], phases[top] + reserves[top] + int(growth) - phases["eval"])
+        return reserves
     reserves = {p: RESERVE_FLOOR + int(DEFAULT_PER_LARGEST * largest[p]) for p in phases}
     training = max(phases[p] + reserves[p] for p in phases if p in TRAINING_PHASES)
     for p in phases:

@@ -35,9 +35,9 @@ from ..plan.advice import cards_for_measured
 from ..config import userds
 from ..plan.planner import Choices, Plan, run_shape, step_down
 from ..train.gpumem import outside_allocator_bytes
+from ..train.phases import format_peaks
 from ..train.trainer import build_model, make_trainer, training_args
-from .diagnose import classify
-from .track import LiveTensorTracker
+from .diagnose import classify, record_memory_history
 
 
 @dataclass
@@ -130,68 +130,35 @@ def emulate_card(memory_gib: float | None) -> bool:
     return True
 
 
-class _Meter:
-    """Peak memory of the block. On CUDA the whole process, as the estimator predicts it: the allocator's
-    peak reserve plus what the process holds outside it (context, kernels, NCCL), read after the steps. On
-    CPU live tensor bytes, weights included."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.cuda = torch.cuda.is_available()
-        self.tracker = None
-        if not self.cuda:
-            # Under ZeRO-3 a parameter's data is a placeholder; its shard lives in ds_tensor.
-            weights = [getattr(p, "ds_tensor", p) for p in model.parameters()] + list(model.buffers())
-            self.tracker = LiveTensorTracker(baseline=weights)
-
-    def __enter__(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        else:
-            self.tracker.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.tracker is not None:
-            self.tracker.__exit__(*exc)
-        return False
-
-    def peak(self) -> tuple[int, dict]:
-        if not self.cuda:
-            return self.tracker.peak_bytes, {}
-        stats = torch.cuda.memory_stats()
-        outside = outside_allocator_bytes()
-        return torch.cuda.max_memory_reserved() + outside, {
-            "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
-            "outside_allocator_bytes": outside,
-            "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
-            "peak_active_bytes": stats.get("active_bytes.all.peak", 0),
-            "alloc_retries": stats.get("num_alloc_retries", 0)}
-
-
 def _attempt(run: RunConfig, choices: Choices, model_dir: Path, examples: list[dict], eval_examples, collator,
-             scratch: Path) -> tuple[int | None, dict]:
-    """One probe attempt: training steps, then one evaluation batch when the run evaluates.
-    Returns (peak bytes, detail), or (None, detail) when it ran out of memory."""
-    args = training_args(run.train, choices, scratch, has_eval=False, probe_steps=run.probe.steps,
+             scratch: Path) -> tuple[dict | None, dict]:
+    """One probe attempt through the run's own Trainer and phases (train/phases.py): a training step, an
+    evaluation when the run evaluates, training again, evaluating again. Returns (peak bytes per phase, detail),
+    or (None, detail) when it ran out of memory; detail["phase"] then names the phase it ran out in."""
+    args = training_args(run.train, choices, scratch, has_eval=bool(eval_examples), probe_steps=run.probe.steps,
                          user_ds=userds.apply(run))
     model = trainer = None
     try:
         model = build_model(model_dir, run, choices)
-        trainer = make_trainer(args, model, examples, None, collator, normalization=run.train.loss_normalization)
-        with _Meter(model) as meter:
+        trainer = make_trainer(args, model, examples, eval_examples or None, collator,
+                               normalization=run.train.loss_normalization)
+        try:
             trainer.train()
-            if eval_examples:
-                trainer.evaluate(eval_dataset=eval_examples)
-        peak, detail = meter.peak()
+        finally:
+            trainer.phases.close()
+        peaks = trainer.phases.peaks()
+        detail = {"phase_peak_bytes": peaks, "first_training_peak_bytes": trainer.phases.first_training_peak()}
+        worst = max(trainer.phases.details, key=lambda p: peaks.get(p, 0), default=None)
+        detail.update(trainer.phases.details.get(worst, {}))  # CUDA: the worst phase's allocator figures
         # train.compile=on: the estimate has no term for compiled blocks, so the plan rests on this attempt
         # having run them (nn.Module.compile sets _compiled_call_impl, which __call__ then uses).
         detail["compiled_blocks"] = sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
-        return peak, detail
+        return peaks, detail
     except Exception as err:  # noqa: BLE001 - only out-of-memory errors are an outcome; others re-raise
         if classify(err) not in ("oom", "nvml_oom"):
             raise
-        return None, {"error": str(err).splitlines()[0][:300]}
+        phase = trainer.phases.current if trainer is not None and trainer.phases.current else "train"
+        return None, {"error": str(err).splitlines()[0][:300], "phase": phase}
     finally:
         if trainer is not None and getattr(trainer, "deepspeed", None) is not None:
             trainer.deepspeed.destroy()  # drops ZeRO-3's hooks so the real run's engine starts clean
@@ -201,12 +168,35 @@ def _attempt(run: RunConfig, choices: Choices, model_dir: Path, examples: list[d
             torch.cuda.empty_cache()
 
 
-def _gather(value: int | None) -> list[int | None]:
+def _over_in_evaluation(peaks: dict | None, detail: dict, budget: int | None) -> bool:
+    """Whether evaluation is the phase over budget: it ran out of memory in an evaluation, or the training
+    steps before the first evaluation fit and an evaluation did not."""
+    if peaks is None:
+        return detail.get("phase") == "eval"
+    first = detail.get("first_training_peak_bytes")
+    return (budget is not None and "eval" in peaks and peaks["eval"] > budget
+            and first is not None and first <= budget)
+
+
+def _gather(value):
     if torch_dist.is_available() and torch_dist.is_initialized():
         out: list = [None] * torch_dist.get_world_size()
         torch_dist.all_gather_object(out, value)
         return out
     return [value]
+
+
+def _merge_ranks(per_rank: list[tuple[dict | None, dict]]) -> tuple[dict | None, dict]:
+    """Every rank's (phase peaks, detail) as one: the largest peak of each phase; out of memory when any rank
+    was, in the phase that rank ran out in."""
+    oom = [d for p, d in per_rank if p is None]
+    if oom:
+        return None, {**per_rank[0][1], **oom[0]}
+    peaks = {k: max(p.get(k, 0) for p, _ in per_rank) for k in per_rank[0][0]}
+    firsts = [d.get("first_training_peak_bytes") for _, d in per_rank]
+    detail = {**per_rank[0][1], "phase_peak_bytes": peaks,
+              "first_training_peak_bytes": max(firsts) if None not in firsts else None}
+    return peaks, detail
 
 
 def _rng_state() -> tuple:
@@ -227,6 +217,7 @@ def run_probe(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, t
     """packed: (positions per row, images per row) when the data is packed: the probe then runs full packed rows."""
     start, rng = time.perf_counter(), _rng_state()
     emulated = emulate_card(run.hw.memory_gib)
+    record_memory_history()  # the run records it for its OOM snapshot: the probe runs under the same allocator
     image = _probe_image(arch.vision_config["image_size"], run_dir / "probe") if arch.vision_config else None
     choices, attempts = plan.choices, []
     while True:
@@ -247,19 +238,27 @@ def run_probe(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, t
         est = estimate(arch, shape)
         predicted = est.peak_bytes
         t0 = time.perf_counter()
-        peak, detail = _attempt(run, choices, model_dir, examples, eval_examples, collator, run_dir)
+        peaks, detail = _attempt(run, choices, model_dir, examples, eval_examples, collator, run_dir)
+        gathered = _gather((peaks, detail))
+        per_rank = [None if p is None else max(p.values()) for p, _ in gathered]
+        peaks, detail = _merge_ranks(gathered)
         detail["predicted_tensor_bytes"] = max(est.phases.values())  # beside the measured allocated peak
-        per_rank = _gather(peak)
-        if any(p is None for p in per_rank):
+        if peaks is None:
             outcome, measured = "out of memory", None
         else:
-            measured = max(per_rank)
+            measured = max(peaks.values())
             outcome = "fits" if plan.budget_bytes is None or measured <= plan.budget_bytes else "over budget"
         attempts.append(Attempt(choices.to_dict(), outcome, predicted, measured, per_rank,
                                 round(time.perf_counter() - t0, 2), detail))
         if outcome == "fits":
             break
-        nxt = step_down(choices, run, arch, world_size)
+        # Evaluation over budget costs training nothing to fix: its batch is halved before any training rung.
+        if _over_in_evaluation(peaks, detail, plan.budget_bytes) and choices.eval_batch_size > 1:
+            nxt = replace(choices, eval_batch_size=choices.eval_batch_size // 2)
+            detail["next_rung"] = (f"train.eval_batch_size={nxt.eval_batch_size}: evaluation was the phase over "
+                                   "budget")
+        else:
+            nxt = step_down(choices, run, arch, world_size)
         if nxt is None:
             break
         choices = nxt
@@ -268,7 +267,7 @@ def run_probe(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, t
     return ProbeReport(device=_device_name(), emulated=emulated,
                        method="whole process: torch.cuda max_memory_reserved + NVML bytes outside the allocator"
                        if torch.cuda.is_available()
-                       else "live tensor bytes (probe/track.py LiveTensorTracker)",
+                       else "live tensor bytes (train/livebytes.py LiveTensorTracker)",
                        budget_bytes=plan.budget_bytes, predicted_peak_bytes=last.predicted_peak_bytes,
                        measured_peak_bytes=last.measured_peak_bytes, per_rank=last.per_rank, attempts=attempts,
                        final=choices.to_dict(), fits=last.outcome == "fits",
@@ -301,16 +300,20 @@ def format_probe(report: ProbeReport):
     title = (f"probe on {report.device}{' (emulated card)' if report.emulated else ''}: budget {budget}, "
              f"{report.seconds:.1f} s")
     table = Table(title=title)
-    for col in ("attempt", "micro x accum", "ckpt", "loss chunk", "offload ckpt", "zero", "offload", "predicted GiB",
-                "measured GiB", "error", "tensors: predicted / allocated GiB", "outcome"):
+    for col in ("attempt", "micro x accum", "eval batch", "ckpt", "loss chunk", "offload ckpt", "zero", "offload",
+                "predicted GiB", "measured GiB", "error", "phases: measured GiB", "tensors: predicted / allocated GiB",
+                "outcome"):
         table.add_column(col)
     for i, a in enumerate(report.attempts, 1):
         c = a.choices
         err = "-" if a.measured_peak_bytes is None else f"{(a.predicted_peak_bytes / a.measured_peak_bytes - 1):+.1%}"
         tensors = (f"{gib(a.detail['predicted_tensor_bytes'])} / {gib(a.detail['peak_allocated_bytes'])}"
                    if "peak_allocated_bytes" in a.detail else "-")
-        table.add_row(str(i), f"{c['micro_batch_size']} x {c['grad_accum']}", str(c["gradient_checkpointing"]),
-                      str(c["loss_chunk_tokens"]), str(c.get("offload_checkpoints", False)), str(c["zero_stage"]),
-                      str(c["offload_params"]), gib(a.predicted_peak_bytes), gib(a.measured_peak_bytes), err,
-                      tensors, a.outcome)
+        phases = (format_peaks(a.detail["phase_peak_bytes"]).removesuffix(" GiB") if a.detail.get("phase_peak_bytes")
+                  else f"out of memory in {a.detail.get('phase', 'train')}" if a.measured_peak_bytes is None else "-")
+        outcome = a.outcome + (f"; next: {a.detail['next_rung']}" if a.detail.get("next_rung") else "")
+        table.add_row(str(i), f"{c['micro_batch_size']} x {c['grad_accum']}", str(c["eval_batch_size"]),
+                      str(c["gradient_checkpointing"]), str(c["loss_chunk_tokens"]),
+                      str(c.get("offload_checkpoints", False)), str(c["zero_stage"]), str(c["offload_params"]),
+                      gib(a.predicted_peak_bytes), gib(a.measured_peak_bytes), err, phases, tensors, outcome)
     return table

@@ -177,13 +177,15 @@ def probe_stage(prep: Prepared, plan, start: Start, run_dir: Path) -> tuple[Choi
         console.print(start.note)
     if run.mode == "train" and rank() == 0:
         console.print(check_disk(run_dir, run, arch, Choices(**start.choices) if start.choices else plan.choices))
-    from ..probe.probe import probe_shortfall, run_probe  # the Trainer stack: ~0.7 s mode=plan does not need
+    # the Trainer stack: ~0.7 s mode=plan does not need
+    from ..probe.probe import emulate_card, probe_shortfall, run_probe
 
     if rank() == 0:
         console.print(format_stats(prep.data.stats))
         console.print(format_packing(prep.packing, run.train.per_device_batch_size))
         console.print(describe(run.train, plan.choices.zero_stage, arch.attention_dropout, prep.packing.enabled))
     settle_process()
+    emulate_card(run.hw.memory_gib)  # +hw= on a larger card: every run is capped, probed, resumed or not
     if start.choices:  # a resume trains with the first launch's final choices; no second probe
         return Choices(**start.choices), plan.peak_bytes, probed_peak(run_dir)  # the first launch's, for trackers
     if not run.probe.enabled:
@@ -194,9 +196,17 @@ def probe_stage(prep: Prepared, plan, start: Start, run_dir: Path) -> tuple[Choi
             console.print("probe.enabled=false with compiled blocks: their memory is in no estimate and no probe "
                           "measures it (probe.enabled=true to measure it before training)")
         return plan.choices, plan.peak_bytes, None
-    probe = run_probe(run, plan, arch, prep.model_dir, longest_length(prep.data.stats), prep.tokenizer,
-                      collator(prep), run_dir, world_size(), evaluates=prep.data.val is not None,
-                      packed=prep.packing.shape())
+    try:
+        probe = run_probe(run, plan, arch, prep.model_dir, longest_length(prep.data.stats), prep.tokenizer,
+                          collator(prep), run_dir, world_size(), evaluates=prep.data.val is not None,
+                          packed=prep.packing.shape())
+    except Exception as crash:  # noqa: BLE001 - not an out-of-memory (that is a rung): the run would fail the same way
+        if is_disk_full(crash) or isinstance(crash, (ConfigError, Interrupted)):
+            raise
+        log = log_traceback(crash)
+        message = str(crash).strip().splitlines()[0][:200] if str(crash).strip() else "(no message)"
+        fail(f"the probe failed before training: {type(crash).__name__}: {message} — the run would fail the same "
+             f"way; the traceback is in {log or 'rank0.log'}", code=1)
     report_probe(probe, run_dir)
     remove_empty_dirs(run_dir, "probe")  # the probe's Trainer makes an output folder it never writes to
     if not probe.fits:
@@ -269,9 +279,32 @@ def train_mode(prep: Prepared, plan, start: Start, choices: Choices, peaks: tupl
         if leader:
             write_state(run_dir, status="interrupted" if isinstance(crash, Interrupted) else "failed",
                         error=f"{type(crash).__name__}: {crash}"[:300])
-        raise
+        if not isinstance(crash, Exception) or isinstance(crash, Interrupted):
+            raise  # sys.exit of a diagnosed failure (its line is out), or a signal the entry point reports
+        log = log_traceback(crash)
+        where = getattr(crash, "glmtune_where", "training")
+        message = str(crash).strip().splitlines()[0][:200] if str(crash).strip() else "(no message)"
+        fail(f"training failed in {where}: {type(crash).__name__}: {message} — the traceback is in {log or 'rank0.log'}"
+             f"; run_state.json says failed. Re-running resumes from the last complete checkpoint, if any", code=1)
     remove_empty_dirs(run_dir, "checkpoints")  # nothing was due: no save_steps/save_minutes point was reached
     if leader:
         write_state(run_dir, status="done", step=metrics["steps"], adapter=metrics["adapter_dir"])
         console.print(summary(metrics, time.monotonic() - started), markup=False)
     return metrics["train_loss"]
+
+
+def log_traceback(crash: BaseException) -> str | None:
+    """The crash's traceback into this rank's log file only (the console gets one line); returns that file."""
+    import logging
+    import traceback
+
+    text = "".join(traceback.format_exception(crash))
+    path = None
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.emit(logging.makeLogRecord({"msg": "training failed:\n%s", "args": (text,), "levelno": logging.ERROR,
+                                                "levelname": "ERROR", "name": "glmtune"}))
+            handler.flush()
+            path = handler.baseFilename
+    return path
+

@@ -97,8 +97,13 @@ def summary(metrics: dict, wall_s: float) -> str:
         parts.append(", ".join(generated))
     if metrics.get("tokens_per_s"):
         parts.append(f"{metrics['tokens_per_s']:,.0f} tokens/s")
-    if metrics.get("measured_peak_bytes"):
-        parts.append(f"peak {metrics['measured_peak_bytes'] / GIB:.2f} GiB ({metrics['peak_kind']})")
+    phases = metrics.get("phase_peak_bytes")
+    if phases:  # measured as the probe measured: the figure its certificate is about
+        parts.append(f"peak {max(phases.values()) / GIB:.2f} GiB ({metrics['phase_peak_kind']}; "
+                     + ", ".join(f"{p} {b / GIB:.2f}" for p, b in phases.items()) + ")"
+                     + (f", {metrics['over_probe']:.1%} over the probe's" if metrics.get("over_probe") else ""))
+    if metrics.get("measured_peak_bytes") and not (phases and metrics.get("peak_kind", "").startswith("GPU")):
+        parts.append(f"{'' if phases else 'peak '}{metrics['measured_peak_bytes'] / GIB:.2f} GiB ({metrics['peak_kind']})")
     line = ", ".join(parts) + f"; adapter saved to {metrics['adapter_dir']}"
     best = metrics.get("best") or {}
     if best.get("adapter_dir"):  # with a val set: the best evaluation's adapter, kept beside the last one

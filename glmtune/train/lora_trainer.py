@@ -11,6 +11,7 @@ from .evaluation import BestTracker, GenerationEval, perplexity
 from .guard import Guard
 from .lora import trainable_parameters
 from .optim import OPTIMIZERS, make_optimizer
+from .phases import PhaseMeter
 from .portable import load_states, save_portable_zero3
 from .progress import StepLines
 from .steps import ExampleLog, StepCollator, StepExamples, StepSampler, step_loss, target_counts
@@ -26,8 +27,11 @@ def make_trainer(args: TrainingArguments, model, train_set, val_set, collator, c
         steps = StepSampler(target_counts(train_set), args.per_device_train_batch_size *
                             args.gradient_accumulation_steps * args.world_size, args.seed)
         train_set, collator = StepExamples(train_set, steps), StepCollator(collator)
+    # The meter first, so each training step's peak is read before any other callback's own reset (timeline.py).
+    meter = PhaseMeter(model)
     trainer = LoraTrainer(model=model, args=args, train_dataset=train_set, eval_dataset=val_set or None,
-                          data_collator=collator, callbacks=list(callbacks))
+                          data_collator=collator, callbacks=[meter, *callbacks])
+    trainer.phases = meter
     trainer.step_sampler, trainer.example_log = steps, ExampleLog(args.process_index)
     trainer.normalization = normalization
     trainer.glm = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -54,6 +58,7 @@ class LoraTrainer(Trainer):
     example_log: ExampleLog | None = None
     glm = None  # the GLM model under PEFT (and the engine): its loss_reduction is switched per micro-batch
     memory = None  # train/timeline.py MemoryTimeline: its figures ride on every training log line
+    phases: PhaseMeter | None = None  # each phase's peak, the probe's and the run's alike (train/phases.py)
 
     def log(self, logs: dict) -> None:
         # Through the Trainer's own log, the memory figures reach every train.report_to tracker, at its step,
@@ -99,10 +104,11 @@ class LoraTrainer(Trainer):
         load_states(self, Path(checkpoint))
 
     def _save_checkpoint(self, model, trial, metrics=None):
-        super()._save_checkpoint(model, trial, metrics)
-        if self.is_deepspeed_enabled:  # gathered optimizer states, so a ZeRO-3 run can resume as DDP
-            folder = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
-            save_portable_zero3(self.model_wrapped, self.state.global_step, folder, self.is_world_process_zero())
+        with self.phases.phase("save"):
+            super()._save_checkpoint(model, trial, metrics)
+            if self.is_deepspeed_enabled:  # gathered optimizer states, so a ZeRO-3 run can resume as DDP
+                folder = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
+                save_portable_zero3(self.model_wrapped, self.state.global_step, folder, self.is_world_process_zero())
 
     def training_step(self, model, inputs):
         loss = super().training_step(model, inputs)
@@ -123,10 +129,11 @@ class LoraTrainer(Trainer):
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
         """The Trainer's loss evaluation, then perplexity and (eval.generate) the generation metrics, logged as
         a second line of the same step (TensorBoard eval/*, metrics.jsonl); the best-checkpoint bookkeeping."""
-        metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
-        extra = {"eval_perplexity": perplexity(metrics["eval_loss"])}
-        if self.generation_eval is not None:
-            extra.update(self.generation_eval(self.model, self.state.global_step, self.is_world_process_zero()))
+        with self.phases.phase("eval"):
+            metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+            extra = {"eval_perplexity": perplexity(metrics["eval_loss"])}
+            if self.generation_eval is not None:
+                extra.update(self.generation_eval(self.model, self.state.global_step, self.is_world_process_zero()))
         self.log(extra)
         metrics.update(extra)
         if self.best is not None:

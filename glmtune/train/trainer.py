@@ -29,6 +29,7 @@ from .guard import Guard
 from .saving import CompleteMarker, save_adapter
 from .zero3 import adapter_fingerprint, deepspeed_config
 from .logs import MetricsFile, whole_run_loss
+from .phases import format_peaks, gathered_peaks
 from .lora import apply_lora, trainable_parameters
 from .lora_trainer import make_trainer  # noqa: F401  (the probe and bench/ build theirs here too)
 from .optim import HF_NAMES
@@ -45,9 +46,11 @@ def training_args(cfg: TrainConfig, choices: Choices, run_dir: Path, has_eval: b
                   probe_steps: int = 0, user_ds: dict | None = None) -> TrainingArguments:
     """Built before the model loads: under ZeRO-3 these arguments switch on deepspeed.zero.Init.
 
-    probe_steps > 0 gives the probe's arguments: the same engine, dtype and batch, but that many steps and
-    no logging, saving or evaluation."""
-    evaluate = has_eval and cfg.eval_steps > 0 and not probe_steps
+    probe_steps > 0 gives the probe's arguments: the same engine, dtype and batch, but that many steps, an
+    evaluation after each one when the run evaluates (the run's order: training, evaluation, training again),
+    and no logging or saving."""
+    evaluate = has_eval and (cfg.eval_steps > 0 or probe_steps > 0)
+    eval_every = 1 if probe_steps else cfg.eval_steps
     if choices.zero_stage == 3 or user_ds is not None:
         single_process_env()
     quiet = probe_steps > 0
@@ -71,7 +74,7 @@ def training_args(cfg: TrainConfig, choices: Choices, run_dir: Path, has_eval: b
         fp16=choices.dtype == "fp16",  # the Trainer adds dynamic loss scaling
         # evaluation_strategy, not eval_strategy: transformers 4.40 predates the rename (4.41).
         evaluation_strategy="steps" if evaluate else "no",
-        eval_steps=cfg.eval_steps if evaluate else None,
+        eval_steps=eval_every if evaluate else None,
         # Step-based saves by the Trainer; time-based and on-signal saves by the Guard, which sets
         # control.should_save (honoured under either strategy). Rotation is CompleteMarker's, not
         # save_total_limit's: the Trainer would delete old checkpoints before the new one is complete.
@@ -181,7 +184,13 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
                            normalization=run.train.loss_normalization)
     trainer.guard, trainer.memory = guard, timeline
     resumed_at = checkpoint_step(resume_from) if resume_from else 0
-    result = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    try:
+        result = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    except Exception as err:  # where it failed, for the one line modes.train_mode prints
+        meter = trainer.phases
+        err.glmtune_where = (f"step {meter.step}" if meter.current in (None, "train") else
+                             f"the {'evaluation' if meter.current == 'eval' else 'checkpoint save'} after step {meter.step}")
+        raise
     guard.raise_if_stopped()
     runtime = result.metrics.get("train_runtime")
     metrics = {"train_loss": whole_run_loss(trainer.state.log_history, result.training_loss, result.global_step,
@@ -202,7 +211,10 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
     adapter_dir = run_dir / "adapter"
     # Every rank calls it: under ZeRO-3 the adapter is gathered from all shards, then rank 0 writes it,
     # weights and adapter_config.json together, into a temporary folder renamed into place whole.
-    save_adapter(trainer, adapter_dir)
+    with trainer.phases.phase("save"):
+        save_adapter(trainer, adapter_dir)
+    trainer.phases.close()
+    metrics.update(phase_metrics(gathered_peaks(trainer.phases), probe_bytes))
     # Each rank hashes its own view of the adapter (gathered under ZeRO-3) into its rank log: ranks that
     # drifted apart, or a saved adapter that is not the trained one, show up as different fingerprints.
     metrics["adapter_sha256"] = adapter_fingerprint(model)
@@ -218,4 +230,21 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
     metrics["adapter_dir"] = str(adapter_dir)
     metrics["last_checkpoint"] = str(last_complete(output_dir) or "")
     return metrics, model
+
+
+def phase_metrics(peaks: dict[str, int], probe_bytes: int | None) -> dict:
+    """The run's own peak per phase (metrics.json, the closing line), measured as the probe measures; a warning
+    when the run needed more than 1 % over what its probe certified."""
+    if not peaks:
+        return {}
+    out = {"phase_peak_bytes": peaks, "phase_peak_kind": "GPU, whole process" if torch.cuda.is_available()
+           else "CPU, live tensor bytes as the probe measures them"}
+    run_peak = max(peaks.values())
+    if probe_bytes and run_peak > probe_bytes * 1.01:
+        out["over_probe"] = run_peak / probe_bytes - 1
+        logging.getLogger("glmtune").warning(
+            "the run's peak %.2f GiB (%s) is %.1f %% over its probe's %.2f GiB: the probe did not see this run's "
+            "worst phase; lower hw.margin or report it", run_peak / 2**30, format_peaks(peaks),
+            100 * out["over_probe"], probe_bytes / 2**30)
+    return out
 
