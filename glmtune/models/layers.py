@@ -126,7 +126,7 @@ class SelfAttention(nn.Module):
         return self.dense(out.transpose(1, 2).reshape(b, s, self.heads * hd)), new_cache
 
 
-    # Set by glmtune.infer.kvcache.preallocated_kv_cache: new tokens to reserve room for (0 = off).
+    # Set by glmtune.models.kvcache.preallocated_kv_cache: new tokens to reserve room for (0 = off).
     kv_reserve = 0
     _kv_buffer: tuple[torch.Tensor, torch.Tensor] | None = None
 
