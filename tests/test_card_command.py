@@ -145,6 +145,10 @@ def test_a_crash_in_training_is_one_line_exit_1_traceback_in_the_log(tmp_path, r
     assert "Traceback (most recent call last)" in log and "crash_in_the_runs_second_step" in log
     state = json.loads((run_dir / "run_state.json").read_text())
     assert state["status"] == "failed" and "SystemError" in state["error"]
+    # The run's CPU meter (a dispatch mode) came off torch's stack with the crash: nothing later runs through it.
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    assert _get_current_dispatch_mode() is None
 
 
 def test_the_estimate_counts_the_packed_rows_mask_as_the_attention_keeps_it():

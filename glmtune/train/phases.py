@@ -87,6 +87,13 @@ class PhaseMeter(TrainerCallback):
             if outer is not None:
                 self.begin(outer)
 
+    def __enter__(self) -> "PhaseMeter":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
     def close(self) -> None:
         if self.current is not None:
             self.end()

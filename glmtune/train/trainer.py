@@ -183,53 +183,56 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
                            generation_eval=generation_eval, best=best,
                            normalization=run.train.loss_normalization)
     trainer.guard, trainer.memory = guard, timeline
-    resumed_at = checkpoint_step(resume_from) if resume_from else 0
-    try:
-        result = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
-    except Exception as err:  # where it failed, for the one line modes.train_mode prints
-        meter = trainer.phases
-        err.glmtune_where = (f"step {meter.step}" if meter.current in (None, "train") else
-                             f"the {'evaluation' if meter.current == 'eval' else 'checkpoint save'} after step {meter.step}")
-        raise
-    guard.raise_if_stopped()
-    runtime = result.metrics.get("train_runtime")
-    metrics = {"train_loss": whole_run_loss(trainer.state.log_history, result.training_loss, result.global_step,
-                                            resumed_at), "steps": result.global_step, "epochs": trainer.state.epoch,
-               # ds_numel: under ZeRO-3 a parameter's local tensor is an empty placeholder
-               "trainable_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in trainable_parameters(model)),
-               "runtime_s": runtime,
-               "tokens_per_s": trainer.state.num_input_tokens_seen / runtime if runtime else None,
-               "resumed_from": str(resume_from) if resume_from else None,
-               **timeline.peak()}
-    if val_set:
-        # The last step's evaluation, when the loop just ran it (eval_steps divides the steps), is not repeated.
-        last = trainer.last_eval if trainer.last_eval and trainer.last_eval["step"] == result.global_step \
-            else trainer.evaluate()
-        metrics.update({k: v for k, v in last.items() if k in EVAL_METRICS})
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    metrics["first_logged_loss"], metrics["last_logged_loss"] = (losses[0], losses[-1]) if losses else (math.nan,) * 2
-    adapter_dir = run_dir / "adapter"
-    # Every rank calls it: under ZeRO-3 the adapter is gathered from all shards, then rank 0 writes it,
-    # weights and adapter_config.json together, into a temporary folder renamed into place whole.
-    with trainer.phases.phase("save"):
-        save_adapter(trainer, adapter_dir)
-    trainer.phases.close()
-    metrics.update(phase_metrics(gathered_peaks(trainer.phases), probe_bytes))
-    # Each rank hashes its own view of the adapter (gathered under ZeRO-3) into its rank log: ranks that
-    # drifted apart, or a saved adapter that is not the trained one, show up as different fingerprints.
-    metrics["adapter_sha256"] = adapter_fingerprint(model)
-    logging.getLogger(__name__).info("adapter fingerprint %s (rank %d of %d)", metrics["adapter_sha256"],
-                                     trainer.args.process_index, trainer.args.world_size)
-    if trainer.is_world_process_zero():
-        write_base_identity(adapter_dir, model_dir)  # mode=infer/chat refuse this adapter on another base
-        if best is not None and best.step is not None:
-            kept = keep_best_adapter(best, Path(args.output_dir), adapter_dir, result.global_step,
-                                     run_dir / "adapter_best")
-            metrics["best"] = {**best.summary(), "adapter_dir": str(kept) if kept else None}
-        write_json(run_dir / "metrics.json", metrics)
-    metrics["adapter_dir"] = str(adapter_dir)
-    metrics["last_checkpoint"] = str(last_complete(output_dir) or "")
-    return metrics, model
+    # On CPU the meter's tracker is a dispatch mode on torch's stack: it must come off however train() ends (a
+    # stop signal, a crash), or every later op of this process runs through it (an in-process sweep's next trial).
+    with trainer.phases:
+        resumed_at = checkpoint_step(resume_from) if resume_from else 0
+        try:
+            result = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+        except Exception as err:  # where it failed, for the one line modes.train_mode prints
+            meter = trainer.phases
+            err.glmtune_where = (f"step {meter.step}" if meter.current in (None, "train") else
+                                 f"the {'evaluation' if meter.current == 'eval' else 'checkpoint save'} after step {meter.step}")
+            raise
+        guard.raise_if_stopped()
+        runtime = result.metrics.get("train_runtime")
+        metrics = {"train_loss": whole_run_loss(trainer.state.log_history, result.training_loss, result.global_step,
+                                                resumed_at), "steps": result.global_step, "epochs": trainer.state.epoch,
+                   # ds_numel: under ZeRO-3 a parameter's local tensor is an empty placeholder
+                   "trainable_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in trainable_parameters(model)),
+                   "runtime_s": runtime,
+                   "tokens_per_s": trainer.state.num_input_tokens_seen / runtime if runtime else None,
+                   "resumed_from": str(resume_from) if resume_from else None,
+                   **timeline.peak()}
+        if val_set:
+            # The last step's evaluation, when the loop just ran it (eval_steps divides the steps), is not repeated.
+            last = trainer.last_eval if trainer.last_eval and trainer.last_eval["step"] == result.global_step \
+                else trainer.evaluate()
+            metrics.update({k: v for k, v in last.items() if k in EVAL_METRICS})
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        metrics["first_logged_loss"], metrics["last_logged_loss"] = (losses[0], losses[-1]) if losses else (math.nan,) * 2
+        adapter_dir = run_dir / "adapter"
+        # Every rank calls it: under ZeRO-3 the adapter is gathered from all shards, then rank 0 writes it,
+        # weights and adapter_config.json together, into a temporary folder renamed into place whole.
+        with trainer.phases.phase("save"):
+            save_adapter(trainer, adapter_dir)
+        trainer.phases.close()
+        metrics.update(phase_metrics(gathered_peaks(trainer.phases), probe_bytes))
+        # Each rank hashes its own view of the adapter (gathered under ZeRO-3) into its rank log: ranks that
+        # drifted apart, or a saved adapter that is not the trained one, show up as different fingerprints.
+        metrics["adapter_sha256"] = adapter_fingerprint(model)
+        logging.getLogger(__name__).info("adapter fingerprint %s (rank %d of %d)", metrics["adapter_sha256"],
+                                         trainer.args.process_index, trainer.args.world_size)
+        if trainer.is_world_process_zero():
+            write_base_identity(adapter_dir, model_dir)  # mode=infer/chat refuse this adapter on another base
+            if best is not None and best.step is not None:
+                kept = keep_best_adapter(best, Path(args.output_dir), adapter_dir, result.global_step,
+                                         run_dir / "adapter_best")
+                metrics["best"] = {**best.summary(), "adapter_dir": str(kept) if kept else None}
+            write_json(run_dir / "metrics.json", metrics)
+        metrics["adapter_dir"] = str(adapter_dir)
+        metrics["last_checkpoint"] = str(last_complete(output_dir) or "")
+        return metrics, model
 
 
 def phase_metrics(peaks: dict[str, int], probe_bytes: int | None) -> dict:
