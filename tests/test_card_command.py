@@ -99,6 +99,9 @@ def test_the_probe_and_the_run_batch_through_the_same_collate_and_loss(tmp_path,
     assert set(probe["attempts"][-1]["detail"]["phase_peak_bytes"]) == {"train", "eval"}
     # Measured alike (live tensor bytes on CPU), the run stays within its certificate.
     assert max(metrics["phase_peak_bytes"].values()) <= probe["measured_peak_bytes"] * 1.01
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    assert _get_current_dispatch_mode() is None  # the CPU meter is on torch's stack during its phases only
 
 
 def test_evaluation_over_budget_halves_the_evaluation_batch_before_any_training_rung(tmp_path):

@@ -40,7 +40,6 @@ class PhaseMeter(TrainerCallback):
             # Under ZeRO-3 a parameter's data is a placeholder; its shard lives in ds_tensor.
             weights = [getattr(p, "ds_tensor", p) for p in model.parameters()] + list(model.buffers())
             self.tracker = LiveTensorTracker(baseline=weights)
-        self._tracking = False
 
     # A phase ------------------------------------------------------------------------------------------------
     def begin(self, phase: str) -> None:
@@ -49,9 +48,9 @@ class PhaseMeter(TrainerCallback):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()  # the phase's peak is its own (the reserve it starts on included)
             return
-        if not self._tracking:  # entered once and left at close(): tensors made between phases are seen too
-            self.tracker.__enter__()
-            self._tracking = True
+        # The tracker is a dispatch mode: on torch's stack during a phase only, so nothing outside a phase (another
+        # run in this process, a test) ever runs through it. Tensors it registered stay counted until freed.
+        self.tracker.__enter__()
         self.tracker.reset_peak()
 
     def end(self) -> int:
@@ -68,6 +67,7 @@ class PhaseMeter(TrainerCallback):
                                        "alloc_retries": stats.get("num_alloc_retries", 0)}
         else:
             peak = self.tracker.peak_bytes
+            self.tracker.__exit__(None, None, None)
         self.records.append((phase, self.step, peak))
         return peak
 
@@ -95,11 +95,9 @@ class PhaseMeter(TrainerCallback):
         return False
 
     def close(self) -> None:
+        """Ends a phase an exception interrupted (its tracker comes off the stack)."""
         if self.current is not None:
             self.end()
-        if self._tracking:
-            self.tracker.__exit__(None, None, None)
-            self._tracking = False
 
     # What was measured --------------------------------------------------------------------------------------
     def peaks(self) -> dict[str, int]:
