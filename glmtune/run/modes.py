@@ -144,7 +144,8 @@ def planned(prep: Prepared, run_dir: Path, plan_scratch: bool):
             check_inputs(run_dir, prep.inputs or {})
     elif not plan_scratch:
         refuse_training_run(run_dir, run.mode)
-    write_run_files(run_dir, OmegaConf.to_yaml(prep.cfg), prep.overrides, run.model.path or run.model.name, plan)
+    if not plan_scratch:  # mode=plan without a run dir writes nothing (not even into its scratch dir)
+        write_run_files(run_dir, OmegaConf.to_yaml(prep.cfg), prep.overrides, run.model.path or run.model.name, plan)
     if rank() == 0:
         console.print(header(run, plan, None if plan_scratch else run_dir, len(data.train) if data else None),
                       markup=False)
