@@ -109,13 +109,7 @@ def header() -> str:
         out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True)
         driver = out.stdout.strip() or "-"
-    from importlib.metadata import PackageNotFoundError, version
-
-    def installed(name: str) -> str:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return "not installed"
+    from glmtune.config.cli import installed_version as installed
 
     versions = ", ".join(f"{n} {installed(n)}" for n in ("torch", "transformers", "peft", "deepspeed", "bitsandbytes"))
     return f"{date.today().isoformat()}, {device}, driver {driver}; {versions}"

@@ -151,14 +151,16 @@ def wants_info(argv: list[str]) -> str | None:
     return None
 
 
-def version_text() -> str:
-    def v(name: str) -> str:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return "not installed"
+def installed_version(name: str) -> str:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
 
-    stack = ", ".join(f"{name} {v(name)}" for name in ("torch", "transformers", "peft", "deepspeed", "hydra-core"))
+
+def version_text() -> str:
+    stack = ", ".join(f"{name} {installed_version(name)}"
+                      for name in ("torch", "transformers", "peft", "deepspeed", "hydra-core"))
     return f"glmtune {__version__} ({stack})"
 
 
