@@ -38,7 +38,7 @@ def long_conversations(path: Path, count: int, words: int) -> Path:
     return path
 
 
-def checkpoint(preset: str, family: str, work: Path, tiny: bool) -> Path:
+def checkpoint(preset: str, family: str, work: Path, tiny: bool, timeout: int = 180) -> Path:
     if tiny:
         from glmtune.models.presets import ensure_tiny
 
@@ -51,7 +51,7 @@ def checkpoint(preset: str, family: str, work: Path, tiny: bool) -> Path:
             "write_checkpoint(released_config({preset!r}), folder, 'cuda:0', torch.bfloat16); "
             "write_tiny_tokenizer(folder, {family!r}); fix_image_ids(folder)")
     subprocess.run([sys.executable, "-c", code.format(bench=str(BENCH), folder=str(folder), preset=preset,
-                                                      family=family)], check=True, timeout=180, cwd=REPO)
+                                                      family=family)], check=True, timeout=timeout, cwd=REPO)
     return folder
 
 

@@ -33,36 +33,11 @@ import time
 from datetime import date
 from pathlib import Path
 
+from gpu_cli import checkpoint, long_conversations  # bench/ is on sys.path when this script runs
+
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 PART_LIMIT_S = 540  # 9 minutes per call
-
-
-def _long_conversations(path: Path, count: int, words: int) -> Path:
-    """Conversations longer than any max_length used here (a short prompt, a long answer), so every example is cut
-    to exactly that length and keeps its targets."""
-    rows = [{"messages": [{"role": "user", "content": " ".join(f"w{(i * 7919 + j) % 997}" for j in range(20))},
-                          {"role": "assistant", "content": " ".join(f"a{(i + j) % 991}" for j in range(words))}]}
-            for i in range(count)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def _checkpoint(folder: Path, tiny: bool) -> Path:
-    """Random bf16 weights of glm-4-9b-chat with the tiny tokenizer files beside them (tiny: the tiny model's own
-    checkpoint, whose vocabulary is the tokenizer's)."""
-    if tiny:
-        from glmtune.models.presets import ensure_tiny
-
-        return ensure_tiny("glm4")
-    code = ("import sys, torch; from pathlib import Path; sys.path.insert(0, {bench!r}); from quantized import "
-            "write_checkpoint; from glmtune.models import released_config; "
-            "from glmtune.models.tokenizer_files import write_tiny_tokenizer; folder = Path({folder!r}); "
-            "write_checkpoint(released_config('glm4_9b_chat'), folder, 'cuda:0', torch.bfloat16); "
-            "write_tiny_tokenizer(folder, 'glm4')")
-    subprocess.run([sys.executable, "-c", code.format(bench=str(BENCH), folder=str(folder))], check=True,
-                   timeout=PART_LIMIT_S)
-    return folder
 
 
 def steps(part: int, tiny: bool, work: Path) -> list[tuple[str, list[str], int]]:
@@ -75,8 +50,9 @@ def steps(part: int, tiny: bool, work: Path) -> list[tuple[str, list[str], int]]
         return [("held-out memory grid", py + [str(BENCH / "gpu_memory.py"), "--grid", "check", "--out",
                                               str(work / "check.jsonl"), "--budget-s", "470"], 530)]
     if part == 2:
-        ckpt = _checkpoint(work / "ckpt-glm4_9b_chat", tiny)
-        data = _long_conversations(work / "long.jsonl", 8, 300 if tiny else 6000)
+        # Random bf16 weights of glm-4-9b-chat beside the tiny tokenizer files (tiny: the tiny model itself).
+        ckpt = checkpoint("glm4_9b_chat", "glm4", work, tiny, timeout=PART_LIMIT_S)
+        data = long_conversations(work / "long.jsonl", 8, 300 if tiny else 6000)
         length, steps_n = (256, 2) if tiny else (8192, 20)
         card = [] if tiny else ["+hw=rtx4090_24g"]  # on an H100 the probe caps the allocator at the 24 GB card
         quant = py + [str(BENCH / "quantized.py"), "--ckpt", str(work / "ckpt-tiny" if tiny else ckpt),
@@ -157,7 +133,7 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(args.work or f"/tmp/glmtune-pending{'-tiny' if args.tiny else ''}")
     if args.part == "cli":
-        from gpu_cli import run_cli  # bench/ is on sys.path when this script runs
+        from gpu_cli import run_cli
 
         sys.exit(run_cli(args.tiny, work, header()))
     sys.exit(run_part(int(args.part), args.tiny, work))

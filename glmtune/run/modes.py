@@ -186,7 +186,8 @@ def probe_stage(prep: Prepared, plan, start: Start, run_dir: Path) -> tuple[Choi
         console.print(format_packing(prep.packing, run.train.per_device_batch_size))
         console.print(describe(run.train, plan.choices.zero_stage, arch.attention_dropout, prep.packing.enabled))
     settle_process()
-    emulate_card(run.hw.memory_gib)  # +hw= on a larger card: every run is capped, probed, resumed or not
+    if start.choices or not run.probe.enabled:  # +hw= on a larger card: run_probe caps the probed runs itself
+        emulate_card(run.hw.memory_gib)
     if start.choices:  # a resume trains with the first launch's final choices; no second probe
         return Choices(**start.choices), plan.peak_bytes, probed_peak(run_dir)  # the first launch's, for trackers
     if not run.probe.enabled:
@@ -204,10 +205,8 @@ def probe_stage(prep: Prepared, plan, start: Start, run_dir: Path) -> tuple[Choi
     except Exception as crash:  # noqa: BLE001 - not an out-of-memory (that is a rung): the run would fail the same way
         if is_disk_full(crash) or isinstance(crash, (ConfigError, Interrupted)):
             raise
-        log = log_traceback(crash)
-        message = str(crash).strip().splitlines()[0][:200] if str(crash).strip() else "(no message)"
-        fail(f"the probe failed before training: {type(crash).__name__}: {message} — the run would fail the same "
-             f"way; the traceback is in {log or 'rank0.log'}", code=1)
+        fail(f"the probe failed before training: {crash_line(crash)} — the run would fail the same way; the traceback "
+             f"is in {log_traceback(crash) or 'rank0.log'}", code=1)
     report_probe(probe, run_dir)
     remove_empty_dirs(run_dir, "probe")  # the probe's Trainer makes an output folder it never writes to
     if not probe.fits:
@@ -282,16 +281,20 @@ def train_mode(prep: Prepared, plan, start: Start, choices: Choices, peaks: tupl
                         error=f"{type(crash).__name__}: {crash}"[:300])
         if not isinstance(crash, Exception) or isinstance(crash, Interrupted):
             raise  # sys.exit of a diagnosed failure (its line is out), or a signal the entry point reports
-        log = log_traceback(crash)
-        where = getattr(crash, "glmtune_where", "training")
-        message = str(crash).strip().splitlines()[0][:200] if str(crash).strip() else "(no message)"
-        fail(f"training failed in {where}: {type(crash).__name__}: {message} — the traceback is in {log or 'rank0.log'}"
-             f"; run_state.json says failed. Re-running resumes from the last complete checkpoint, if any", code=1)
+        fail(f"training failed in {getattr(crash, 'glmtune_where', 'training')}: {crash_line(crash)} — the traceback "
+             f"is in {log_traceback(crash) or 'rank0.log'}; run_state.json says failed. Re-running resumes from the "
+             "last complete checkpoint, if any", code=1)
     remove_empty_dirs(run_dir, "checkpoints")  # nothing was due: no save_steps/save_minutes point was reached
     if leader:
         write_state(run_dir, status="done", step=metrics["steps"], adapter=metrics["adapter_dir"])
         console.print(summary(metrics, time.monotonic() - started), markup=False)
     return metrics["train_loss"]
+
+
+def crash_line(crash: BaseException) -> str:
+    """'Type: the first line of its message', for the one line a crash gets on the console."""
+    message = str(crash).strip()
+    return f"{type(crash).__name__}: {message.splitlines()[0][:200] if message else '(no message)'}"
 
 
 def log_traceback(crash: BaseException) -> str | None:
