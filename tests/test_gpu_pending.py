@@ -32,3 +32,15 @@ def test_part_3_throughput_and_generation_rows(repo, tmp_path):
     out = _part(repo, tmp_path, 3)
     assert sum(line.startswith("| demo |") for line in out.splitlines()) == 2
     assert sum(line.startswith("| batch ") for line in out.splitlines()) == 3
+
+
+@pytest.mark.slow  # ~60 s on 2 cores: six glmtune commands (plan, probe, a few steps) on the tiny models
+def test_part_cli_runs_the_six_commands_each_within_its_probe(repo, tmp_path):
+    out = subprocess.run([sys.executable, "bench/gpu_pending.py", "--tiny", "--part", "cli", "--work", str(tmp_path)],
+                         cwd=repo, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    table = out.stdout[out.stdout.index("## gpu_pending --part cli (tiny, CPU): "):]
+    rows = [line.split("|") for line in table.splitlines() if line.startswith("| ") and not line.startswith("| command")]
+    assert len(rows) == 6 and all(r[2].strip() == "0" and r[-2].strip() == "ok" for r in rows), table
+    trained = [float(r[7]) for r in rows if r[7].strip() != "-"]  # run peak / probe peak, measured alike
+    assert len(trained) == 5 and max(trained) <= 1.01, table
