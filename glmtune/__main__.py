@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .config import CONF_DIR, ConfigError, check_override_keys
 from .config.cli import check_command_line, chosen_mode, is_multirun, wants_info
+from .config.compose import run_once
 from .launch import export_slurm_env, rank, run_name
 from .launch.signals import EXIT_INTERRUPTED, STOP, Interrupted
 from .launch.supervise import descendants
@@ -149,7 +150,9 @@ def cli() -> None:
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        main()
+        # A plain run composes its config once (config/compose.py); the rest goes through hydra.main.
+        if not run_once(main.__wrapped__, sys.argv[1:], str(CONF_DIR)):
+            main()
     except (HydraException, OmegaConfBaseException) as err:
         fail(" ".join(str(err).split()))
     except Exception:
