@@ -161,12 +161,21 @@ class Engine:
         self.queue.put(job)
 
     def start(self) -> None:
+        """Warm up, then take requests. The first generate() imports torch._dynamo (transformers asks whether it
+        is compiling: 1.5 s, 12 s on a busy 2-core host), which the first request would otherwise wait for."""
+        tok = self.tokenizer
+        ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+        with torch.no_grad():
+            self.model.generate(**prompt_batch([(ids, None)], tok.pad_token_id, None,
+                                                self.model.get_input_embeddings().weight.device),
+                                max_new_tokens=1, pad_token_id=tok.pad_token_id, do_sample=False)
         self.thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop decoding at the next token and end the worker; waiting requests get a 503."""
         self.stopping = True
-        self.thread.join(timeout)
+        if self.thread.is_alive():
+            self.thread.join(timeout)
 
     # --- the worker thread ------------------------------------------------------------------------------
     def _work(self) -> None:
