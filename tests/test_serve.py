@@ -172,6 +172,10 @@ def test_bad_requests_get_openai_errors(server):
     assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
     raw = httpx.post(server.url + "/chat/completions", content=b"{not json", headers={"Authorization": f"Bearer {KEY}"})
     assert raw.status_code == 400 and set(raw.json()["error"]) == {"message", "type", "param", "code"}
+    auth = {"Authorization": f"Bearer {KEY}"}
+    raw = httpx.post(server.url + "/chat/completions", json={"messages": user}, headers=auth)  # no model
+    assert raw.status_code == 400 and raw.json()["error"]["param"] == "model"
+    assert httpx.get(server.url + "/nowhere", headers=auth).status_code == 404
     assert httpx.get(server.url + "/models").status_code == 401  # no key at all
     assert ask(client, user).choices[0].message.content is not None  # and the server still answers
 

@@ -65,6 +65,8 @@ class Service:
     async def chat(self, request: Request) -> Response:
         self.check_key(request)
         body = await read_json(request)
+        if isinstance(body, dict) and not isinstance(body.get("model"), str):
+            raise ApiError(400, f"model is required: this server serves `{self.model_id}`", "model", "missing_model")
         if isinstance(body, dict) and body.get("model") != self.model_id:
             raise ApiError(404, f"The model `{body.get('model')}` does not exist; this server serves "
                                 f"`{self.model_id}` (GET /v1/models)", "model", "model_not_found")

@@ -37,7 +37,7 @@ GRACE_S = 5  # seconds requests in flight may take to finish after Ctrl-C / SIGT
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """A listening socket on host:port (port 0: one the OS picks), or ConfigError saying what to change."""
+    """A socket bound to host:port (port 0: one the OS picks), or ConfigError saying what to change."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     except socket.gaierror as err:
@@ -46,8 +46,9 @@ def listen(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart may bind while old sockets linger
     try:
+        # bound now, listening once the model is loaded (asyncio's create_server calls listen): until then a
+        # client is refused at once instead of waiting in the backlog for minutes
         sock.bind((host, port))
-        sock.listen(128)
     except OSError as err:
         sock.close()
         why = {errno.EADDRINUSE: "is in use by another process", errno.EACCES: "needs privileges (ports < 1024)",
@@ -110,7 +111,8 @@ def run_serve(run: RunConfig, model_dir: Path, tokenizer, run_dir: Path) -> None
         engine = Engine(model, tokenizer, cfg.max_batch, free_bytes(run.hw.memory_gib), run.infer.max_new_tokens)
         port = sock.getsockname()[1]
         where = "every interface" if cfg.host in ("0.0.0.0", "::") else "this machine only"
-        line = (f"glmtune serve: http://{cfg.host}:{port}/v1 ({where}) — model \"{name}\" = {model_dir}"
+        host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host  # an IPv6 address in a URL
+        line = (f"glmtune serve: http://{host}:{port}/v1 ({where}) — model \"{name}\" = {model_dir}"
                 + (f" + adapter {run.infer.adapter}" if run.infer.adapter else "")
                 + ("; API key required" if cfg.api_key else "") + "; Ctrl-C stops")
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
