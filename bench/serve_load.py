@@ -66,7 +66,8 @@ def main() -> None:
             with ThreadPoolExecutor(clients) as pool:
                 results = list(pool.map(one, range(args.requests)))
             wall = time.perf_counter() - began
-            rows = [int(m) for m in re.findall(r"batch \d+: (\d+) rows", "".join(log.read_text().splitlines(True)[logged:]))]
+            new_lines = "".join(log.read_text().splitlines(True)[logged:])
+            rows = [int(m) for m in re.findall(r"batch \d+: (\d+) rows", new_lines)]
             latency = sorted(r[0] for r in results)[len(results) // 2]
             print(f"{clients:>7} {len(results) / wall:>10.2f} {sum(r[1] for r in results) / wall:>9.1f} "
                   f"{latency:>13.3f} {sum(rows) / max(1, len(rows)):>12.2f}")

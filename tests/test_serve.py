@@ -20,6 +20,8 @@ from glmtune.models.presets import ensure_tiny
 
 from conftest import REPO, glmtune_in_process
 
+# Real server processes (~25 s each to start on a busy 2-core host) and signals: the edit-test loop skips them.
+pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
@@ -232,8 +234,9 @@ def test_tool_call_round_trip_with_a_model_that_calls(tmp_path):
         again = client.chat.completions.create(model="caller", messages=messages, tools=[WEATHER])
         assert again.choices[0].message.tool_calls[0].function.name == "get_weather"
         assert again.usage.prompt_tokens > reply.usage.prompt_tokens  # the call and its result are in the prompt
-        # without tools in the request, the same output is plain text: exactly what the model wrote
-        text = client.chat.completions.create(model="caller", messages=messages[:1]).choices[0].message.content
-        assert text == 'get_weather\n{"city": "Paris"}'
+        # without tools in the request, the same output is plain text: exactly what the model wrote, ended by
+        # GLM-4's stop id <|observation|> (12 tokens of the 32 allowed)
+        plain = client.chat.completions.create(model="caller", messages=messages[:1]).choices[0]
+        assert plain.message.content == 'get_weather\n{"city": "Paris"}' and plain.finish_reason == "stop"
     finally:
         assert srv.stop(signal.SIGINT) == 0, "".join(srv.err)[-2000:]

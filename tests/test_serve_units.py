@@ -66,7 +66,8 @@ def test_openai_messages_render_as_the_glm_messages_they_stand_for(tmp_path, tok
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Paris?"}]},
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 20}'}]}
     request = parse_chat(body, InferConfig(), tok, tmp_path, vision=False)
     glm = [{"role": "system", "content": "Be brief.", "tools": [WEATHER]},
@@ -86,7 +87,8 @@ def test_sampling_options_and_refusals(tmp_path, tok):
     s = request.settings
     assert (s.do_sample, s.temperature, s.top_p, request.seed, request.stops, request.max_tokens) == \
         (True, 0.7, 0.5, 3, ["x"], 9)
-    assert not parse_chat({**user, "temperature": 0}, InferConfig(do_sample=True), tok, tmp_path, False).settings.do_sample
+    greedy = parse_chat({**user, "temperature": 0}, InferConfig(do_sample=True), tok, tmp_path, False)
+    assert not greedy.settings.do_sample
     for extra, param in [({"n": 2}, "n"), ({"temperature": 3}, "temperature"), ({"top_p": 0}, "top_p"),
                          ({"max_tokens": 0}, "max_tokens"), ({"stop": ["a"] * 5}, "stop"),
                          ({"logprobs": True}, "logprobs"), ({"presence_penalty": 1}, "presence_penalty"),

@@ -1,4 +1,4 @@
-"""The five modes of one run, each its own short function: infer, chat, plan, probe and train.
+"""The six modes of one run, each its own short function: infer, chat, serve (serve/), plan, probe and train.
 
 `prepare` composes what every mode needs (validated config, architecture, tokenizer, data); `planned` plans
 and prints the header; then `run_mode` hands over to the mode. Every bad input is a ConfigError (one line,

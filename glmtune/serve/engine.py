@@ -125,7 +125,8 @@ class Engine:
         self.free_bytes = free_bytes  # after the weights loaded, minus a reserve; None = not checked
         self.default_max_tokens = default_max_tokens
         config = model.config
-        self.context = int(getattr(config, "seq_length", 0) or getattr(config, "max_position_embeddings", 0))
+        # positions the model was built for (GLM: the RoPE table's length); a config without one is not limited
+        self.context = int(getattr(config, "seq_length", 0) or getattr(config, "max_position_embeddings", 0)) or 2**62
         self.image_tokens = image_extra_tokens(config) if getattr(config, "vision_config", None) else 0
         self.dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(model.dtype, "fp32")
         self.queue: queue.Queue[Job] = queue.Queue()

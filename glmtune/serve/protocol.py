@@ -198,5 +198,6 @@ def parse_chat(body: Any, infer: InferConfig, tokenizer, images_dir: Path, visio
     sample = infer.do_sample if temperature is None else temperature > 0
     settings = replace(infer, do_sample=sample, temperature=temperature or infer.temperature,
                        top_p=top_p if top_p is not None else infer.top_p)
-    return ChatRequest(messages, ids, image, settings, max_tokens, seed % 2**32 if seed is not None and sample else None,
-                       _stops(body.get("stop")), tool_names, stream, bool(options.get("include_usage")))
+    seed = seed % 2**32 if seed is not None and sample else None  # numpy's seed range, as infer.seed
+    return ChatRequest(messages, ids, image, settings, max_tokens, seed, _stops(body.get("stop")), tool_names, stream,
+                       bool(options.get("include_usage")))
