@@ -154,6 +154,7 @@ def test_engine_takes_glm4v_images_as_data_urls(tmp_path, repo):
 
 
 def test_port_in_use_and_bad_serve_keys_exit_2_before_loading(tmp_path, repo):
+    pytest.importorskip("uvicorn")  # the extra `serve`: without it the one line says to install it
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen(1)
@@ -168,6 +169,7 @@ def test_port_in_use_and_bad_serve_keys_exit_2_before_loading(tmp_path, repo):
 
 
 def test_vllm_hint_only_when_installed_and_it_fits(tmp_path):
+    pytest.importorskip("uvicorn")
     from glmtune.serve.server import vllm_hint
 
     gib = 2**30

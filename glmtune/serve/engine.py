@@ -220,9 +220,12 @@ class Engine:
         return batch
 
     def _run(self, batch: list[Job]) -> None:
+        started = time.perf_counter()
         try:
             self._generate(batch)
             self._finish(batch)
+            log.info("batch %d done in %.2f s: %d new tokens, %s", self.batches, time.perf_counter() - started,
+                     sum(len(job.ids) for job in batch), ", ".join(job.finish or "length" for job in batch))
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
             if len(batch) > 1:  # the estimate was short: each row again in a batch of its own
