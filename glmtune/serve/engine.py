@@ -181,7 +181,16 @@ class Engine:
     # --- the worker thread ------------------------------------------------------------------------------
     def _work(self) -> None:
         while not self.stopping:
-            batch = self._take()
+            try:
+                batch = self._take()
+            except Exception as err:  # noqa: BLE001 - a bug: the worker lives on, or every later request would hang
+                log.exception("taking a batch failed")
+                for job in self.pending:
+                    job.post("error", ApiError(500, f"batching failed: {type(err).__name__}: {err}", None, None,
+                                               "server_error"))
+                release(self.pending)
+                self.pending = []
+                continue
             if batch:
                 self._run(batch)
         for job in self.pending + list(self.queue.queue):
