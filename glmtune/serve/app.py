@@ -83,15 +83,12 @@ class Service:
             return StreamingResponse(self.sse(job, reply_id, created), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
-            deltas, result = [], None
-            while result is None:
-                kind, payload = await job.events.get()
+            while True:  # the deltas add up to the final content, which "done" carries whole
+                kind, result = await job.events.get()
                 if kind == "error":
-                    raise payload
+                    raise result
                 if kind == "done":
-                    result = payload
-                else:
-                    deltas.append(payload)
+                    break
         finally:
             job.cancelled = True  # a no-op once done; stops the row if this handler was cancelled
         message = {"role": "assistant", "content": result["content"]}
