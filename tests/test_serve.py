@@ -1,7 +1,8 @@
 """mode=serve as a user runs it: `python -m glmtune mode=serve ...` in a real process on a free port, talked to with
 the official `openai` client. The tiny model + an adapter answer exactly as mode=infer does (greedy), streamed or
 not, alone or concurrently, with tools and tool results; a tiny model built to always call a tool returns the call
-in OpenAI's `tool_calls` shape; bad requests get OpenAI-style 4xx errors; SIGTERM stops the server with exit 0."""
+in OpenAI's `tool_calls` shape; GLM-4V takes an image part; bad requests get OpenAI-style 4xx errors; SIGTERM and
+Ctrl-C stop the server with exit 0."""
 import json
 import signal
 import subprocess
@@ -240,3 +241,26 @@ def test_tool_call_round_trip_with_a_model_that_calls(tmp_path):
         assert plain.message.content == 'get_weather\n{"city": "Paris"}' and plain.finish_reason == "stop"
     finally:
         assert srv.stop(signal.SIGINT) == 0, "".join(srv.err)[-2000:]
+
+
+def test_glm4v_image_part_through_the_api(tmp_path):
+    """GLM-4V: an OpenAI image part (data: URL) answers as mode=infer's generate() does with the image file."""
+    import base64
+
+    png = REPO / "data" / "samples_vision" / "images" / "red_square.png"
+    url = "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode()
+    srv = Server(tmp_path / "run", "model=glm4v_tiny", f"infer.max_new_tokens={NEW_TOKENS}")
+    try:
+        client = openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=120)
+        reply = client.chat.completions.create(model="glm4v_tiny", messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What shape is this?"}, {"type": "image_url", "image_url": {"url": url}}]}])
+        with pytest.raises(openai.BadRequestError):  # GLM-4V takes one image per conversation
+            client.chat.completions.create(model="glm4v_tiny", messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": url}}, {"type": "image_url", "image_url": {"url": url}}]}])
+    finally:
+        assert srv.stop() == 0
+    folder = ensure_tiny("glm4v")
+    (expected,) = generate(load_model(folder).eval(), load_tokenizer(folder),
+                           [[{"role": "user", "content": "What shape is this?", "image": str(png)}]],
+                           InferConfig(max_new_tokens=NEW_TOKENS, batch_size=1))
+    assert reply.choices[0].message.content == expected
