@@ -26,7 +26,8 @@ ALLOWED = {
     "train": {"config", "launch", "rundir", "models", "data", "plan"},
     "probe": {"config", "launch", "models", "data", "plan", "train"},
     "infer": {"config", "rundir", "models", "data", "plan"},
-    "run": {"config", "launch", "rundir", "models", "data", "plan", "probe", "train", "infer"},  # the modes
+    "serve": {"config", "launch", "rundir", "models", "data", "plan", "infer"},  # mode=serve's HTTP server
+    "run": {"config", "launch", "rundir", "models", "data", "plan", "probe", "train", "infer", "serve"},  # the modes
     "__main__": {"config", "launch", "rundir", "run"},
     "supervise": {"launch"},  # `python -m glmtune.supervise`: the documented name of launch/supervise.py
 }

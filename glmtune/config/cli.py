@@ -30,6 +30,7 @@ MODE_HELP = {
     "probe": "plan, then a few real optimizer steps that measure the peak; no training",
     "chat": "talk to base + infer.adapter in the terminal (/reset, /exit); infer.prompt=... answers once",
     "infer": "generate for infer.prompts_file with the base model + infer.adapter (or merge: infer.merge_to=DIR)",
+    "serve": "an OpenAI-compatible HTTP server for base + infer.adapter (serve.host, serve.port, serve.api_key)",
 }
 EXIT_CODES = {0: "done", 2: "bad config, command line, data or prompts file (one line, no traceback)",
               3: "the plan or the probe says it does not fit the card; the line lists what would",

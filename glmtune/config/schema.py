@@ -132,7 +132,16 @@ class EvalConfig:
     early_stopping_patience: int = 0  # 0 = off; N = stop after N evaluations without a better metric_for_best
 
 
-MODES = ("train", "plan", "probe", "infer", "chat")
+@dataclass
+class ServeConfig:
+    host: str = "127.0.0.1"  # interface to listen on; 127.0.0.1 exposes nothing, 0.0.0.0 every network
+    port: int = 8000  # 0 = a free port the OS picks (the start line says which)
+    api_key: Optional[str] = None  # then a request without `Authorization: Bearer <key>` gets 401
+    model_name: Optional[str] = None  # the `model` clients ask for; None = the model folder's name (+ "-lora")
+    max_batch: int = 8  # concurrent requests decoded in one generate() batch; each row holds its own KV cache
+
+
+MODES = ("train", "plan", "probe", "infer", "chat", "serve")
 
 
 @dataclass
@@ -147,6 +156,7 @@ class RunConfig:
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     infer: InferConfig = field(default_factory=InferConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
 
 # Linear layers of the GLM-4 / ChatGLM3 language model, by their official names (the estimator knows each).

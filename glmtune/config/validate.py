@@ -18,7 +18,7 @@ from typing import Any
 
 from .schema import (CONF_DIR, EVAL_METRICS, GROUPS, LORA_TARGETS, MODES, DataConfig,  # noqa: F401
                             DistConfig, EvalConfig, HwConfig, InferConfig, LoraConfig, ModelConfig, ProbeConfig,
-                            RunConfig, TrainConfig)
+                            RunConfig, ServeConfig, TrainConfig)
 
 
 class ConfigError(ValueError):
@@ -48,7 +48,7 @@ _POSITIVE = ("data.max_length", "lora.r", "lora.alpha", "dist.nnodes", "dist.npr
              "train.per_device_batch_size", "train.grad_accum",
              "train.eval_batch_size", "train.logging_steps", "hw.gpus_per_node", "probe.steps",
              "infer.max_new_tokens", "eval.max_new_tokens", "infer.temperature", "infer.top_p",
-             "infer.repetition_penalty", "train.keep_checkpoints")
+             "infer.repetition_penalty", "train.keep_checkpoints", "serve.max_batch")
 # Counts and sizes where 0 means "off" or "use the other key", but a negative value means nothing.
 _NON_NEGATIVE = ("train.max_steps", "train.num_epochs", "train.save_steps", "train.save_minutes",
                  "train.eval_steps", "train.warmup_steps", "train.weight_decay", "train.seed")
@@ -238,6 +238,22 @@ def _check_values(cfg: RunConfig) -> list[str]:
         problems += _mlflow_store_problem()
     if cfg.train.learning_rate <= 0:
         problems.append(f"train.learning_rate must be > 0, got {cfg.train.learning_rate}")
+    return problems + _serve_problems(cfg)
+
+
+def _serve_problems(cfg: RunConfig) -> list[str]:
+    """serve.*: checked for every mode (a typo in a YAML file shows at once); the extra only for mode=serve."""
+    serve, problems = cfg.serve, []
+    if not 0 <= serve.port <= 65535:
+        problems.append(f"serve.port must be in 0..65535 (0 = any free port), got {serve.port}")
+    if not serve.host.strip():
+        problems.append("serve.host must name an interface: 127.0.0.1 (this machine only) or 0.0.0.0 (every network)")
+    if serve.api_key is not None and not serve.api_key.strip():
+        problems.append("serve.api_key is empty: give a key, or leave it null for no authentication")
+    if serve.model_name is not None and not serve.model_name.strip():
+        problems.append("serve.model_name is empty: give a name, or leave it null for the model folder's name")
+    if cfg.mode == "serve" and not all(importlib.util.find_spec(m) for m in ("starlette", "uvicorn")):
+        problems.append('mode=serve needs starlette and uvicorn: pip install "glmtune[serve]"')
     return problems
 
 

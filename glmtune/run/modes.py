@@ -1,4 +1,4 @@
-"""The five modes of one run, each its own short function: infer, chat, plan, probe and train.
+"""The six modes of one run, each its own short function: infer, chat, serve (serve/), plan, probe and train.
 
 `prepare` composes what every mode needs (validated config, architecture, tokenizer, data); `planned` plans
 and prints the header; then `run_mode` hands over to the mode. Every bad input is a ConfigError (one line,
@@ -87,6 +87,10 @@ def run_mode(prep: Prepared, run_dir: Path, plan_scratch: bool) -> float | None:
         return infer_mode(prep, run_dir)
     if prep.run.mode == "chat":
         return chat_mode(prep, run_dir)
+    if prep.run.mode == "serve":
+        from ..serve.server import run_serve  # starlette/uvicorn: the optional extra `serve`
+
+        return run_serve(prep.run, prep.model_dir, prep.tokenizer, run_dir)
     started = time.monotonic()
     plan, start = planned(prep, run_dir, plan_scratch)
     if prep.run.mode == "plan":
