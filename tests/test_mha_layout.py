@@ -57,7 +57,8 @@ def official_logits(weights: dict[str, torch.Tensor], config, ids: torch.Tensor)
             scores = (q @ k.T / math.sqrt(hd)).masked_fill(future, float("-inf"))
             heads.append(torch.softmax(scores, -1) @ block[:, 2 * hd:])
         x = x + torch.cat(heads, -1) @ sd[p + "self_attention.dense.weight"].T
-        gate, up = (norm(x, sd[p + "post_attention_layernorm.weight"]) @ sd[p + "mlp.dense_h_to_4h.weight"].T).chunk(2, -1)
+        h = norm(x, sd[p + "post_attention_layernorm.weight"])
+        gate, up = (h @ sd[p + "mlp.dense_h_to_4h.weight"].T).chunk(2, -1)
         x = x + (F.silu(gate) * up) @ sd[p + "mlp.dense_4h_to_h.weight"].T
     return norm(x, sd["transformer.encoder.final_layernorm.weight"]) @ sd["transformer.output_layer.weight"].T
 
