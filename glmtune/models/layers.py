@@ -111,11 +111,11 @@ class SelfAttention(nn.Module):
         hd = self.head_dim
         qkv = self.query_key_value(x)
         if self.per_head_qkv:
-            q, k, v = (t.transpose(1, 2) for t in qkv.view(b, s, self.heads, 3 * hd).split(hd, dim=-1))
+            q, k, v = qkv.view(b, s, self.heads, 3 * hd).split(hd, dim=-1)
         else:
             q, k, v = qkv.split([self.heads * hd, self.groups * hd, self.groups * hd], dim=-1)
-            q, k, v = (q.view(b, s, self.heads, hd).transpose(1, 2), k.view(b, s, self.groups, hd).transpose(1, 2),
-                       v.view(b, s, self.groups, hd).transpose(1, 2))
+            q, k, v = q.view(b, s, self.heads, hd), k.view(b, s, self.groups, hd), v.view(b, s, self.groups, hd)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         if self.kv_reserve and use_cache:  # inside preallocated_kv_cache(): write into one buffer per layer
             k, v = self._store(kv_cache, k, v)
