@@ -85,7 +85,8 @@ def main() -> None:
             theirs = official_logits(with_official_code(src, Path(tmp) / f"official{i}", args.official))
             export, want = merged_with_adapter(src, Path(tmp) / f"merged{i}")
             exported = official_logits(with_official_code(export, Path(tmp) / f"official-merged{i}", args.official))
-            print(f"| {label} | {(ours - theirs).abs().max().item():.2e} | {(exported - want).abs().max().item():.2e} |")
+            load, merged = (ours - theirs).abs().max().item(), (exported - want).abs().max().item()
+            print(f"| {label} | {load:.2e} | {merged:.2e} |")
 
 
 if __name__ == "__main__":

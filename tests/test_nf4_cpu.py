@@ -3,6 +3,7 @@ D7), on either CPU kind. bitsandbytes 0.50 decides per layer, at construction, f
 eval-mode forward repacks the weight for its bf16 kernel; the "avx512bf16" kind patches that check to True, so its
 real packing code runs as on such a CPU. Only the packed kernel itself needs the instruction set (without it the
 packed forward's numbers are meaningless here; none is compared)."""
+import importlib.util
 import os
 import subprocess
 import sys
@@ -156,5 +157,6 @@ def test_the_kernels_hint_of_bitsandbytes_never_reaches_the_console_of_a_quantiz
                               text=True, env=env) for code in (plain, glmtune)]
     (plain_out, plain_err), (out, err) = (p.communicate(timeout=300) for p in procs)
     assert procs[0].returncode == 0 and procs[1].returncode == 0, plain_err[-2000:] + err[-2000:]
-    assert "kernels" in plain_err  # the emulation reaches the branch that logs it
+    if importlib.util.find_spec("kernels") is None:  # with it installed bitsandbytes may load its kernel quietly
+        assert "kernels" in plain_err  # the emulation reaches the branch that logs the hint
     assert "kernels" not in out + err, err

@@ -62,7 +62,8 @@ class QuantizedGLM(ChatGLMForConditionalGeneration):
 def _bnb():
     """bitsandbytes, imported on first use. A run's config check (config/validate.py) has found it installed; a
     direct caller without it gets the same advice as an ImportError."""
-    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_drop_kernels_hint)  # not twice: addFilter skips a known one
+    # Before the import, which logs it; addFilter never adds the same filter twice.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_drop_kernels_hint)
     try:
         import bitsandbytes
     except ImportError:
