@@ -73,8 +73,8 @@ def main() -> None:
                         help="the family whose code --official holds (ChatGLM3-6B's ignores rope_ratio)")
     args = parser.parse_args()
     if not (args.official / "modeling_chatglm.py").is_file():
-        raise SystemExit(f"--official {args.official}: no modeling_chatglm.py there — point it at a downloaded "
-                         "ChatGLM3 / GLM-4 checkpoint folder")
+        parser.error(f"--official {args.official}: no modeling_chatglm.py there — point it at a downloaded "
+                     "ChatGLM3 / GLM-4 checkpoint folder")  # exit 2
     print(f"| layout ({args.family}, fp32) | max abs logit diff, load | max abs logit diff, merged export |")
     print("|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
