@@ -181,55 +181,7 @@ def test_quantized_bench_runs_on_cpu_with_the_tiny_architecture(tmp_path, repo):
     assert stored == estimated.strip("()")
 
 
-def test_every_released_block_linear_keeps_the_packed_cpu_kernel_and_tiny_widths_do_not():
-    """The fix for the AVX512-BF16 crash only moves widths the packed kernel rejects: every block Linear of the
-    released models takes the path it took before (the packed kernel), the tiny models' FFN widths do not."""
-    from glmtune.models.configuration import RELEASED, released_config
-    from glmtune.models.quantize import packed_cpu_kernel_fits
-
-    def block_shapes(c):  # (out, in) of query_key_value, dense, dense_h_to_4h, dense_4h_to_h
-        qkv = c.kv_channels * c.num_attention_heads + 2 * c.kv_channels * c.multi_query_group_num
-        inner = c.kv_channels * c.num_attention_heads
-        return [(qkv, c.hidden_size), (c.hidden_size, inner), (2 * c.ffn_hidden_size, c.hidden_size),
-                (c.hidden_size, c.ffn_hidden_size)]
-
-    for name in RELEASED:
-        assert all(packed_cpu_kernel_fits(o, i) for o, i in block_shapes(released_config(name))), name
-    tiny = block_shapes(load_config(ensure_tiny("glm4")))
-    assert [packed_cpu_kernel_fits(o, i) for o, i in tiny] == [True, True, False, False]
-    model = load_quantized(ensure_tiny("glm4"), "nf4", torch.float32)
-    layers = {n.rsplit(".", 1)[1]: model.get_submodule(n) for n in quantized_linear_names(model)}
-    assert layers["dense_h_to_4h"].support_avx512bf16_for_cpu is False
-    assert layers["query_key_value"].support_avx512bf16_for_cpu == bitsandbytes_has_avx512bf16()
-
-
-def bitsandbytes_has_avx512bf16() -> bool:
-    from bitsandbytes.functional import has_avx512bf16
-
-    return bool(has_avx512bf16())
-
-
-def test_a_training_step_after_an_evaluation_keeps_the_gradient_through_nf4_weights():
-    """On AVX512-BF16 CPUs an evaluation repacks NF4 weights for a kernel without backward; the next training
-    step must still pass the gradient through the frozen weight to the layers below (here: to the input)."""
-    model = load_quantized(ensure_tiny("glm4"), "nf4", torch.float32)
-    layer = model.get_submodule(quantized_linear_names(model)[0])  # query_key_value: a width the kernel takes
-    x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(0))
-
-    def input_grad():
-        layer.train()
-        leaf = x.clone().requires_grad_()
-        layer(leaf).square().sum().backward()
-        return leaf.grad
-
-    before = input_grad()
-    layer.eval()
-    with torch.no_grad():
-        layer(x)  # on this CPU: the packed kernel
-    after = input_grad()
-    assert after is not None
-    # The repacked weight round-trips its block scales through bf16 (relative error <= 2**-8).
-    torch.testing.assert_close(after, before, rtol=2e-2, atol=2e-2)
+# NF4 on CPUs with and without AVX512-BF16 (evaluation, then training): tests/test_nf4_cpu.py.
 
 
 @pytest.mark.slow

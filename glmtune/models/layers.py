@@ -3,8 +3,9 @@
 Behaviour follows the reference `modeling_chatglm.py` (facts: ../shared/reference/glm4-facts.md §2-§5):
 RMSNorm with an fp32 variance; rotary embedding on the first half of each head's dims with interleaved
 adjacent pairs, base 10000 * rope_ratio; grouped-query attention (multi_query_group_num KV heads) through
-a fused query_key_value projection with bias; SwiGLU MLP with a fused dense_h_to_4h; pre-norm residuals;
-final norm; untied output layer; loss on fp32 logits.
+a fused query_key_value projection with bias (its rows per head, [q|k|v], under full multi-head attention,
+multi_query_attention=false, as the official files store them); SwiGLU MLP with a fused dense_h_to_4h;
+pre-norm residuals; final norm; untied output layer; loss on fp32 logits.
 
 Differences from the reference that change no result:
 - batch-first tensors everywhere (ChatGLM3's reference is sequence-first; the maths is the same);
@@ -98,14 +99,24 @@ class SelfAttention(nn.Module):
                                          bias=config.add_bias_linear or config.add_qkv_bias)
         self.dense = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=config.add_bias_linear)
         self.dropout_p = config.attention_dropout
+        # multi_query_attention=false (full multi-head attention) has another official row layout: per head
+        # [q_h | k_h | v_h], not all queries, then all keys, then all values. The weights stay in the
+        # official order (so loading, ZeRO-3 shards, adapters and merged exports need no permutation) and
+        # the projection's output is read in that order instead. The flag, not heads == groups, decides:
+        # GQA with as many groups as heads keeps the blocked layout.
+        self.per_head_qkv = not config.multi_query_attention
 
     def forward(self, x, mask, rope, kv_cache: KVCache | None, use_cache: bool):
         b, s, _ = x.shape
         hd = self.head_dim
-        q, k, v = self.query_key_value(x).split([self.heads * hd, self.groups * hd, self.groups * hd], dim=-1)
-        q = apply_rotary(q.view(b, s, self.heads, hd).transpose(1, 2), rope)
-        k = apply_rotary(k.view(b, s, self.groups, hd).transpose(1, 2), rope)
-        v = v.view(b, s, self.groups, hd).transpose(1, 2)
+        qkv = self.query_key_value(x)
+        if self.per_head_qkv:
+            q, k, v = qkv.view(b, s, self.heads, 3 * hd).split(hd, dim=-1)
+        else:
+            q, k, v = qkv.split([self.heads * hd, self.groups * hd, self.groups * hd], dim=-1)
+            q, k, v = q.view(b, s, self.heads, hd), k.view(b, s, self.groups, hd), v.view(b, s, self.groups, hd)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         if self.kv_reserve and use_cache:  # inside preallocated_kv_cache(): write into one buffer per layer
             k, v = self._store(kv_cache, k, v)
         elif kv_cache is not None:

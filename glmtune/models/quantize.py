@@ -62,6 +62,8 @@ class QuantizedGLM(ChatGLMForConditionalGeneration):
 def _bnb():
     """bitsandbytes, imported on first use. A run's config check (config/validate.py) has found it installed; a
     direct caller without it gets the same advice as an ImportError."""
+    # Before the import, which logs it; addFilter never adds the same filter twice.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_drop_kernels_hint)
     try:
         import bitsandbytes
     except ImportError:
@@ -94,36 +96,29 @@ def _quantized_weight(tensor: torch.Tensor, layer: nn.Module, quantize: str, dty
     return bnb.nn.Int8Params(tensor, requires_grad=False, has_fp16_weights=False).to(device)
 
 
-# bitsandbytes 0.50's NF4 inference kernel for CPUs with AVX512-BF16 (taken by a no-grad forward in eval mode)
-# repacks each weight in tiles of 32 output rows and reads one row of block scales per output: it asserts
-# out_features % 32 == 0 and needs in_features to be a whole number of quantization blocks.
-_CPU_PACK_ROWS = 32
+def _never_pack_on_cpu(layer: nn.Module) -> None:
+    """bitsandbytes 0.50 on a CPU with AVX512-BF16 rewrites an NF4 weight in place at its first no-grad forward
+    in eval mode (an evaluation, a generation): codes retiled for its bf16 inference kernel, block scales cast
+    to bf16 and transposed, double-quant scales expanded. Its way back (run by a later training forward, `.to()`
+    or `state_dict()`) is "best-effort": without double quant the scales stay transposed (a layer's weights
+    off by up to 0.22 with |w| <= 1.31), with it they are re-quantized from bf16 (1.7e-3), so the training
+    steps after an evaluation used other base weights than those before (issue 31, D7).
+
+    The choice is a per-layer flag, set from the CPU at construction; cleared, the layer dequantizes and
+    multiplies in the compute dtype in every mode, as training does and as every other CPU does. The codes and
+    scales are then never rewritten, by construction, and an evaluation computes the same on both CPU kinds.
+    The price: CPU NF4 inference on such CPUs forgoes the bf16 kernel (GPUs never take this path)."""
+    layer.support_avx512bf16_for_cpu = False
 
 
-def packed_cpu_kernel_fits(out_features: int, in_features: int, blocksize: int = 64) -> bool:
-    """Whether bitsandbytes' AVX512-BF16 NF4 kernel can take this Linear. Every GLM-4 / GLM-4V / ChatGLM3 block
-    Linear can (4608, 4096, 27392 and 13696 are multiples of 64); the tiny models' 344 x 64 and 64 x 172 cannot."""
-    return out_features % _CPU_PACK_ROWS == 0 and in_features % blocksize == 0
+# Logged by bitsandbytes' import on CPUs with AVX512-BF16 when the optional `kernels` package (which would
+# fetch a compiled kernel from the Hub) is missing. It is about the packed inference kernel above, which
+# glmtune never uses, so it is dropped for quantized runs instead of reaching the console.
+_KERNELS_HINT = "Failed to load CPU gemm_4bit_forward"
 
 
-def _cpu_inference_path(layer: nn.Module) -> None:
-    """Keep a width the packed kernel rejects on bitsandbytes' generic path (dequantize, then matmul) instead of
-    its AssertionError at the first evaluation; widths it takes keep the packed kernel, as before.
-
-    The packed kernel has no backward and bitsandbytes only converts back when a weight moves to another device:
-    a training step after an evaluation would run it and drop the gradient through the frozen weight (to the
-    layers below). The pre-hook converts the weight back when the module is in training mode."""
-    if not packed_cpu_kernel_fits(layer.out_features, layer.in_features, layer.weight.blocksize):
-        layer.support_avx512bf16_for_cpu = False
-    layer.register_forward_pre_hook(_unpack_for_training)
-
-
-def _unpack_for_training(layer: nn.Module, args) -> None:
-    state = layer.weight.quant_state
-    if layer.training and getattr(state, "packing_format_for_cpu", False):
-        from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
-
-        layer.weight.data, layer.weight.quant_state = _convert_weight_packed_for_cpu_inverse(layer.weight.data, state)
+def _drop_kernels_hint(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(_KERNELS_HINT)
 
 
 @contextlib.contextmanager
@@ -217,7 +212,7 @@ def load_quantized(path: str | os.PathLike, quantize: str, dtype: torch.dtype | 
                 module._buffers[key] = buf.to(device)
     if quantize == "nf4":
         for name in names:
-            _cpu_inference_path(model.get_submodule(name))
+            _never_pack_on_cpu(model.get_submodule(name))
     if quantize == "int8":  # bitsandbytes logs "inputs will be cast ... to float16" on every int8 matmul call
         logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
     # peft wraps bnb layers in its k-bit LoRA classes only when the model says it is loaded in 4/8 bit.
