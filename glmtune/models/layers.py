@@ -28,6 +28,7 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from .configuration import GLMConfig
+from .ulysses import SequenceGroup, heads_for_attention, heads_to_sequence
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key, value), each [batch, kv_groups, seq, head_dim]
 
@@ -117,6 +118,11 @@ class SelfAttention(nn.Module):
             q, k, v = q.view(b, s, self.heads, hd), k.view(b, s, self.groups, hd), v.view(b, s, self.groups, hd)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+        sp = self.sequence_group
+        if sp is not None:  # this rank's heads over the whole sequence (models/ulysses.py)
+            if kv_cache is not None or use_cache:
+                raise ValueError("sequence-parallel attention is for training and scoring, not generation")
+            q, k, v = heads_for_attention(q, k, v, sp)
         if self.kv_reserve and use_cache:  # inside preallocated_kv_cache(): write into one buffer per layer
             k, v = self._store(kv_cache, k, v)
         elif kv_cache is not None:
@@ -124,19 +130,23 @@ class SelfAttention(nn.Module):
         new_cache = (k, v) if use_cache else None
         if s == 1 and kv_cache is not None and self.groups != self.heads and not self.training:
             return self.dense(self._decode_grouped(q, k, v, mask).reshape(b, 1, self.heads * hd)), new_cache
-        if self.groups != self.heads:  # query head i reads KV group i // (heads / groups), as the reference
-            rep = self.heads // self.groups
-            k = k.unsqueeze(2).expand(b, self.groups, rep, k.shape[2], hd).reshape(b, self.heads, k.shape[2], hd)
-            v = v.unsqueeze(2).expand(b, self.groups, rep, v.shape[2], hd).reshape(b, self.heads, v.shape[2], hd)
+        heads, groups, length = q.shape[1], k.shape[1], q.shape[2]  # this rank's, under sequence parallelism
+        if groups != heads:  # query head i reads KV group i // (heads / groups), as the reference
+            rep = heads // groups
+            k = k.unsqueeze(2).expand(b, groups, rep, k.shape[2], hd).reshape(b, heads, k.shape[2], hd)
+            v = v.unsqueeze(2).expand(b, groups, rep, v.shape[2], hd).reshape(b, heads, v.shape[2], hd)
         if isinstance(mask, BlockMask):  # packed rows on CUDA (modeling_glm4.document_block_mask): no dropout
             out = flex_attention(q, k, v, block_mask=mask)
         else:
-            causal = mask is None and s > 1 and kv_cache is None
+            causal = mask is None and length > 1 and kv_cache is None
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                                  dropout_p=self.dropout_p if self.training else 0.0)
+        if sp is not None:
+            out = heads_to_sequence(out, sp)
         return self.dense(out.transpose(1, 2).reshape(b, s, self.heads * hd)), new_cache
 
-
+    # Set by ChatGLMModel.set_sequence_group: the ranks that share each sequence (None = this process alone).
+    sequence_group: SequenceGroup | None = None
     # Set by glmtune.models.kvcache.preallocated_kv_cache: new tokens to reserve room for (0 = off).
     kv_reserve = 0
     _kv_buffer: tuple[torch.Tensor, torch.Tensor] | None = None

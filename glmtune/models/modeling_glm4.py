@@ -25,7 +25,8 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration import GLMConfig
-from .layers import Embedding, GLMBlock, GLMTransformer, RMSNorm, RotaryEmbedding, no_early_stop
+from .layers import Embedding, GLMBlock, GLMTransformer, RMSNorm, RotaryEmbedding, SelfAttention, no_early_stop
+from .ulysses import SequenceGroup, gather_sequence
 from .vision import EVA2CLIPModel, splice_images
 
 
@@ -105,7 +106,21 @@ class ChatGLMModel(GLMPreTrainedModel):
         # Attention of packed rows: "sdpa" (dense boolean mask, any device) or "flex" (FlexAttention block
         # mask; needs attention dropout 0). Set by the trainer (train/compile.py); not part of config.json.
         self.packed_attention = "sdpa"
+        self.sequence_group: SequenceGroup | None = None
         self.post_init()
+
+    def set_sequence_group(self, sp: SequenceGroup | None) -> None:
+        """Share each sequence over the ranks of `sp` (models/ulysses.py): from then on forward takes this rank's
+        contiguous 1/N of every row (ids, position ids, seq ids, mask), and returns the hidden states of those
+        tokens. None: this process holds whole sequences again."""
+        if sp is not None:
+            why = sp.check_heads(self.config.num_attention_heads, self.config.kv_groups)
+            if why:
+                raise ValueError(f"sequence parallelism over {sp.size} ranks: {why}")
+        self.sequence_group = sp
+        for module in self.modules():
+            if isinstance(module, SelfAttention):
+                module.sequence_group = sp
 
     def get_input_embeddings(self):
         return self.embedding.word_embeddings
@@ -135,16 +150,25 @@ class ChatGLMModel(GLMPreTrainedModel):
                 inputs_embeds=None, use_cache=False, images=None, image_rows=None, seq_ids=None):
         """seq_ids [B, S]: packed rows (data/packing.py), which example each position belongs to (-1 = pad);
         attention then stays inside each example and attention_mask is not needed."""
+        sp = self.sequence_group
         if images is not None and self.vision is not None and not past_key_values and len(images):
+            if sp is not None:
+                raise ValueError("sequence parallelism takes the rows after the image merge (inputs_embeds)")
             inputs_embeds, position_ids, attention_mask, _, seq_ids = self.merge_images(
                 input_ids, inputs_embeds, position_ids, attention_mask, None, images, image_rows, seq_ids)
         if inputs_embeds is None:
             inputs_embeds = self.embedding(input_ids)
         b, s = inputs_embeds.shape[:2]
         past_len = past_key_values[0][0].shape[2] if past_key_values else 0
-        if position_ids is None:
-            position_ids = torch.arange(past_len, past_len + s, device=inputs_embeds.device).expand(b, s)
+        if position_ids is None:  # under sequence parallelism this rank's tokens are the rank-th 1/N of the row
+            start = past_len + (sp.rank * s if sp is not None else 0)
+            position_ids = torch.arange(start, start + s, device=inputs_embeds.device).expand(b, s)
         rope = self.rotary_pos_emb(position_ids, inputs_embeds.dtype)
+        if sp is not None:  # masks are for attention, which sees the whole row: built from the gathered inputs
+            seq_ids = gather_sequence(seq_ids.to(inputs_embeds.device), sp) if seq_ids is not None else None
+            attention_mask = (gather_sequence(attention_mask.to(inputs_embeds.device), sp)
+                              if attention_mask is not None else None)
+            s = s * sp.size
         if seq_ids is not None:
             if past_len:
                 raise ValueError("seq_ids (packed rows) are for training and scoring, not generation with a cache")
