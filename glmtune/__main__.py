@@ -152,6 +152,9 @@ def cli() -> None:
         main()
     except (HydraException, OmegaConfBaseException) as err:
         fail(" ".join(str(err).split()))
+    except Interrupted as sig:  # a second stop signal between two trials of a sweep (run/sweep.py SWEEP_STOP)
+        fail(f"stopped by a second {sig.name} between two trials; no trial was running — re-run the same sweep "
+             "command to continue it: finished trials are kept", code=EXIT_INTERRUPTED)
     except Exception:
         # The optuna sweeper asks its study for the best trial after the last one, which raises when none
         # completed; every trial is already recorded, and the sweep ends below with exit 9 instead.

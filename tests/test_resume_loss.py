@@ -46,10 +46,8 @@ def test_train_loss_after_a_stop_between_logging_steps_equals_the_uninterrupted_
     monkeypatch.undo()
     assert stopped.returncode == 7, stopped.stderr[-3000:]
     assert f"stopped by SIGTERM at step {STOP_AT}:" in stopped.stderr
-    state = json.loads((run_dir / "checkpoints" / f"checkpoint-{STOP_AT}" / "loss_state.json").read_text())
-    assert state["step"] == STOP_AT and state["last_logged_step"] == 15 and len(state["unlogged_loss_sums"]) == 1
     closing = [r for r in rows(run_dir) if "train_runtime" in r]
-    assert len(closing) == 1 and closing[0]["interrupted"] is True  # the cut-short launch's figures, marked
+    assert len(closing) == 1 and closing[0].get("interrupted") is True  # the cut-short launch's figures, marked
 
     resumed = glmtune_in_process(*ARGS, f"hydra.run.dir={run_dir}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -64,3 +62,5 @@ def test_train_loss_after_a_stop_between_logging_steps_equals_the_uninterrupted_
     assert logged == {r["step"]: r["loss"] for r in rows(tmp_path / "reference") if "loss" in r}
     final = [r for r in rows(run_dir) if "train_runtime" in r and not r.get("interrupted")]
     assert len(final) == 1 and final[0]["train_loss"] == pytest.approx(ref["train_loss"], abs=1e-4)
+    state = json.loads((run_dir / "checkpoints" / f"checkpoint-{STOP_AT}" / "loss_state.json").read_text())
+    assert state["step"] == STOP_AT and state["last_logged_step"] == 15 and len(state["unlogged_loss_sums"]) == 1

@@ -159,8 +159,8 @@ class Supervisor:
             return EXIT_INTERRUPTED
         if code != 0 and self.seen and self.first_failure is not None and self.first_failure > 0:
             return self.first_failure  # torchrun's 1 for any failure: the rank's documented code instead
-        if code != 0 and not self.seen and not self.reporting:  # nothing said why (the deepspeed launcher's own
-            # "exits with return code" line goes to stdout, at --log_level error)
+        if code != 0 and not self.seen and not self.reporting:  # nothing said why: the deepspeed launcher runs at
+            # --log_level critical (scripts/deepspeed_launch.sh), without its "exits with return code" line
             print(f"{OURS}{os.path.basename(self.argv[0])} ended with exit code {code} and no rank said why: "
                   "read the rank<N>.log files in the run dir", file=sys.stderr)
         return code
