@@ -239,7 +239,7 @@ def train_mode(prep: Prepared, plan, start: Start, choices: Choices, peaks: tupl
     from ..train.guard import Diverged, StoppedBySignal, describe_checkpoint, divergence_advice
     from ..train.saving import barrier
     from ..train.trainer import train
-    from .sweep import trial_stop_advice
+    from .sweepstop import trial_stop_advice
 
     run, data, leader = prep.run, prep.data, rank() == 0
     resume_step = checkpoint_step(start.resume_from) if start.resume_from else 0

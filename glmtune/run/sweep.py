@@ -16,11 +16,10 @@ A re-run into the same `hydra.sweep.dir` skips every trial already recorded as o
 returns the recorded metric, so a seeded optuna sampler proposes the same next trials); an unfinished trial
 runs again in its own run dir (`<sweep dir>/<num>/`), which resumes it from its last complete checkpoint.
 
-A stop signal (SIGTERM, Ctrl-C's SIGINT, SIGUSR1) stops the sweep, not only its trial: the trial running in this
-process saves its checkpoint and is recorded `stopped`, no further trial starts, and the sweep exits 7 with the
-trial's one line (a signal between two trials: its own line). Re-running the same sweep command (same
-`hydra.sweep.dir`) resumes the stopped trial in its run dir and keeps the finished ones. A trial of the SLURM
-launcher (a job of its own) is recorded `stopped` and its sweep goes on: the other jobs run anyway.
+A stop signal (SIGTERM, Ctrl-C's SIGINT, SIGUSR1) stops the sweep, not only its trial (run/sweepstop.py): the
+trial saves its checkpoint and is recorded `stopped`, no further trial starts, the sweep exits 7 with one line,
+and the same sweep command continues it. A trial of the SLURM launcher (a job of its own) is recorded `stopped`
+and its sweep goes on: the other jobs run anyway.
 
 Each trial appends one JSON line to `<sweep dir>/trials.jsonl` (its overrides, status, the plan's fit and
 peak, the probe's measured peak, losses, run dir), then rewrites `<sweep dir>/summary.md` from all lines,
@@ -33,7 +32,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -44,16 +42,12 @@ from hydra.experimental.callback import Callback
 from ..rundir.atomic import append_line, read_jsonl, write_text
 from ..launch import rank
 from ..rundir.files import ERROR_PREFIX, console
-from ..launch.signals import EXIT_INTERRUPTED, Requeued, StopSignals
+from ..launch.signals import EXIT_INTERRUPTED, Requeued
+from . import sweepstop
 
 GIB = 2**30
 EXIT_NO_TRIAL = 9  # a sweep in which no trial succeeded
-BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"  # Hydra's: every trial in this process
 _SWEEP_DIR: Path | None = None  # where this process recorded trials, for the sweep's last line (final_line)
-_TRIAL: tuple[int, Path] | None = None  # the trial running in this process and its sweep dir (trial_stop_advice)
-# Between trials (the sweeper's own code, a trial's set-up and bookkeeping) a stop signal is recorded here and
-# answered before the next trial starts; during a trial the run's own handler (launch/signals.STOP) answers it.
-SWEEP_STOP = StopSignals()
 
 
 class _Tee(io.TextIOBase):
@@ -79,8 +73,8 @@ class _Tee(io.TextIOBase):
 def run_trial(task: Callable[[], float | None], sweep_dir: Path, run_dir: Path, num: int,
               overrides: list[str]) -> float | None:
     """Run one trial, record it, and return its metric (eval loss, else train loss; None if it failed)."""
-    global _SWEEP_DIR, _TRIAL
-    stop_between_trials(sweep_dir)
+    global _SWEEP_DIR
+    sweepstop.enter_trial(num, sweep_dir)  # a stop signal since the last trial ends the sweep here
     done = next((t for t in read_trials(sweep_dir) if t["num"] == num and t["overrides"] == overrides
                  and t["status"] == "ok"), None)
     if done is not None:  # a re-run of this sweep: the trial finished before; never train it twice
@@ -90,7 +84,7 @@ def run_trial(task: Callable[[], float | None], sweep_dir: Path, run_dir: Path, 
         return None if math.isnan(done["metric"]) else done["metric"]
     start, tee = time.monotonic(), _Tee(sys.stderr)
     status, error, code = "ok", None, 0
-    sys.stderr, _TRIAL = tee, (num, sweep_dir)
+    sys.stderr = tee
     try:
         task()
     except Requeued as again:  # submitit resubmitted the job at its time limit: the trial goes on there
@@ -106,7 +100,8 @@ def run_trial(task: Callable[[], float | None], sweep_dir: Path, run_dir: Path, 
         logging.getLogger(__name__).error("trial %d failed:\n%s", num, traceback.format_exc())
         status, error, code = "failed", f"{type(exc).__name__}: {exc}", 1
     finally:
-        sys.stderr, _TRIAL = tee.stream, None
+        sys.stderr = tee.stream
+        sweepstop.leave_trial()
     record = trial_record(run_dir, num, overrides, status, error, code, time.monotonic() - start)
     if rank() == 0:
         sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -116,31 +111,12 @@ def run_trial(task: Callable[[], float | None], sweep_dir: Path, run_dir: Path, 
         loss = "" if math.isnan(record["metric"]) else f", loss {record['metric']:.4f}"
         console.print(f"trial {num}: {status}{loss} (table: {summary}; one line per trial: "
                       f"{sweep_dir / 'trials.jsonl'})", markup=False)
-    if status == "stopped" and not os.environ.get("SUBMITIT_EXECUTOR"):
+    if status == "stopped" and sweepstop.stops_sweep():
         # No further trial: Hydra's launcher and the sweepers catch Exception only, so this ends the sweep (exit 7;
-        # the trial's line said what to do). In a SLURM job only this trial stops: the sweep's other jobs run on.
+        # the trial's line said what to do).
+        sweepstop.mark_stopped(sweep_dir)
         raise SystemExit(EXIT_INTERRUPTED)
     return None if math.isnan(record["metric"]) else record["metric"]
-
-
-def stop_between_trials(sweep_dir: Path) -> None:
-    """A stop signal that came after the last trial started: end the sweep before the next one (exit 7)."""
-    if SWEEP_STOP.received is None:
-        return
-    if rank() == 0:
-        print(f"{ERROR_PREFIX}stopped by {SWEEP_STOP.received} between two trials; no further trial starts — re-run "
-              f"the same sweep command (hydra.sweep.dir={sweep_dir}) to continue it: finished trials are kept",
-              file=sys.stderr)
-    raise SystemExit(EXIT_INTERRUPTED)
-
-
-def trial_stop_advice() -> str | None:
-    """What a trial's stop line (run/modes.py) tells to do, when the run is a trial of a sweep in this process."""
-    if _TRIAL is None or os.environ.get("SUBMITIT_EXECUTOR"):
-        return None
-    num, sweep_dir = _TRIAL
-    return (f"the sweep stops here (no further trial starts); re-run the same sweep command (hydra.sweep.dir="
-            f"{sweep_dir}) to continue it: trial {num} resumes from that checkpoint, finished trials are kept")
 
 
 def _read(path: Path) -> dict:
@@ -218,12 +194,10 @@ class SweepDir(Callback):
 
     def on_multirun_start(self, config, **kwargs) -> None:
         global _SWEEP_DIR
-        _SWEEP_DIR = Path(config.hydra.sweep.dir)
-        if config.hydra.launcher.get("_target_") == BASIC_LAUNCHER:  # the trials run here: a signal stops them all
-            SWEEP_STOP.install().deferred = True
+        _SWEEP_DIR = sweepstop.start(config)  # a stopped sweep of the same command continues in its dir
 
     def on_multirun_end(self, config, **kwargs) -> None:
-        SWEEP_STOP.uninstall()
+        sweepstop.end(config)
 
 
 def final_line() -> str | None:
