@@ -10,6 +10,8 @@
 # (exit 7) the same command finds the unfinished run of the same config and resumes it.
 # glmtune.supervise runs the launcher: a SIGTERM/SIGINT/SIGUSR1 to this script goes to the local ranks (they
 # finish the step, save and exit 7) rather than to the launcher, which would kill them; the script exits 7.
+# Any other failure exits with the rank's own code and its line once. The launcher runs from $PYTHON itself
+# (python -m deepspeed.launcher.runner), so PYTHON=/path/venv/bin/python needs no activated venv.
 set -euo pipefail
 RUN_DIR=${RUN_DIR:-outputs/${RUN_ID:-$(date +%Y-%m-%d)/deepspeed-$(od -An -N4 -tx1 /dev/urandom | tr -d ' \n')}}
 # --log_level critical: the launcher's INFO lines (its command, world info, one line per spawned process and per

@@ -67,3 +67,28 @@ def test_help_shows_the_launch_script_and_what_plain_torchrun_does():
     examples = text.split("examples:")[1].split("exit codes:")[0]
     assert "torchrun --nproc_per_node" not in examples  # the example is the script, which keeps the exit codes
     assert "Plain `torchrun -m glmtune`" in text and "SignalException" in text
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_ranks_start_is_exit_7_and_one_line(tmp_path):
+    """The signal reaches the ranks while they import (SIGTERM kills them there) or just after glmtune took the
+    signals over: either way nothing is saved, the script exits 7 with one line, no traceback."""
+    import signal
+    import time
+
+    from glmtune.launch.supervise import descendants, is_rank
+
+    env = {**os.environ, "PATH": BARE_PATH, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([str(REPO / "scripts" / "torchrun.sh"), "2", "train.max_steps=2"], cwd=tmp_path, env=env,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while len([pid for pid in descendants(proc.pid) if is_rank(pid)]) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 7, out[-3000:] + err[-3000:]
+    assert "Traceback" not in err and "ChildFailedError" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "stopped by SIGTERM before training began" in lines[0], err[-3000:]

@@ -105,7 +105,7 @@ def launcher_command(argv: list[str]) -> list[str]:
 
 class Supervisor:
     def __init__(self, argv: list[str]):
-        self.argv, self.stopped = argv, False
+        self.argv, self.stopped, self.signal_name = argv, False, ""
         self.seen: set[str] = set()
         self.exit_codes: list[int] = []
         self.stop_line = False
@@ -113,7 +113,7 @@ class Supervisor:
         self.reporting = False  # torchrun is printing its failure report (traceback, ChildFailedError block)
 
     def forward(self, signum, frame) -> None:
-        self.stopped = True
+        self.stopped, self.signal_name = True, signal.Signals(signum).name
         ranks = [pid for pid in descendants(self.proc.pid) if is_rank(pid)]
         for pid in ranks or [self.proc.pid]:
             try:
@@ -156,6 +156,11 @@ class Supervisor:
         ranks_stopped = self.exit_codes and all(c == EXIT_INTERRUPTED for c in self.exit_codes)
         if code != 0 and (self.stopped or self.stop_line) and (ranks_stopped or self.stop_line
                                                               or code == EXIT_INTERRUPTED):
+            return EXIT_INTERRUPTED
+        if code != 0 and self.stopped and not self.seen:  # the signal came before any rank could answer it
+            # (torchrun's SignalException, or ranks still importing, which SIGTERM kills): nothing was saved
+            print(f"{OURS}stopped by {self.signal_name} before training began; nothing to save — re-run the same "
+                  "command to start again", file=sys.stderr)
             return EXIT_INTERRUPTED
         if code != 0 and self.seen and self.first_failure is not None and self.first_failure > 0:
             return self.first_failure  # torchrun's 1 for any failure: the rank's documented code instead
