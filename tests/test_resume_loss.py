@@ -37,6 +37,7 @@ def sigterm_at_step(monkeypatch, step: int) -> None:
     monkeypatch.setattr(Guard, "on_step_end", on_step_end)
 
 
+@pytest.mark.slow  # three tiny trainings of 24 steps (~50 s of CPU), one stopped by a signal
 def test_train_loss_after_a_stop_between_logging_steps_equals_the_uninterrupted_run(tmp_path, monkeypatch):
     reference = glmtune_in_process(*ARGS, f"hydra.run.dir={tmp_path / 'reference'}")
     assert reference.returncode == 0, reference.stderr[-3000:]
