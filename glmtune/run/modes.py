@@ -267,7 +267,8 @@ def train_mode(prep: Prepared, plan, start: Start, choices: Choices, peaks: tupl
             if leader:
                 console.print(f"glmtune: {line}submitit requeues the job, which resumes from it", markup=False)
             STOP.requeue()  # rank 0 exits in it; the others end below, with exit 7
-        advice = trial_stop_advice() or f"re-run the same command to resume from it, or: {resume_command(run_dir, prep.overrides)}"
+        advice = (trial_stop_advice()  # a sweep's trial: the sweep command continues it (run/sweepstop.py)
+                  or f"re-run the same command to resume from it, or: {resume_command(run_dir, prep.overrides)}")
         fail(f"{line}{advice}", code=EXIT_INTERRUPTED, leader_speaks=True)
     except Diverged as bad:
         last = last_complete(run_dir / "checkpoints")
