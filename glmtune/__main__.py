@@ -43,6 +43,7 @@ from .rundir.files import console, discard_unused, fail
 from .rundir.lock import RunDirLock
 from .rundir.resume import redirect
 from .run.modes import prepare, run_mode
+from .run import sweepstop
 from .run.sweep import EXIT_NO_TRIAL, final_line, none_succeeded, run_trial
 
 # Every rank of one launch must agree on the run dir; ${now:} alone would differ by a second. Cached in the
@@ -155,6 +156,10 @@ def cli() -> None:
             main()
     except (HydraException, OmegaConfBaseException) as err:
         fail(" ".join(str(err).split()))
+    except Interrupted as sig:  # a second stop signal between two trials of a sweep (run/sweepstop.py)
+        sweepstop.mark_stopped()
+        fail(f"stopped by a second {sig.name} between two trials; no trial was running — re-run the same sweep "
+             "command to continue it: finished trials are kept", code=EXIT_INTERRUPTED)
     except Exception:
         # The optuna sweeper asks its study for the best trial after the last one, which raises when none
         # completed; every trial is already recorded, and the sweep ends below with exit 9 instead.
@@ -163,6 +168,8 @@ def cli() -> None:
     finally:
         if PLAN_SCRATCH:
             shutil.rmtree(PLAN_SCRATCH, ignore_errors=True)
+        if multirun:
+            sweepstop.reset()  # the process's signal handlers as before the sweep, however it ended
     if multirun and rank() == 0 and final_line():
         console.print(final_line(), markup=False)
     if multirun and none_succeeded():

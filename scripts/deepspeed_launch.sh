@@ -10,13 +10,17 @@
 # (exit 7) the same command finds the unfinished run of the same config and resumes it.
 # glmtune.supervise runs the launcher: a SIGTERM/SIGINT/SIGUSR1 to this script goes to the local ranks (they
 # finish the step, save and exit 7) rather than to the launcher, which would kill them; the script exits 7.
+# Any other failure exits with the rank's own code and its line once. The launcher runs from $PYTHON itself
+# (python -m deepspeed.launcher.runner), so PYTHON=/path/venv/bin/python needs no activated venv.
 set -euo pipefail
 RUN_DIR=${RUN_DIR:-outputs/${RUN_ID:-$(date +%Y-%m-%d)/deepspeed-$(od -An -N4 -tx1 /dev/urandom | tr -d ' \n')}}
-# --log_level error: the launcher's INFO lines (its command, world info, one line per spawned process and per
-# exit) and its notices (no hostfile on a one-node run; CPU accelerator) went to the console, ~15 lines a launch;
-# its errors still do. One OpenMP thread per rank, as torchrun sets (otherwise accelerate picks and warns).
+# --log_level critical: the launcher's INFO lines (its command, world info, one line per spawned process and per
+# exit) and its notices (no hostfile on a one-node run; CPU accelerator) went to the console, ~15 lines a launch,
+# and its one error line repeats a failed rank's exit code after the rank's own line (the script exits with that
+# code; when no rank said why, glmtune.supervise prints a line naming it). A bad hostfile still raises.
+# One OpenMP thread per rank, as torchrun sets (otherwise accelerate picks and warns).
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-args=(--master_port "${MASTER_PORT:-29500}" --no_local_rank --module --log_level error)
+args=(--master_port "${MASTER_PORT:-29500}" --no_local_rank --module --log_level critical)
 [[ -n "${HOSTFILE:-}" ]] && args=(--hostfile "$HOSTFILE" "${args[@]}")
 [[ -n "${NUM_GPUS:-}" ]] && args=(--num_gpus "$NUM_GPUS" "${args[@]}")
 exec "${PYTHON:-python}" -m glmtune.supervise deepspeed "${args[@]}" glmtune "hydra.run.dir=$RUN_DIR" "$@"

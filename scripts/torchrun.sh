@@ -5,6 +5,9 @@
 # rank N logs to rank<N>.log. Running the same command again after a stop (exit 7) resumes that run dir.
 # glmtune.supervise runs torchrun: a SIGTERM/SIGINT/SIGUSR1 goes to the ranks (which finish the step, save and
 # exit 7), not to torchrun (which would kill them 30 s later and print a traceback); the script then exits 7.
+# Any other failure exits with the rank's own code (2 bad input, 3 no fit, 4 out of memory, ...: README "When a
+# run fails") and its line once, without torchrun's ChildFailedError report. torchrun runs from $PYTHON itself
+# (python -m torch.distributed.run): PYTHON=/path/venv/bin/python needs no activated venv.
 set -euo pipefail
 NPROC=${1:?usage: scripts/torchrun.sh NPROC [glmtune overrides...]}
 shift

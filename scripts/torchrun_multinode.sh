@@ -8,6 +8,8 @@
 # After a stop (exit 7), the same command with the same RUN_ID resumes that run dir.
 # glmtune.supervise runs torchrun: a SIGTERM/SIGINT/SIGUSR1 to this script goes to this node's ranks (they
 # agree on a step with the other nodes, save and exit 7), not to torchrun, which would kill them 30 s later.
+# Any other failure exits with this node's first failed rank's code and its line once (README "When a run
+# fails"); torchrun runs from $PYTHON itself, so PYTHON=/path/venv/bin/python needs no activated venv.
 set -euo pipefail
 : "${NNODES:?set NNODES}" "${MASTER_ADDR:?set MASTER_ADDR (node 0 host name or address)}"
 : "${RUN_ID:?set RUN_ID, the same on every node (it names the run dir)}"

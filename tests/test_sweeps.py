@@ -207,3 +207,44 @@ def test_a_submitit_job_signalled_before_its_time_limit_saves_is_requeued_and_re
     logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"loss"' in line]
     assert logged == list(range(20, steps + 1, 20))  # every interval once: the resume trimmed nothing twice
     assert out.strip().splitlines()[-1].startswith("sweep done: 1 trials, 0 failed")  # the launching process
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_OPTUNA, reason="hydra-optuna-sweeper not installed (pip install -e '.[sweep]')")
+def test_sigterm_during_an_optuna_trial_stops_the_sweep_and_the_same_command_continues_it(tmp_path, repo):
+    """4 trials; SIGTERM while trial 1 trains: that trial saves and is recorded `stopped`, trial 2 never starts,
+    exit 7 with one line. The same command (no hydra.sweep.dir: Hydra names a fresh one each launch) then finds
+    the stopped sweep, keeps trial 0, resumes trial 1 from its checkpoint and runs trials 2 and 3."""
+    cmd = [sys.executable, "-m", "glmtune", "+hparams_search=lora_optuna", "hydra.sweeper.n_trials=4",
+           "train.max_steps=30", "train.logging_steps=1", "probe.enabled=false", "data.val_file=null",
+           f"data.train_file={repo / 'data/samples/train.jsonl'}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(repo)}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    deadline = time.monotonic() + 600
+    while not any('"loss"' in m.read_text() for m in tmp_path.glob("multirun/*/*/1/metrics.jsonl")):  # trial 1 trains
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 7, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    [sweep] = [p.parent for p in tmp_path.glob("multirun/*/*/trials.jsonl")]
+    lines = [line for line in err.splitlines() if "glmtune: error: " in line]
+    assert len(lines) == 1 and "stopped by SIGTERM at step" in lines[0], err[-3000:]
+    assert "trial 1 resumes" in lines[0] and sweep.name in lines[0]
+    assert [(r["num"], r["status"]) for r in trials(sweep)] == [(0, "ok"), (1, "stopped")]
+    assert not (sweep / "2").exists()  # no further trial started
+    stopped_at = json.loads((sweep / "1" / "run_state.json").read_text())["step"]
+    assert 0 < stopped_at < 30
+
+    again = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"continuing {sweep.relative_to(tmp_path)}" in again.stdout and "trial 0: ok before" in again.stdout
+    resumed = [line for line in again.stdout.splitlines() if "resuming from" in line]  # trial 1 only
+    assert len(resumed) == 1 and f"{sweep.name}/1/checkpoints/checkpoint-{stopped_at} " in resumed[0], resumed
+    assert [p.parent for p in tmp_path.glob("multirun/*/*/trials.jsonl")] == [sweep]  # no second sweep dir
+    latest = {r["num"]: r for r in trials(sweep)}
+    assert sorted(latest) == [0, 1, 2, 3] and all(r["status"] == "ok" for r in latest.values()), latest
+    assert json.loads((sweep / "1" / "run_state.json").read_text())["status"] == "done"
+    assert not (sweep / "stopped.json").exists()
+    assert again.stdout.strip().splitlines()[-1].startswith("sweep done: 4 trials, 0 failed")

@@ -37,7 +37,8 @@ EXIT_CODES = {0: "done", 2: "bad config, command line, data or prompts file (one
               4: "out of memory during training", 5: "NCCL / collective error (read the other ranks' logs)",
               6: "the checkpoint's remote code needs another transformers version",
               7: "stopped by SIGTERM / SIGINT / SIGUSR1 after a complete checkpoint: the line names the command "
-                 "that resumes (re-running the same command also does)",
+                 "that resumes (re-running the same command also does); a sweep stops after its running trial "
+                 "saves, and the same sweep command continues it",
               8: "training diverged (NaN/inf loss or weights): the line names the step and what to lower",
               9: "a sweep in which no trial succeeded (each trial's line and <sweep dir>/summary.md say why)"}
 
@@ -208,7 +209,7 @@ def help_text() -> str:
               "  glmtune mode=plan model=glm4_9b_chat +hw=a100_40g          the memory plan for a 9B model, no weights",
               "  glmtune model=glm4_9b_chat model.path=/models/glm-4-9b-chat +hw=a100_40g \\",
               "          data.train_file=my/train.jsonl data.val_file=my/dev.jsonl train.num_epochs=3",
-              "  torchrun --nproc_per_node 4 -m glmtune +hw=rtx4090_24g model=glm4_9b_chat model.path=...",
+              "  scripts/torchrun.sh 4 +hw=rtx4090_24g model=glm4_9b_chat model.path=...   4 GPUs (torchrun)",
               "  glmtune -m lora.r=8,16 train.learning_rate=1e-4,5e-4                 a grid sweep",
               "  glmtune mode=infer infer.adapter=outputs/.../adapter infer.prompts_file=prompts.jsonl",
               "", "exit codes:"]
@@ -216,5 +217,9 @@ def help_text() -> str:
                             break_on_hyphens=False, break_long_words=False) for code, what in EXIT_CODES.items()]
     lines += ["", "Run dirs: outputs/DATE/TIME.mmm-ID (hydra.run.dir=DIR to choose); README.md lists every file in them.",
               "Resume: the same command continues the newest unfinished run of the same config under ./outputs",
-              "(train.resume=restart starts a new one); scripts/torchrun.sh and scripts/deepspeed_launch.sh too."]
+              "(train.resume=restart starts a new one); scripts/torchrun.sh and scripts/deepspeed_launch.sh too.",
+              "Launchers: scripts/torchrun.sh, torchrun_multinode.sh and deepspeed_launch.sh exit with the ranks' code",
+              "and line, once (PYTHON=<venv>/bin/python needs no activated venv). Plain `torchrun -m glmtune` runs the",
+              "same ranks, but exits 1 with its own ChildFailedError report on any failure, and on SIGTERM/Ctrl-C with a",
+              "SignalException traceback after the ranks saved (re-running still resumes)."]
     return "\n".join(lines)

@@ -1,7 +1,7 @@
 """Who this process is in a launch: rank, world size, the run dir name all ranks agree on, SLURM tasks.
 
     python -m glmtune ...                                                   # one process
-    torchrun --standalone --nproc_per_node 4 -m glmtune +hw=rtx4090_24g ...   # one node, 4 GPUs
+    scripts/torchrun.sh 4 +hw=rtx4090_24g ...   # one node, 4 GPUs: torchrun --standalone under glmtune.supervise
     scripts/torchrun_multinode.sh        # several nodes: torchrun agents meeting at a c10d rendezvous
     scripts/deepspeed_launch.sh          # several nodes: the deepspeed launcher (--no_local_rank, hostfile)
     python -m glmtune -m hydra/launcher=slurm ...   # SLURM via hydra-submitit-launcher (conf/hydra/launcher)

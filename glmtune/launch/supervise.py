@@ -16,12 +16,24 @@ terminal reaches the supervisor only), and the supervisor:
   stop line was printed), else with the launcher's exit code;
 - makes the launcher die with it (PR_SET_PDEATHSIG), so a `kill -9` of the supervisor leaves no launcher
   behind, and the launcher stops its ranks.
+
+Any other documented exit (README "When a run fails": 2 bad input, 3 does not fit, 4 out of memory, ...) is
+carried the same way: torchrun exits 1 whatever its ranks said, after the line once per rank and a 40-line
+ChildFailedError report. Each `glmtune: error:` line is passed on once, torchrun's own lines about a failure a
+rank already explained are dropped, and the supervisor exits with the first failed rank's code. A failure no
+rank explained (a rank killed by a signal, a crash outside glmtune's handlers) keeps the launcher's report.
+
+`torchrun` and `deepspeed` are run from this interpreter (`python -m torch.distributed.run`, `python -m
+deepspeed.launcher.runner`), not looked up on PATH: a venv's python named without activating the venv (SLURM
+scripts often do) finds them there, and the ranks run under the same python.
 """
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,6 +44,12 @@ from .signals import EXIT_INTERRUPTED, STOP_SIGNALS
 OURS = "glmtune: error: "
 STOPPED = re.compile(r"glmtune: error: stopped by (SIG\w+)")
 EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")  # torchrun's failure report, one per failed rank
+# torchrun's first line about a failure: the first failed rank's code; all it prints after is its report.
+FIRST_FAILURE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank")
+# torchrun's agent log lines ("W1126 07:38:04.143000 5271 torch/distributed/elastic/...] Sending process ...").
+AGENT_LOG = re.compile(r"^[IWE]\d{4} [\d:.]+ \d+ torch/distributed/")
+# The launchers by module, with the package that brings each (pip name) for the line when it is missing.
+LAUNCHERS = {"torchrun": ("torch.distributed.run", "torch"), "deepspeed": ("deepspeed.launcher.runner", "deepspeed")}
 
 
 def descendants(root: int) -> list[int]:
@@ -70,15 +88,32 @@ def _die_with_parent() -> None:
         pass  # not Linux: the launcher outlives a SIGKILLed supervisor, as it would without one
 
 
+def launcher_command(argv: list[str]) -> list[str]:
+    """`torchrun ...` / `deepspeed ...` as this interpreter's module; another launcher as found on PATH. Raises
+    LookupError with the line to print when it cannot be run."""
+    name, rest = os.path.basename(argv[0]), argv[1:]
+    if name in LAUNCHERS:
+        module, package = LAUNCHERS[name]
+        if importlib.util.find_spec(package) is None:
+            raise LookupError(f"{name} needs {package}, which {sys.executable} cannot import: pip install {package} "
+                              "into this python's environment, or set PYTHON= to the python that has it")
+        return [sys.executable, "-m", module, *rest]
+    if shutil.which(argv[0]) is None:
+        raise LookupError(f"launcher {argv[0]!r} not found on PATH ({os.environ.get('PATH', '')})")
+    return argv
+
+
 class Supervisor:
     def __init__(self, argv: list[str]):
-        self.argv, self.stopped = argv, False
+        self.argv, self.stopped, self.signal_name = argv, False, ""
         self.seen: set[str] = set()
         self.exit_codes: list[int] = []
         self.stop_line = False
+        self.first_failure: int | None = None  # the first failed rank's exit code, as torchrun reports it
+        self.reporting = False  # torchrun is printing its failure report (traceback, ChildFailedError block)
 
     def forward(self, signum, frame) -> None:
-        self.stopped = True
+        self.stopped, self.signal_name = True, signal.Signals(signum).name
         ranks = [pid for pid in descendants(self.proc.pid) if is_rank(pid)]
         for pid in ranks or [self.proc.pid]:
             try:
@@ -90,17 +125,27 @@ class Supervisor:
         """The launcher's stderr to ours, line by line; after a stop only glmtune's lines, each once."""
         for line in self.proc.stderr:
             self.exit_codes += [int(code) for code in EXITCODE.findall(line)]
+            failed = FIRST_FAILURE.search(line)
+            if failed and self.first_failure is None:
+                self.first_failure, self.reporting = int(failed.group(1)), True
             if STOPPED.search(line):
                 self.stop_line = True
-            if self.stopped or self.stop_line:
-                if OURS not in line or line in self.seen:
+            if OURS in line:  # every rank says the same line: once
+                if line in self.seen:
                     continue
                 self.seen.add(line)
+            elif self.stopped or self.stop_line or (self.seen and (self.reporting or AGENT_LOG.match(line))):
+                continue  # the launcher's account of what a rank's own line already said
             sys.stderr.write(line)
             sys.stderr.flush()
 
     def run(self) -> int:
-        self.proc = subprocess.Popen(self.argv, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1,
+        try:
+            command = launcher_command(self.argv)
+        except LookupError as missing:
+            print(f"{OURS}{missing}", file=sys.stderr)
+            return 2
+        self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1,
                                      start_new_session=True, preexec_fn=_die_with_parent)
         for sig in STOP_SIGNALS:
             signal.signal(sig, self.forward)
@@ -112,6 +157,17 @@ class Supervisor:
         if code != 0 and (self.stopped or self.stop_line) and (ranks_stopped or self.stop_line
                                                               or code == EXIT_INTERRUPTED):
             return EXIT_INTERRUPTED
+        if code != 0 and self.stopped and not self.seen:  # the signal came before any rank could answer it
+            # (torchrun's SignalException, or ranks still importing, which SIGTERM kills): nothing was saved
+            print(f"{OURS}stopped by {self.signal_name} before training began; nothing to save — re-run the same "
+                  "command to start again", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        if code != 0 and self.seen and self.first_failure is not None and self.first_failure > 0:
+            return self.first_failure  # torchrun's 1 for any failure: the rank's documented code instead
+        if code != 0 and not self.seen and not self.reporting:  # nothing said why: the deepspeed launcher runs at
+            # --log_level critical (scripts/deepspeed_launch.sh), without its "exits with return code" line
+            print(f"{OURS}{os.path.basename(self.argv[0])} ended with exit code {code} and no rank said why: "
+                  "read the rank<N>.log files in the run dir", file=sys.stderr)
         return code
 
 

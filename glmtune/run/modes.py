@@ -243,6 +243,7 @@ def train_mode(prep: Prepared, plan, start: Start, choices: Choices, peaks: tupl
     from ..train.guard import Diverged, StoppedBySignal, describe_checkpoint, divergence_advice
     from ..train.saving import barrier
     from ..train.trainer import train
+    from .sweepstop import trial_stop_advice
 
     run, data, leader = prep.run, prep.data, rank() == 0
     resume_step = checkpoint_step(start.resume_from) if start.resume_from else 0
@@ -270,8 +271,9 @@ def train_mode(prep: Prepared, plan, start: Start, choices: Choices, peaks: tupl
             if leader:
                 console.print(f"glmtune: {line}submitit requeues the job, which resumes from it", markup=False)
             STOP.requeue()  # rank 0 exits in it; the others end below, with exit 7
-        fail(f"{line}re-run the same command to resume from it, or: {resume_command(run_dir, prep.overrides)}",
-             code=EXIT_INTERRUPTED, leader_speaks=True)
+        advice = (trial_stop_advice()  # a sweep's trial: the sweep command continues it (run/sweepstop.py)
+                  or f"re-run the same command to resume from it, or: {resume_command(run_dir, prep.overrides)}")
+        fail(f"{line}{advice}", code=EXIT_INTERRUPTED, leader_speaks=True)
     except Diverged as bad:
         last = last_complete(run_dir / "checkpoints")
         if leader:

@@ -16,6 +16,11 @@ A re-run into the same `hydra.sweep.dir` skips every trial already recorded as o
 returns the recorded metric, so a seeded optuna sampler proposes the same next trials); an unfinished trial
 runs again in its own run dir (`<sweep dir>/<num>/`), which resumes it from its last complete checkpoint.
 
+A stop signal (SIGTERM, Ctrl-C's SIGINT, SIGUSR1) stops the sweep, not only its trial (run/sweepstop.py): the
+trial saves its checkpoint and is recorded `stopped`, no further trial starts, the sweep exits 7 with one line,
+and the same sweep command continues it. A trial of the SLURM launcher (a job of its own) is recorded `stopped`
+and its sweep goes on: the other jobs run anyway.
+
 Each trial appends one JSON line to `<sweep dir>/trials.jsonl` (its overrides, status, the plan's fit and
 peak, the probe's measured peak, losses, run dir), then rewrites `<sweep dir>/summary.md` from all lines,
 so the table is current while the sweep runs and survives a sweep that is killed. Only rank 0 of a trial
@@ -37,7 +42,8 @@ from hydra.experimental.callback import Callback
 from ..rundir.atomic import append_line, read_jsonl, write_text
 from ..launch import rank
 from ..rundir.files import ERROR_PREFIX, console
-from ..launch.signals import Requeued
+from ..launch.signals import EXIT_INTERRUPTED, Requeued
+from . import sweepstop
 
 GIB = 2**30
 EXIT_NO_TRIAL = 9  # a sweep in which no trial succeeded
@@ -68,6 +74,7 @@ def run_trial(task: Callable[[], float | None], sweep_dir: Path, run_dir: Path, 
               overrides: list[str]) -> float | None:
     """Run one trial, record it, and return its metric (eval loss, else train loss; None if it failed)."""
     global _SWEEP_DIR
+    sweepstop.enter_trial(num, sweep_dir)  # a stop signal since the last trial ends the sweep here
     done = next((t for t in read_trials(sweep_dir) if t["num"] == num and t["overrides"] == overrides
                  and t["status"] == "ok"), None)
     if done is not None:  # a re-run of this sweep: the trial finished before; never train it twice
@@ -82,9 +89,9 @@ def run_trial(task: Callable[[], float | None], sweep_dir: Path, run_dir: Path, 
         task()
     except Requeued as again:  # submitit resubmitted the job at its time limit: the trial goes on there
         raise SystemExit(again.code) from None
-    except SystemExit as exc:  # glmtune's own stops: 2 bad input, 3 does not fit, 4 out of memory, ...
+    except SystemExit as exc:  # glmtune's own stops: 2 bad input, 3 does not fit, 4 out of memory, 7 a signal...
         code = exc.code if isinstance(exc.code, int) else 1
-        status = "ok" if code == 0 else "does not fit" if code == 3 else "failed"
+        status = {0: "ok", 3: "does not fit", EXIT_INTERRUPTED: "stopped"}.get(code, "failed")
         error = tee.error_line() or f"exit code {code}"
     except Exception as exc:  # noqa: BLE001 - any crash is one failed trial, not the end of the sweep
         import logging
@@ -94,6 +101,7 @@ def run_trial(task: Callable[[], float | None], sweep_dir: Path, run_dir: Path, 
         status, error, code = "failed", f"{type(exc).__name__}: {exc}", 1
     finally:
         sys.stderr = tee.stream
+        sweepstop.leave_trial()
     record = trial_record(run_dir, num, overrides, status, error, code, time.monotonic() - start)
     if rank() == 0:
         sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -103,6 +111,11 @@ def run_trial(task: Callable[[], float | None], sweep_dir: Path, run_dir: Path, 
         loss = "" if math.isnan(record["metric"]) else f", loss {record['metric']:.4f}"
         console.print(f"trial {num}: {status}{loss} (table: {summary}; one line per trial: "
                       f"{sweep_dir / 'trials.jsonl'})", markup=False)
+    if status == "stopped" and sweepstop.stops_sweep():
+        # No further trial: Hydra's launcher and the sweepers catch Exception only, so this ends the sweep (exit 7;
+        # the trial's line said what to do).
+        sweepstop.mark_stopped(sweep_dir)
+        raise SystemExit(EXIT_INTERRUPTED)
     return None if math.isnan(record["metric"]) else record["metric"]
 
 
@@ -158,9 +171,11 @@ def format_summary(trials: list[dict]) -> str:
         lines.append(f"| {t['num']} | `{' '.join(t['overrides'])}` | {t['status']} | {fits} | "
                      f"{_gib(t['planned_peak_bytes'])} | {_gib(t['measured_peak_bytes'])} | "
                      f"{_num(_first(t['last_logged_loss'], t['train_loss']))} | {_num(t['eval_loss'])} | {note} |")
-    failed = sum(t["status"] != "ok" for t in trials)
-    return "\n".join([f"# sweep summary: {len(trials)} trials, {failed} failed or not fitting", "", *lines, "",
-                      best_trial(trials), ""])
+    failed = sum(t["status"] not in ("ok", "stopped") for t in trials)
+    stopped = sum(t["status"] == "stopped" for t in trials)
+    return "\n".join([f"# sweep summary: {len(trials)} trials, {failed} failed or not fitting"
+                      + (f", {stopped} stopped (the same sweep command resumes them)" if stopped else ""), "", *lines,
+                      "", best_trial(trials), ""])
 
 
 def best_trial(trials: list[dict]) -> str:
@@ -179,7 +194,10 @@ class SweepDir(Callback):
 
     def on_multirun_start(self, config, **kwargs) -> None:
         global _SWEEP_DIR
-        _SWEEP_DIR = Path(config.hydra.sweep.dir)
+        _SWEEP_DIR = sweepstop.start(config)  # a stopped sweep of the same command continues in its dir
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        sweepstop.end(config)
 
 
 def final_line() -> str | None:

@@ -10,14 +10,21 @@ from ..rundir.atomic import append_line
 
 
 class MetricsFile(TrainerCallback):
-    """Every log line of the Trainer, one JSON object per line, in run_dir/metrics.jsonl (rank 0)."""
+    """Every log line of the Trainer, one JSON object per line, in run_dir/metrics.jsonl (rank 0).
 
-    def __init__(self, path: Path):
-        self.path = path
+    The Trainer closes every launch with a train_runtime/train_loss line, also one that a signal or divergence
+    stopped (`guard`, train/guard.py): that line gets "interrupted": true, since its loss and runtime are those
+    of a launch cut short, not of the run (metrics.json has the run's)."""
+
+    def __init__(self, path: Path, guard=None):
+        self.path, self.guard = path, guard
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:
-            append_line(self.path, json.dumps({"step": state.global_step, **logs}))
+            row = {"step": state.global_step, **logs}
+            if "train_runtime" in logs and self.guard is not None and (self.guard.stopped or self.guard.diverged):
+                row["interrupted"] = True
+            append_line(self.path, json.dumps(row))
 
 
 def whole_run_loss(log_history: list[dict], launch_mean: float, steps: int, resumed_at: int) -> float:

@@ -10,6 +10,7 @@ from transformers import PrinterCallback, ProgressCallback, Trainer, TrainingArg
 from .evaluation import BestTracker, GenerationEval, perplexity
 from .guard import Guard
 from .lora import trainable_parameters
+from .losscarry import LossCarry
 from .optim import OPTIMIZERS, make_optimizer
 from .phases import PhaseMeter
 from .portable import load_states, save_portable_zero3
@@ -34,6 +35,7 @@ def make_trainer(args: TrainingArguments, model, train_set, val_set, collator, c
     trainer.phases = meter
     trainer.step_sampler, trainer.example_log = steps, ExampleLog(args.process_index)
     trainer.normalization = normalization
+    trainer.loss_carry = LossCarry()  # the running loss sums, saved with each checkpoint (train/losscarry.py)
     trainer.glm = model.get_base_model() if hasattr(model, "get_base_model") else model
     trainer.generation_eval, trainer.best = generation_eval, best
     if args.logging_strategy == "no":  # the probe: its closing {'train_loss': ..., 'epoch': 1.0} reads like a result
@@ -103,12 +105,21 @@ class LoraTrainer(Trainer):
             return super()._load_optimizer_and_scheduler(checkpoint)
         load_states(self, Path(checkpoint))
 
+    loss_carry: LossCarry | None = None
+
+    def _maybe_log_save_evaluate(self, tr_loss, *args, **kwargs):
+        if self.loss_carry is not None:  # its loop-local loss sum, for the checkpoint; a resume's sums put back
+            self.loss_carry.see(self, tr_loss)
+        return super()._maybe_log_save_evaluate(tr_loss, *args, **kwargs)
+
     def _save_checkpoint(self, model, trial, metrics=None):
         with self.phases.phase("save"):
             super()._save_checkpoint(model, trial, metrics)
+            folder = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
             if self.is_deepspeed_enabled:  # gathered optimizer states, so a ZeRO-3 run can resume as DDP
-                folder = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
                 save_portable_zero3(self.model_wrapped, self.state.global_step, folder, self.is_world_process_zero())
+            if self.loss_carry is not None:
+                self.loss_carry.save(self, folder)
 
     def training_step(self, model, inputs):
         loss = super().training_step(model, inputs)

@@ -177,7 +177,7 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
     timeline = MemoryTimeline(run_dir, planned_bytes, budget_bytes, probe_bytes)
     guard = Guard(run.train.save_minutes, trainable_parameters(model))
     trainer = make_trainer(args, model, train_set, val_set, collator,
-                           callbacks=[MetricsFile(run_dir / "metrics.jsonl"), timeline,
+                           callbacks=[MetricsFile(run_dir / "metrics.jsonl", guard), timeline,
                                       CompleteMarker(output_dir, run.train.keep_checkpoints), guard,
                                       *swanlab_callback(run.train.report_to, run_dir)],
                            generation_eval=generation_eval, best=best,
@@ -187,6 +187,8 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
     # stop signal, a crash), or every later op of this process runs through it (an in-process sweep's next trial).
     with trainer.phases:
         resumed_at = checkpoint_step(resume_from) if resume_from else 0
+        if resume_from is not None:
+            trainer.loss_carry.restore(resume_from, resumed_at)
         try:
             result = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
         except Exception as err:  # where it failed, for the one line modes.train_mode prints
@@ -196,8 +198,10 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
             raise
         guard.raise_if_stopped()
         runtime = result.metrics.get("train_runtime")
-        metrics = {"train_loss": whole_run_loss(trainer.state.log_history, result.training_loss, result.global_step,
-                                                resumed_at), "steps": result.global_step, "epochs": trainer.state.epoch,
+        train_loss = trainer.loss_carry.train_loss(result.training_loss, result.global_step)
+        if train_loss is None:  # a checkpoint of an older glmtune, without the loss sums: rebuilt from the logs
+            train_loss = whole_run_loss(trainer.state.log_history, result.training_loss, result.global_step, resumed_at)
+        metrics = {"train_loss": train_loss, "steps": result.global_step, "epochs": trainer.state.epoch,
                    # ds_numel: under ZeRO-3 a parameter's local tensor is an empty placeholder
                    "trainable_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in trainable_parameters(model)),
                    "runtime_s": runtime,
