@@ -152,11 +152,10 @@ def planned(prep: Prepared, run_dir: Path, plan_scratch: bool):
         if run.mode == "plan" or not plan.fits:
             console.print(format_plan(plan))
     if not plan.fits:
-        fail(f"the plan does not fit: estimated peak {plan.peak_bytes / GIB:.1f} GiB > budget "
-             f"{plan.budget_bytes / GIB:.1f} GiB with every memory lever on; "
-             + ("what fits: " + "; ".join(plan.advice) if plan.advice else
-                "no preset card, GPU count or data.max_length fits: lower lora.r or train.per_device_batch_size"),
-             code=3)
+        # Short enough for a 120-column log: the options themselves are the numbered list under the plan table.
+        fail(f"the plan does not fit: {plan.peak_bytes / GIB:.1f} GiB > {plan.budget_bytes / GIB:.1f} GiB budget; "
+             + (f"{len(plan.advice)} option(s) that fit are listed above, best first" if plan.advice else
+                "no option fits: lower lora.r or lora.target_modules"), code=3)
     return plan, start
 
 

@@ -18,10 +18,12 @@ from rich.console import Console
 from .atomic import write_json, write_text
 from ..launch import rank
 
-# Logs and pipes get 120 columns instead of rich's 80, so paths and reasons stay on one line.
 ERROR_PREFIX = "glmtune: error: "  # the sweep summary picks a failed trial's reason out of stderr by it
-# Not a terminal (a SLURM log, a pipe): tables at their natural width, never cut at rich's default of 80 or 120.
-console = Console(highlight=False, width=None if sys.stdout.isatty() else 1_000, soft_wrap=True)
+# Not a terminal (a log file, SLURM output, CI): tables wrap their cells at 120 columns (rich's default would be 80)
+# rather than growing to the longest cell, and are never cut ("…"). soft_wrap: plain lines are never folded by rich,
+# so a path or a step line stays whole for grep; the header and the plan's options wrap themselves at 120.
+LOG_WIDTH = 120
+console = Console(highlight=False, width=None if sys.stdout.isatty() else LOG_WIDTH, soft_wrap=True)
 
 
 def fail(message: str, code: int = 2, leader_speaks: bool = False) -> None:
