@@ -29,8 +29,8 @@ import threading
 
 from .signals import EXIT_INTERRUPTED, STOP_SIGNALS
 
-OURS = "glmtune: error: "
-STOPPED = re.compile(r"glmtune: error: stopped by (SIG\w+)")
+OURS = re.compile(r"glmtune: (error: |stopped by )")  # glmtune's one line: an error, or a stop that kept its work
+STOPPED = re.compile(r"glmtune: (?:error: )?stopped by (SIG\w+)")
 EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")  # torchrun's failure report, one per failed rank
 
 
@@ -93,7 +93,7 @@ class Supervisor:
             if STOPPED.search(line):
                 self.stop_line = True
             if self.stopped or self.stop_line:
-                if OURS not in line or line in self.seen:
+                if not OURS.search(line) or line in self.seen:
                     continue
                 self.seen.add(line)
             sys.stderr.write(line)

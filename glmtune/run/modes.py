@@ -31,7 +31,7 @@ from ..plan.elastic import elastic_choices
 from ..plan.planner import Choices, format_plan, make_plan
 from .report import header, report_probe, summary
 from ..rundir.resume import check_inputs, input_fingerprints, refuse_training_run, resume_command
-from ..rundir.files import console, fail, probed_peak, remove_empty_dirs, write_run_files
+from ..rundir.files import STOP_PREFIX, console, fail, probed_peak, remove_empty_dirs, write_run_files
 from ..rundir.lock import Start, decide, trim_metrics, write_state
 from ..train.checkpoints import checkpoint_step, last_complete
 from ..train.compile import check_attention, describe, resolve_compile
@@ -266,7 +266,7 @@ def train_mode(prep: Prepared, plan, start: Start, choices: Choices, peaks: tupl
                 console.print(f"glmtune: {line}submitit requeues the job, which resumes from it", markup=False)
             STOP.requeue()  # rank 0 exits in it; the others end below, with exit 7
         fail(f"{line}re-run the same command to resume from it, or: {resume_command(run_dir, prep.overrides)}",
-             code=EXIT_INTERRUPTED, leader_speaks=True)
+             code=EXIT_INTERRUPTED, leader_speaks=True, prefix=STOP_PREFIX)  # asked for, work kept: not an error
     except Diverged as bad:
         last = last_complete(run_dir / "checkpoints")
         if leader:
