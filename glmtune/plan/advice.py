@@ -32,6 +32,7 @@ MAX_OPTIONS = 6  # the list a person reads at exit 3; the cheapest ones
 # MiB, and the budget's own margin (hw.margin) is for what no estimate sees (fragmentation, a driver's growth).
 MIN_HEADROOM = 0.02
 INT8_FIRST = 0.05  # int8 (closer to bf16) is offered before nf4 only when it leaves this much of the budget free
+MAX_SCAN = 256  # lengths tried one LENGTH_STEP at a time below the longest that fits (_longest)
 WIDTH = 120  # columns of a printed option (a log file, SLURM output, CI)
 
 
@@ -92,19 +93,33 @@ def advise(run: RunConfig, world_size: int, max_length: int, replan: Callable[[R
 
 
 def _longest(plan_at: Callable[[int], object], max_length: int):
-    """(the longest multiple of LENGTH_STEP below max_length whose plan is comfortable, that plan), or None."""
-    lo, hi = 1, max_length // LENGTH_STEP  # in steps; hi * LENGTH_STEP <= max_length, which does not fit
-    if hi * LENGTH_STEP == max_length:
-        hi -= 1
-    best = None
-    while lo <= hi:  # peak grows with length
-        mid = (lo + hi) // 2
-        plan = plan_at(mid * LENGTH_STEP)
+    """(the longest multiple of LENGTH_STEP below max_length whose plan is comfortable, that plan), or None.
+
+    Whether a length fits is monotonic (binary search); its headroom is not: as the length drops the planner
+    spends what it frees on speed (checkpointing off, a larger evaluation batch) and lands near the budget again.
+    So from the longest that fits, down one LENGTH_STEP at a time to the first with MIN_HEADROOM (~7 ms a plan;
+    at most MAX_SCAN of them, then a binary search below)."""
+    def search(lo: int, hi: int, ok: Callable) -> tuple[int, object] | None:
+        best = None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            plan = plan_at(mid * LENGTH_STEP)
+            if ok(plan):
+                best, lo = (mid * LENGTH_STEP, plan), mid + 1
+            else:
+                hi = mid - 1
+        return best
+
+    top = (max_length - 1) // LENGTH_STEP  # in steps: top * LENGTH_STEP < max_length, which does not fit
+    fitting = search(1, top, lambda plan: plan.fits)
+    if fitting is None:
+        return None
+    steps = fitting[0] // LENGTH_STEP
+    for n in range(steps, max(steps - MAX_SCAN, 0), -1):
+        plan = fitting[1] if n == steps else plan_at(n * LENGTH_STEP)
         if comfortable(plan):
-            best, lo = (mid * LENGTH_STEP, plan), mid + 1
-        else:
-            hi = mid - 1
-    return best
+            return n * LENGTH_STEP, plan
+    return search(1, steps - MAX_SCAN, comfortable)
 
 
 def _length(base: RunConfig, world_size: int, max_length: int, replan):
