@@ -6,6 +6,7 @@ the probe's peak) and the final evaluation in that same run. A real CLI run in a
 global state (wandb.run, mlflow's active run) that must not outlive it."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -179,3 +180,38 @@ def test_an_mlflow_file_store_that_mlflow_refuses_is_one_line_before_anything_ru
     proc = glmtune_in_process("train.report_to=[mlflow]", f"hydra.run.dir={tmp_path}/run", cwd=REPO)
     assert proc.returncode == 2 and "MLFLOW_ALLOW_FILE_STORE=true" in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_launches_in_one_process_are_one_run_each_closed_with_their_outcome(tracked, tmp_path, monkeypatch):
+    """An in-process sweep runs trials one after another: each launch is its own MLflow run, named after its run
+    dir, and a stop signal's launch is closed KILLED, a crash's FAILED (the real TrackerRuns and MLflow store: a
+    copy of the CLI run's SQLite store, whose schema is already built, with an experiment of its own)."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from glmtune.train.guard import StoppedBySignal
+    from glmtune.train.tracking import TrackerRuns
+
+    shutil.copy(tracked[0] / "mlflow.db", tmp_path / "mlflow.db")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "in-process")
+    monkeypatch.chdir(tmp_path)
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    try:
+        with TrackerRuns(["mlflow"], tmp_path / "sweep" / "0", {"lora.r": 4, "run_dir": "x" * 10_000}):
+            mlflow.log_metric("eval_loss", 1.5, step=3)
+        with pytest.raises(StoppedBySignal), TrackerRuns(["mlflow"], tmp_path / "sweep" / "1", {"lora.r": 8}):
+            raise StoppedBySignal(2, "SIGTERM")
+        with pytest.raises(RuntimeError), TrackerRuns(["mlflow"], tmp_path / "sweep" / "2", {"lora.r": 16}):
+            raise RuntimeError("a crash")
+        with TrackerRuns(["mlflow"], tmp_path / "sweep" / "3", {"lora.r": 32}, active=False):  # another rank
+            assert mlflow.active_run() is None
+    finally:
+        mlflow.set_tracking_uri(previous)
+    client = MlflowClient(uri)
+    runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("in-process").experiment_id])}
+    assert {name: (r.info.status, r.data.params["lora.r"]) for name, r in runs.items()} == {
+        "sweep/0": ("FINISHED", "4"), "sweep/1": ("KILLED", "8"), "sweep/2": ("FAILED", "16")}
+    assert runs["sweep/0"].data.metrics == {"eval_loss": 1.5} and len(runs["sweep/0"].data.params["run_dir"]) < 10_000

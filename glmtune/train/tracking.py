@@ -117,12 +117,13 @@ class TrackerRuns:
     # MLflow: MLFLOW_TRACKING_URI / MLFLOW_EXPERIMENT_NAME / MLFLOW_RUN_ID are read by mlflow itself --------------
     def _open_mlflow(self) -> None:
         import mlflow
-        from mlflow.utils.validation import MAX_PARAMS_TAGS_PER_BATCH
+        from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
 
         if mlflow.active_run() is not None:  # a run some earlier code left open in this process (a sweep's trial)
             mlflow.end_run()
         mlflow.start_run(run_name=self.name)
-        items = list(self.params.items())
+        # MLflow refuses a longer value (6,000 characters in MLflow 3, fewer before): a long path is cut, not fatal
+        items = [(k, v[:MAX_PARAM_VAL_LENGTH] if isinstance(v, str) else v) for k, v in self.params.items()]
         for start in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
             mlflow.log_params(dict(items[start:start + MAX_PARAMS_TAGS_PER_BATCH]))
 
