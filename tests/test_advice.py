@@ -99,7 +99,8 @@ def test_every_advice_line_fits_when_applied_and_is_the_best_of_its_kind(overrid
         assert length % LENGTH_STEP == 0 and length < plan.choices.max_length
         longer = length + LENGTH_STEP
         if longer < plan.choices.max_length:
-            assert not comfortable(plan_for(apply(overrides, typed.replace(m[0], f"data.max_length={longer}") + ": x"))[1])
+            more = typed.replace(m[0], f"data.max_length={longer}")
+            assert not comfortable(plan_for(apply(overrides, more + ": x"))[1]), line
 
 
 def test_the_issues_t4_case_offers_an_h200_and_no_card_that_does_not_fit():
@@ -175,5 +176,6 @@ def test_options_print_as_a_numbered_list_within_120_columns():
     text = format_options(plan.advice)
     assert max(map(len, text.splitlines())) <= 120
     numbered = [line for line in text.splitlines() if re.match(r"  \d\. ", line)]
-    assert [line.split()[1].rstrip(":") for line in numbered] == [line.split(": ")[0].split()[0] for line in plan.advice]
+    firsts = [line.split(": ")[0].split()[0] for line in plan.advice]
+    assert [line.split()[1].rstrip(":") for line in numbered] == firsts
     assert " ".join(text.split()).count("% headroom)") == len(plan.advice)

@@ -85,6 +85,7 @@ def test_a_plan_logged_to_a_file_has_no_line_over_120_columns(tmp_path, override
         assert error.startswith("glmtune: error: the plan does not fit: ")
         assert (f"{len(options)} option(s) that fit are listed above" in error if options
                 else "no option fits: lower lora.r" in error), error
+        assert bool(options) == ("lora.r=1024" not in overrides), options  # 2.7e9 LoRA parameters: nothing helps
         if "data.max_length=131072" in overrides:  # the bf16 weights alone exceed a T4: only combinations help
             assert options[0] == "model.quantize=nf4" and "data.max_length=" in text.split("  1. ")[1].split("\n")[0]
 
@@ -126,7 +127,7 @@ def test_bitsandbytes_kernels_notice_reaches_the_rank_log_not_the_console():
         logger.addHandler(handler)
     try:
         logger.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure you already "
-                       "`pip install kernels` and the kernels >= 0.11.1", ModuleNotFoundError("No module named 'kernels'"))
+                       "`pip install kernels` and the kernels >= 0.11.1", ModuleNotFoundError("No module 'kernels'"))
         logger.warning("an unrelated warning")
     finally:
         for handler in handlers:
