@@ -6,6 +6,7 @@ at every step and end with the same adapter fingerprint (sha256 of every LoRA te
 """
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -66,7 +67,8 @@ def logged_steps(run_dir: Path) -> int:
 def error_line(stderr: str) -> str:
     assert "Traceback" not in stderr, stderr[-3000:]
     # A line may start with a progress bar's last update (tqdm ends its lines with \r, not \n).
-    lines = [line[line.index("glmtune: error: "):] for line in stderr.splitlines() if "glmtune: error: " in line]
+    # glmtune's one line: an error, or a stop that saved its checkpoint ("glmtune: stopped by ...", not an error)
+    lines = [line[m.start():] for line in stderr.splitlines() if (m := re.search(r"glmtune: (error: |stopped by )", line))]
     assert len(lines) == 1, stderr[-3000:]
     return lines[0]
 
@@ -266,7 +268,7 @@ def test_zero3_two_ranks_sigterm_then_resume_matches_the_uninterrupted_run(tmp_p
     proc.send_signal(signal.SIGTERM)  # torchrun forwards it to both workers
     _, _, stderr = finish(proc)
     # Rank 0 speaks on the console; rank 1 writes the same step's line to its own log (issue 21).
-    stops = [line for line in stderr.splitlines() if "glmtune: error: stopped by SIGTERM at step" in line]
+    stops = [line for line in stderr.splitlines() if "glmtune: stopped by SIGTERM at step" in line]
     assert len(stops) == 1, stderr[-4000:]
     stopped_at = int(stops[0].split("at step ")[1].split(":")[0])
     assert f"stopped by SIGTERM at step {stopped_at}:" in (out / "rank1.log").read_text()

@@ -29,6 +29,25 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.c10d_logger")
     # accelerate and peft import transformers.deepspeed, deprecated for transformers.integrations in 4.40.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\.deepspeed")
+    # transformers 4.40's Trainer enters torch.cpu.amp.autocast (deprecated in torch 2.4) for bf16 on CPU (+hw=
+    # presets): once per training and once per evaluation; nothing the user can change.
+    warnings.filterwarnings("ignore", category=FutureWarning, message=r"`torch\.cpu\.amp\.autocast")
+    # bitsandbytes 0.50 on a CPU with AVX512-BF16 (most GPU hosts) tries the optional `kernels` package at import
+    # and warns when it is absent: an optional CPU kernel, not used by a GPU run. Kept in rank<N>.log as INFO.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(ToInfo("Failed to load CPU gemm_4bit_forward"))
+
+
+class ToInfo(logging.Filter):
+    """Lowers a logger's records that start with `prefix` to INFO: below the console, still in the rank logs."""
+
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith(self.prefix):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
 
 
 # The packages DeepSpeed 0.19's get_accelerator() imports to detect NPU, SDAA, HPU, MLU, SUPA and KLXPU devices.

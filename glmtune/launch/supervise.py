@@ -41,8 +41,9 @@ import threading
 
 from .signals import EXIT_INTERRUPTED, STOP_SIGNALS
 
-OURS = "glmtune: error: "
-STOPPED = re.compile(r"glmtune: error: stopped by (SIG\w+)")
+OURS = re.compile(r"glmtune: (error: |stopped by )")  # glmtune's one line: an error, or a stop that kept its work
+ERROR = "glmtune: error: "  # the supervisor's own lines
+STOPPED = re.compile(r"glmtune: (?:error: )?stopped by (SIG\w+)")
 EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")  # torchrun's failure report, one per failed rank
 # torchrun's first line about a failure: the first failed rank's code; all it prints after is its report.
 FIRST_FAILURE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank")
@@ -130,7 +131,7 @@ class Supervisor:
                 self.first_failure, self.reporting = int(failed.group(1)), True
             if STOPPED.search(line):
                 self.stop_line = True
-            if OURS in line:  # every rank says the same line: once
+            if OURS.search(line):  # every rank says the same line: once
                 if line in self.seen:
                     continue
                 self.seen.add(line)
@@ -143,7 +144,7 @@ class Supervisor:
         try:
             command = launcher_command(self.argv)
         except LookupError as missing:
-            print(f"{OURS}{missing}", file=sys.stderr)
+            print(f"{ERROR}{missing}", file=sys.stderr)
             return 2
         self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1,
                                      start_new_session=True, preexec_fn=_die_with_parent)
@@ -159,14 +160,14 @@ class Supervisor:
             return EXIT_INTERRUPTED
         if code != 0 and self.stopped and not self.seen:  # the signal came before any rank could answer it
             # (torchrun's SignalException, or ranks still importing, which SIGTERM kills): nothing was saved
-            print(f"{OURS}stopped by {self.signal_name} before training began; nothing to save — re-run the same "
+            print(f"{ERROR}stopped by {self.signal_name} before training began; nothing to save — re-run the same "
                   "command to start again", file=sys.stderr)
             return EXIT_INTERRUPTED
         if code != 0 and self.seen and self.first_failure is not None and self.first_failure > 0:
             return self.first_failure  # torchrun's 1 for any failure: the rank's documented code instead
         if code != 0 and not self.seen and not self.reporting:  # nothing said why: the deepspeed launcher runs at
             # --log_level critical (scripts/deepspeed_launch.sh), without its "exits with return code" line
-            print(f"{OURS}{os.path.basename(self.argv[0])} ended with exit code {code} and no rank said why: "
+            print(f"{ERROR}{os.path.basename(self.argv[0])} ended with exit code {code} and no rank said why: "
                   "read the rank<N>.log files in the run dir", file=sys.stderr)
         return code
 

@@ -15,11 +15,11 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from ..config import RunConfig
-from .advice import advise
+from .advice import advise, format_options
 from .estimate import GIB, RunShape, estimate, gpu_family, image_extra_tokens
 from ..config import userds
 from .provenance import derived_near_budget, term_sources
-from .quantized import allows_zero3, quantize_advice
+from .quantized import allows_zero3
 from .reserve import ALLOCATORS, allocator_in_force
 
 DEFAULT_MAX_LENGTH = 500
@@ -231,31 +231,33 @@ def _reasons(run, start: Choices, c: Choices, budget, weights: int, world_size: 
 
 def _advice(run, arch, world_size: int, max_length: int, data_max_tokens, margin,
             packed: tuple[int, int] | None = None) -> list[str]:
-    """The overrides that would fit, each one planned again (plan/advice.py, plan/quantized.py); empty when
-    none does."""
+    """The overrides that would fit, each one planned again (plan/advice.py); empty when none does."""
     def replan(changed: RunConfig, world: int) -> Plan:
         return make_plan(changed, arch, world, True, data_max_tokens, margin, packed, advice=False)
 
-    return advise(run, world_size, max_length, replan,
-                  lambda: quantize_advice(run, max_length, lambda r: replan(r, world_size)))
+    return advise(run, world_size, max_length, replan)
 
 
 def format_plan(plan: Plan):
-    """Rich table: breakdown in GiB, then each decision with its reason."""
+    """Rich table: breakdown in GiB, then each decision with its reason; under it, the numbered options that
+    would fit (plan.advice), wrapped for a 120-column log."""
+    from rich.console import Group
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title=f"memory plan: {'fits' if plan.fits else 'DOES NOT FIT'}", show_header=True)
     table.add_column("item")
     table.add_column("value", justify="right")
+    table.add_column("why", style="dim")  # the term's source, or the decision's reason: wraps in a 120-column log
     for name, value in plan.breakdown.items():
-        table.add_row(name, f"{value / GIB:.2f} GiB  [dim]{plan.sources.get(name, '').split(' (')[0]}")
+        table.add_row(name, f"{value / GIB:.2f} GiB", plan.sources.get(name, "").split(" (")[0])
     table.add_row("[bold]estimated peak", f"[bold]{plan.peak_bytes / GIB:.2f} GiB")
     budget = "none (no GPU)" if plan.budget_bytes is None else f"{plan.budget_bytes / GIB:.2f} GiB"
     table.add_row("[bold]budget", budget)
     for key, value in plan.choices.to_dict().items():
-        table.add_row(key, f"{value}  [dim]{plan.reasons.get(key, '')}")
+        table.add_row(key, str(value), plan.reasons.get(key, ""))
     if plan.unmeasured_risk:
-        table.add_row("[yellow]unmeasured", plan.unmeasured_risk)
-    for line in plan.advice:
-        table.add_row("[red]advice", line)
-    return table
+        table.add_row("[yellow]unmeasured", "", plan.unmeasured_risk)
+    if not plan.advice:
+        return table
+    return Group(table, Text(format_options(plan.advice)))

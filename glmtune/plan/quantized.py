@@ -17,8 +17,6 @@ Working memory that bf16 weights do not need (the CUDA kernels of bitsandbytes 0
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 from ..models import GLMConfig
 
 NF4_BLOCK = 64  # weights per absmax: bitsandbytes' default blocksize, CUDA and CPU
@@ -72,33 +70,6 @@ def saved_bytes(arch: GLMConfig, quantize: str, e: int, tokens: int) -> int:
     return e * tokens * sum(i for i, _ in quantized_linears(arch))
 
 
-# Share of the budget a quantized suggestion should leave free to be offered first (int8 before nf4).
-HEADROOM = 0.05
-
-
 def allows_zero3(run) -> bool:
     """ZeRO-3 shards parameters as flat 16-bit tensors; bitsandbytes weights and their states cannot be."""
     return run.dist.strategy != "ddp" and run.model.quantize == "none"
-
-
-def quantize_advice(run, max_length: int, replan) -> list[str]:
-    """When nothing fits in bf16: the quantized bases that would, each with its estimate. int8 first (closer to
-    bf16) when it leaves HEADROOM of the budget; otherwise nf4 first: a plan at 21.2 of 21.2 GiB rests on every
-    term being exact, one at 18.5 does not.
-
-    `replan(run)` is the planner's make_plan for one card set, passed in so this module does not import it."""
-    if run.model.quantize != "none" or run.model.trust_remote_code:
-        return []
-    also = " dist.strategy=auto" if run.dist.strategy == "zero3" else ""
-    fitting = {}
-    for mode in ("int8", "nf4"):
-        trial = replace(run, model=replace(run.model, quantize=mode), data=replace(run.data, max_length=max_length),
-                        dist=replace(run.dist, strategy="auto" if run.dist.strategy == "zero3" else run.dist.strategy))
-        plan = replan(trial)
-        if plan.fits:
-            fitting[mode] = plan
-    int8 = fitting.get("int8")
-    order = ("int8", "nf4") if int8 and int8.peak_bytes <= (1 - HEADROOM) * int8.budget_bytes else ("nf4", "int8")
-    return [f"model.quantize={mode}{also}: quantize the frozen base weights (QLoRA; changes the numerics), "
-            f"estimated {fitting[mode].peak_bytes / 2**30:.1f} of {fitting[mode].budget_bytes / 2**30:.1f} GiB"
-            for mode in order if mode in fitting]

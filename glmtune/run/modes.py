@@ -31,7 +31,7 @@ from ..plan.elastic import elastic_choices
 from ..plan.planner import Choices, format_plan, make_plan
 from .report import header, report_probe, summary
 from ..rundir.resume import check_inputs, input_fingerprints, refuse_training_run, resume_command
-from ..rundir.files import console, fail, probed_peak, remove_empty_dirs, write_run_files
+from ..rundir.files import STOP_PREFIX, console, fail, probed_peak, remove_empty_dirs, write_run_files
 from ..rundir.lock import Start, decide, trim_metrics, write_state
 from ..train.checkpoints import checkpoint_step, last_complete
 from ..train.compile import check_attention, describe, resolve_compile
@@ -156,11 +156,10 @@ def planned(prep: Prepared, run_dir: Path, plan_scratch: bool):
         if run.mode == "plan" or not plan.fits:
             console.print(format_plan(plan))
     if not plan.fits:
-        fail(f"the plan does not fit: estimated peak {plan.peak_bytes / GIB:.1f} GiB > budget "
-             f"{plan.budget_bytes / GIB:.1f} GiB with every memory lever on; "
-             + ("what fits: " + "; ".join(plan.advice) if plan.advice else
-                "no preset card, GPU count or data.max_length fits: lower lora.r or train.per_device_batch_size"),
-             code=3)
+        # Short enough for a 120-column log: the options themselves are the numbered list under the plan table.
+        fail(f"the plan does not fit: {plan.peak_bytes / GIB:.1f} GiB > {plan.budget_bytes / GIB:.1f} GiB budget; "
+             + (f"{len(plan.advice)} option(s) that fit are listed above, best first" if plan.advice else
+                "no option fits: lower lora.r or lora.target_modules"), code=3)
     return plan, start
 
 
@@ -273,7 +272,8 @@ def train_mode(prep: Prepared, plan, start: Start, choices: Choices, peaks: tupl
             STOP.requeue()  # rank 0 exits in it; the others end below, with exit 7
         advice = (trial_stop_advice()  # a sweep's trial: the sweep command continues it (run/sweepstop.py)
                   or f"re-run the same command to resume from it, or: {resume_command(run_dir, prep.overrides)}")
-        fail(f"{line}{advice}", code=EXIT_INTERRUPTED, leader_speaks=True)
+        fail(f"{line}{advice}", code=EXIT_INTERRUPTED, leader_speaks=True,
+             prefix=STOP_PREFIX)  # asked for, work kept: not an error
     except Diverged as bad:
         last = last_complete(run_dir / "checkpoints")
         if leader:

@@ -7,6 +7,7 @@ steps the run will take, so a run that trains 40 steps of a 3-epoch request cann
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 
 from ..config import EVAL_METRICS, RunConfig, TrainConfig
@@ -14,7 +15,7 @@ from ..launch import rank
 from ..plan.estimate import GIB
 from ..plan.planner import Choices, Plan
 from ..rundir.atomic import write_json
-from ..rundir.files import console
+from ..rundir.files import LOG_WIDTH, console
 
 
 def optimizer_steps(cfg: TrainConfig, choices: Choices, examples: int) -> tuple[int, float]:
@@ -72,7 +73,9 @@ def header(run: RunConfig, plan: Plan, run_dir: Path | None, train_examples: int
         why = (f"train.max_steps={run.train.max_steps}: {epochs:.2f} epochs" if run.train.max_steps > 0
                else f"{epochs:g} epoch(s)")
         lines.append(f"  steps  {steps} optimizer steps ({why} of {train_examples} examples)")
-    return "\n".join(lines)
+    # 120 columns, continued under the value: a log file or CI page shows it whole (a path is never split)
+    return "\n".join(textwrap.fill(line, LOG_WIDTH, subsequent_indent=" " * 9, break_long_words=False,
+                                   break_on_hyphens=False) for line in lines)
 
 
 def report_probe(report, run_dir: Path) -> None:

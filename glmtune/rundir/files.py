@@ -18,24 +18,28 @@ from rich.console import Console
 from .atomic import write_json, write_text
 from ..launch import rank
 
-# Logs and pipes get 120 columns instead of rich's 80, so paths and reasons stay on one line.
 ERROR_PREFIX = "glmtune: error: "  # the sweep summary picks a failed trial's reason out of stderr by it
-# Not a terminal (a SLURM log, a pipe): tables at their natural width, never cut at rich's default of 80 or 120.
-console = Console(highlight=False, width=None if sys.stdout.isatty() else 1_000, soft_wrap=True)
+STOP_PREFIX = "glmtune: "  # a stop signal that saved a checkpoint: "glmtune: stopped by SIGTERM at step ..." (exit 7)
+# Not a terminal (a log file, SLURM output, CI): tables wrap their cells at 120 columns (rich's default would be 80)
+# rather than growing to the longest cell, and are never cut ("…"). soft_wrap: plain lines are never folded by rich,
+# so a path or a step line stays whole for grep; the header and the plan's options wrap themselves at 120.
+LOG_WIDTH = 120
+console = Console(highlight=False, width=None if sys.stdout.isatty() else LOG_WIDTH, soft_wrap=True)
 
 
-def fail(message: str, code: int = 2, leader_speaks: bool = False) -> None:
+def fail(message: str, code: int = 2, leader_speaks: bool = False, prefix: str = ERROR_PREFIX) -> None:
     """One line on stderr, no traceback: what is wrong and what to do.
 
     `leader_speaks`: a line every rank would say alike (a stop on a signal) is printed by rank 0 only; the other
-    ranks write it to their own log (rank<N>.log), so the console shows it once."""
+    ranks write it to their own log (rank<N>.log), so the console shows it once. `prefix`: STOP_PREFIX for a stop
+    that was asked for and kept its work (not an error, though the exit code is not 0)."""
     if leader_speaks and rank() != 0:
         for handler in logging.getLogger().handlers:
             if isinstance(handler, logging.FileHandler):
                 handler.emit(logging.makeLogRecord({"msg": message, "levelno": logging.WARNING,
                                                     "levelname": "WARNING", "name": "glmtune"}))
         sys.exit(code)
-    print(f"{ERROR_PREFIX}{message}", file=sys.stderr)
+    print(f"{prefix}{message}", file=sys.stderr)
     sys.exit(code)
 
 

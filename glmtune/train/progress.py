@@ -1,18 +1,32 @@
-"""The Trainer's progress bar with glmtune's own lines: `step 5: loss 7.4731, lr 4.5e-04, epoch 0.10` instead of
-the Python dict the Trainer writes under it, and no dict of train_runtime/samples_per_second at the end (the
-closing line and metrics.json carry those). Every value is also in metrics.jsonl and TensorBoard."""
+"""The Trainer's progress bar with glmtune's own lines: `step 5: loss 7.4731, lr 4.5e-04, epoch 0.10, 1,234 tokens/s,
+peak GPU 17.80 GiB` instead of the Python dict the Trainer writes under it, and no dict of
+train_runtime/samples_per_second at the end (the closing line and metrics.json carry those). Every value is also in
+metrics.jsonl and the trackers.
+
+Throughput is over the training steps since the previous line only (the time between a step's start and end:
+evaluations and checkpoint saves in between are not counted against it), in input tokens of all ranks, padding
+included, as the closing line counts them. Memory is the logging interval's measured peak (train/timeline.py): the
+whole GPU process as the plan predicts it, or on CPU the process's peak resident set.
+"""
 from __future__ import annotations
 
+import time
+
+import torch
 from transformers import ProgressCallback
 
-_SHORT = {"learning_rate": "lr", "grad_norm": "grad norm", "num_input_tokens_seen": "tokens"}
+_SHORT = {"learning_rate": "lr", "grad_norm": "grad norm"}
+# Carried on the log for metrics.jsonl and the trackers, not for a person: the running token count (the line shows
+# the rate), a closing record's totals, the memory figures (the line shows the step peak as `peak ...`).
+_HIDDEN = ("total_flos", "num_input_tokens_seen")
 
 
-def step_line(step: int, logs: dict) -> str:
+def step_line(step: int, logs: dict, tokens_per_s: float | None = None, peak_gib: float | None = None,
+              on_gpu: bool = False) -> str:
     parts = []
     for key, value in logs.items():
-        if "runtime" in key or key.endswith("per_second"):  # timings of one evaluation: in metrics.jsonl
-            continue
+        if "runtime" in key or key.endswith("per_second") or key in _HIDDEN or key.startswith("memory/"):
+            continue  # timings of one evaluation: in metrics.jsonl
         name = _SHORT.get(key, key.replace("eval_", "eval "))
         if isinstance(value, float):
             text = (f"{value:.2e}" if key == "learning_rate" else f"{value:.2f}" if key == "epoch" else
@@ -20,15 +34,43 @@ def step_line(step: int, logs: dict) -> str:
         else:
             text = str(value)
         parts.append(f"{name} {text}")
+    if tokens_per_s is not None:
+        parts.append(f"{tokens_per_s:,.0f} tokens/s")
+    if peak_gib is not None:
+        parts.append(f"peak {'GPU' if on_gpu else 'RSS'} {peak_gib:.2f} GiB")
     return f"step {step}: " + ", ".join(parts)
 
 
 class StepLines(ProgressCallback):
+    def __init__(self):
+        super().__init__()
+        self.on_gpu = torch.cuda.is_available()
+        self.step_started: float | None = None
+        self.busy_s = 0.0  # seconds inside training steps since the last training line
+        self.tokens = 0  # state.num_input_tokens_seen at the last training line
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        super().on_train_begin(args, state, control, **kwargs)
+        self.busy_s, self.tokens = 0.0, state.num_input_tokens_seen  # a resume starts from the checkpoint's count
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.step_started = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        super().on_step_end(args, state, control, **kwargs)
+        if self.step_started is not None:
+            self.busy_s += time.perf_counter() - self.step_started
+            self.step_started = None
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs or "train_runtime" in logs:
             return
-        line = step_line(state.global_step, {k: v for k, v in logs.items()
-                                             if k != "total_flos" and not k.startswith("memory/")})
+        rate = None
+        if "loss" in logs:  # a training line: the rate of the steps since the previous one
+            seen = state.num_input_tokens_seen
+            rate = (seen - self.tokens) / self.busy_s if self.busy_s > 0 and seen > self.tokens else None
+            self.busy_s, self.tokens = 0.0, seen
+        line = step_line(state.global_step, logs, rate, logs.get("memory/step_peak_gib"), self.on_gpu)
         if self.training_bar is not None:
             self.training_bar.write(line)
         else:

@@ -34,6 +34,7 @@ from .lora import apply_lora, trainable_parameters
 from .lora_trainer import make_trainer  # noqa: F401  (the probe and bench/ build theirs here too)
 from .optim import HF_NAMES
 from .timeline import MemoryTimeline
+from .tracking import TrackerRuns, launch_params, run_label
 from ..models import enable_checkpointing, load_model
 from ..models.quantize import load_quantized
 from ..config import userds
@@ -88,6 +89,7 @@ def training_args(cfg: TrainConfig, choices: Choices, run_dir: Path, has_eval: b
         logging_dir=str(run_dir / "tensorboard"),
         # train.report_to: the Trainer's tensorboard/wandb/mlflow integrations; swanlab is a callback (train())
         report_to=[] if quiet else [t for t in cfg.report_to if t != "swanlab"],
+        run_name=run_label(run_dir),  # as train/tracking.py names the tracker runs (the default: output_dir)
         seed=cfg.seed,
         data_seed=cfg.seed,
         remove_unused_columns=False,  # our examples are already model inputs
@@ -142,14 +144,14 @@ def prepare_model(model: torch.nn.Module, run: RunConfig, choices: Choices) -> t
     return model
 
 
-def swanlab_callback(report_to: list[str], run_dir: Path) -> list:
-    """SwanLab's own Trainer callback: transformers 4.40 has no swanlab integration (it came in 4.50).
-    SWANLAB_MODE=local (or offline) keeps the logs in SWANLAB_LOG_DIR without an account."""
+def swanlab_callback(report_to: list[str]) -> list:
+    """SwanLab's own Trainer callback: transformers 4.40 has no swanlab integration (it came in 4.50). It logs
+    into the run train/tracking.py opened (SWANLAB_MODE=local or offline keeps it on disk, no account)."""
     if "swanlab" not in report_to:
         return []
     from swanlab.integration.transformers import SwanLabCallback
 
-    return [SwanLabCallback(project="glmtune", experiment_name=run_dir.name)]
+    return [SwanLabCallback()]
 
 
 def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, train_set, val_set,
@@ -179,13 +181,16 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
     trainer = make_trainer(args, model, train_set, val_set, collator,
                            callbacks=[MetricsFile(run_dir / "metrics.jsonl", guard), timeline,
                                       CompleteMarker(output_dir, run.train.keep_checkpoints), guard,
-                                      *swanlab_callback(run.train.report_to, run_dir)],
+                                      *swanlab_callback(run.train.report_to)],
                            generation_eval=generation_eval, best=best,
                            normalization=run.train.loss_normalization)
     trainer.guard, trainer.memory = guard, timeline
+    trackers = TrackerRuns(run.train.report_to, run_dir, launch_params(run, choices, planned_bytes, budget_bytes,
+                                                                      probe_bytes, run_dir), args.process_index == 0)
     # On CPU the meter's tracker is a dispatch mode on torch's stack: it must come off however train() ends (a
     # stop signal, a crash), or every later op of this process runs through it (an in-process sweep's next trial).
-    with trainer.phases:
+    # The tracker runs span training and the final evaluation: one run per launch, closed with its outcome.
+    with trainer.phases, trackers:
         resumed_at = checkpoint_step(resume_from) if resume_from else 0
         if resume_from is not None:
             trainer.loss_carry.restore(resume_from, resumed_at)
