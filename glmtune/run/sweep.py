@@ -32,6 +32,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -44,6 +45,9 @@ from ..launch import rank
 from ..rundir.files import ERROR_PREFIX, console
 from ..launch.signals import EXIT_INTERRUPTED, Requeued
 from . import sweepstop
+
+# The text of glmtune's one line, anywhere in a line: a progress bar's last update (ended by \r) may precede it.
+ONE_LINE = re.compile(re.escape(ERROR_PREFIX) + r"(.*)|glmtune: (stopped by .*)")
 
 GIB = 2**30
 EXIT_NO_TRIAL = 9  # a sweep in which no trial succeeded
@@ -64,9 +68,8 @@ class _Tee(io.TextIOBase):
         self.stream.flush()
 
     def error_line(self) -> str | None:
-        # anywhere in a line: a progress bar's last update (ended by \r, not \n) may precede it
-        found = [line[line.index(ERROR_PREFIX) + len(ERROR_PREFIX):] for line in self.lines.getvalue().splitlines()
-                 if ERROR_PREFIX in line]
+        # glmtune's one line: an error, or a stop that kept its work ("glmtune: stopped by SIGTERM at step ...")
+        found = [m.group(1) or m.group(2) for m in map(ONE_LINE.search, self.lines.getvalue().splitlines()) if m]
         return found[-1] if found else None
 
 
