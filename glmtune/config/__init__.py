@@ -6,4 +6,4 @@ Imports nothing else of glmtune: every stage below receives these objects, and r
 """
 from .validate import (CONF_DIR, EVAL_METRICS, GROUPS, LORA_TARGETS, MODES, TRACKERS, ConfigError,  # noqa: F401
                        DataConfig, DistConfig, EvalConfig, HwConfig, InferConfig, LoraConfig, ModelConfig,
-                       ProbeConfig, RunConfig, TrainConfig, check_override_keys, parse_config)
+                       ProbeConfig, RunConfig, TrainConfig, check_override_keys, parse_config, train_files)

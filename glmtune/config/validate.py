@@ -205,6 +205,10 @@ def _check_values(cfg: RunConfig) -> list[str]:
                         + ("" if cfg.eval.generate else " (the generation metrics need eval.generate=true)"))
     if cfg.eval.early_stopping_patience < 0:
         problems.append("eval.early_stopping_patience must be >= 0")
+    problems += _data_files_problems(cfg.data)
+    if cfg.data.val_size > 0 and cfg.eval.generate:  # GenerationEval reads its prompts from data.val_file
+        problems.append("eval.generate needs data.val_file: a val set held out by data.val_size gets eval loss and "
+                        "perplexity only — set eval.generate=false, or write the val set to a file")
     if cfg.data.num_proc < 0:
         problems.append(f"data.num_proc must be >= 0 (0 = every core), got {cfg.data.num_proc}")
     if cfg.model.quantize != "none" and (cfg.dist.strategy == "zero3" or cfg.model.trust_remote_code):
@@ -238,6 +242,35 @@ def _check_values(cfg: RunConfig) -> list[str]:
         problems += _mlflow_store_problem()
     if cfg.train.learning_rate <= 0:
         problems.append(f"train.learning_rate must be > 0, got {cfg.train.learning_rate}")
+    return problems
+
+
+def train_files(cfg: DataConfig) -> list[str]:
+    """data.train_file as a list: one string keeps meaning one file."""
+    return [cfg.train_file] if isinstance(cfg.train_file, str) else list(cfg.train_file)
+
+
+def _data_files_problems(cfg: DataConfig) -> list[str]:
+    """data.train_file (a path or a list of paths), data.mix (a weight per file) and data.val_size."""
+    files = cfg.train_file
+    if not (isinstance(files, str) and files) and not (
+            isinstance(files, list) and files and all(isinstance(f, str) and f for f in files)):
+        return [f"data.train_file must be a file path or a list of them, got {files!r}"]
+    problems = []
+    if isinstance(files, list) and len(set(files)) < len(files):
+        problems.append(f"data.train_file lists a file twice ({files}): give each file once and weight it with data.mix")
+    if cfg.mix is not None:
+        if isinstance(files, str) or len(cfg.mix) != len(files):
+            count = 1 if isinstance(files, str) else len(files)
+            problems.append(f"data.mix={cfg.mix} needs one weight per data.train_file entry ({count} file"
+                            f"{'' if count == 1 else 's'}): e.g. data.train_file=[a.jsonl,b.jsonl] data.mix=[3,1]")
+        elif not all(w > 0 for w in cfg.mix):
+            problems.append(f"data.mix weights must be > 0, got {cfg.mix} (leave a file out of data.train_file instead)")
+    if cfg.val_size < 0 or (cfg.val_size >= 1 and cfg.val_size != int(cfg.val_size)):
+        problems.append(f"data.val_size must be a fraction in [0, 1) or a whole number of examples, got {cfg.val_size}")
+    if cfg.val_size > 0 and cfg.val_file is not None:
+        problems.append(f"set data.val_size={cfg.val_size:g} or data.val_file={cfg.val_file}, not both: pass "
+                        "data.val_file=null to hold the val set out of the train files")
     return problems
 
 
