@@ -7,6 +7,7 @@ import pytest
 
 from glmtune.config import DataConfig
 from glmtune.data.mixing import mix_counts
+from glmtune.data.packing import pack_datasets
 from glmtune.data.pipeline import DataError, build_datasets, format_stats
 
 from conftest import glmtune_in_process
@@ -52,6 +53,9 @@ def test_two_files_mixed_3_to_1_give_15_and_5_examples(two_files, tok, tmp_path)
     table = format_stats(data.stats)
     rows = {line.split()[0]: line.split() for line in table.splitlines()}
     assert rows[two_files[0]][1:] == ["glm+openai", "12", "3", "15"] and rows[two_files[1]][1:] == ["glm+openai", "8", "1", "5"]
+    # packed rows (data/packing.py) hold the same 20 examples
+    packed, packing = pack_datasets(DataConfig(packing="on"), data, 0, 1, on_gpu=False)
+    assert packing.enabled and sum(len(row["lengths"]) for row in packed.train) == 20
     # without data.mix, every example of every file once
     plain = build_datasets(DataConfig(train_file=list(two_files), cache_dir=str(tmp_path / "cache")), tok)
     assert len(plain.train) == 20 and set(origins(plain.train, tok).values()) == {1}
@@ -116,7 +120,8 @@ def test_cli_trains_on_a_json_lines_file_and_a_tool_less_openai_file_mixed_3_to_
     run = tmp_path / "run"
     proc = glmtune_in_process(f"data.train_file=[{lines},{openai}]", "data.mix=[3,1]", "data.val_file=null",
                               "data.val_size=2", "data.format=auto", "train.num_epochs=1", "probe.enabled=false",
-                              "train.per_device_batch_size=1", "data.packing=off", f"hydra.run.dir={run}")
+                              "train.per_device_batch_size=1", "data.packing=off", "eval.generate=true",
+                              "eval.max_new_tokens=4", f"hydra.run.dir={run}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["steps"] == 14 and "eval_loss" in metrics
@@ -125,6 +130,12 @@ def test_cli_trains_on_a_json_lines_file_and_a_tool_less_openai_file_mixed_3_to_
     assert rows[str(lines)][1:] == ["glm+openai", "12", "3", "11", *rows[str(lines)][5:]]
     assert rows[openai][1:4] == ["glm+openai", "4", "1"] and int(rows[str(lines)][5]) + int(rows[openai][5]) == 2
     assert int(rows[str(lines)][4]) + int(rows[openai][4]) == 14
+    # eval.generate re-reads the 2 held-out conversations from the train files: one reply per assistant turn
+    predictions = [json.loads(line) for path in (run / "eval").glob("eval_predictions_step*.jsonl")
+                   for line in path.read_text().splitlines()]
+    references = {chat("alpha", i)["messages"][1]["content"] for i in range(12)} | {"Hello.", "21 degrees.",
+                                                                                    'get_weather\n{"city": "Paris"}'}
+    assert len(predictions) >= 2 and {p["reference"] for p in predictions} <= references
 
 
 def test_bad_mix_and_val_settings_exit_2_in_one_line(two_files, tmp_path):

@@ -206,9 +206,6 @@ def _check_values(cfg: RunConfig) -> list[str]:
     if cfg.eval.early_stopping_patience < 0:
         problems.append("eval.early_stopping_patience must be >= 0")
     problems += _data_files_problems(cfg.data)
-    if cfg.data.val_size > 0 and cfg.eval.generate:  # GenerationEval reads its prompts from data.val_file
-        problems.append("eval.generate needs data.val_file: a val set held out by data.val_size gets eval loss and "
-                        "perplexity only — set eval.generate=false, or write the val set to a file")
     if cfg.data.num_proc < 0:
         problems.append(f"data.num_proc must be >= 0 (0 = every core), got {cfg.data.num_proc}")
     if cfg.model.quantize != "none" and (cfg.dist.strategy == "zero3" or cfg.model.trust_remote_code):

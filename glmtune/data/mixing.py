@@ -78,9 +78,10 @@ def mix(train: list[np.ndarray], weights: Optional[Sequence[float]], seed: int, 
 
 
 class Selection(TokenizedSplit):
-    """Chosen examples of several cache entries as one split: `picks[i]` indexes entry i's kept examples."""
+    """Chosen examples of several cache entries as one split: `picks[i]` indexes entry i's kept examples, and
+    `files[i]` is the data file as data.train_file names it."""
 
-    def __init__(self, parts: Sequence[TokenizedSplit], picks: Sequence[np.ndarray]) -> None:
+    def __init__(self, parts: Sequence[TokenizedSplit], picks: Sequence[np.ndarray], files: Sequence[str]) -> None:
         table = pa.concat_tables([p.table for p in parts]) if len(parts) > 1 else parts[0].table
         super().__init__(table, Path(parts[0].path), any(p.built for p in parts))
         starts = np.cumsum([0] + [p.table.num_rows for p in parts])
@@ -88,6 +89,13 @@ class Selection(TokenizedSplit):
                                    ).astype(np.int64)
         self.parts = list(parts)  # the files' cache entries, in data.train_file order
         self.counts = [len(pick) for pick in picks]  # examples from each file
+        self.files = list(files)
+        self._picks = [part.rows[pick] for part, pick in zip(parts, picks)]
+
+    def sources(self) -> list[tuple[str, list[int]]]:
+        """(data file, line or row numbers) of the chosen examples, per file: where to re-read their conversations
+        (eval.generate on a held-out val set)."""
+        return [(file, part.column("line")[rows].tolist()) for file, part, rows in zip(self.files, self.parts, self._picks)]
 
 
 def selected(cfg: DataConfig, files: list[str], parts: list, per_image: int, seed: int):
@@ -95,7 +103,8 @@ def selected(cfg: DataConfig, files: list[str], parts: list, per_image: int, see
     splits = [split for split, _ in parts]
     train_picks, val_picks = split_off([len(s) for s in splits], cfg.val_size, seed, files[0])
     train_picks = mix(train_picks, cfg.mix, seed, files)
-    train, val = Selection(splits, train_picks), Selection(splits, val_picks) if cfg.val_size else None
+    train = Selection(splits, train_picks, files)
+    val = Selection(splits, val_picks, files) if cfg.val_size else None
     # The train stats count what is trained (repeats included) and every file's dropped examples.
     dropped = np.concatenate([np.flatnonzero(s.column("targets") == 0) + offset for s, offset in
                               zip(splits, np.cumsum([0] + [s.table.num_rows for s in splits]))])
