@@ -87,6 +87,8 @@ def test_json_lines_in_a_json_file_and_errors_name_the_file_and_line(two_files, 
     lines.write_text("".join(json.dumps(chat("gamma", i)) + "\n" for i in range(3)))
     data = build_datasets(DataConfig(train_file=[two_files[0], str(lines)], cache_dir=str(tmp_path / "cache")), tok)
     assert len(data.train) == 15
+    alone = build_datasets(DataConfig(train_file=str(lines), cache_dir=str(tmp_path / "cache")), tok)
+    assert [str(lines), "glm+openai", "3", "3"] in [row.split() for row in format_stats(alone.stats).splitlines()]
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(chat("gamma", 0)) + "\n\n" + json.dumps({"messages": [{"role": "bot"}]}) + "\n")
     cfg = DataConfig(train_file=[two_files[0], str(bad)], cache_dir=str(tmp_path / "cache"))

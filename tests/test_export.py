@@ -135,11 +135,12 @@ def test_generation_stops_at_a_stop_id_from_generation_config(exported):
     assert unstopped[:len(stopped)] == stopped and len(unstopped) == 20
 
 
-def test_sharded_export_with_index_reloads(tmp_path):
+@pytest.mark.parametrize("family", ["glm4", "chatglm3"])
+def test_sharded_export_with_index_reloads(tmp_path, family):
     """Above the shard size the weights are split as the official repo splits them, with the index glmtune (and
     transformers) read; a base with its own chat template and generation settings keeps them."""
     base = tmp_path / "base"
-    shutil.copytree(ensure_tiny("glm4"), base)
+    shutil.copytree(ensure_tiny(family), base)
     config = json.loads((base / "tokenizer_config.json").read_text())
     (base / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{{ 'mine' }}"}))
     (base / "generation_config.json").write_text(json.dumps({"eos_token_id": 5, "top_p": 0.8, "do_sample": True}))
@@ -155,6 +156,7 @@ def test_sharded_export_with_index_reloads(tmp_path):
     assert json.loads((merged / "tokenizer_config.json").read_text())["chat_template"] == "{{ 'mine' }}"
     generation = json.loads((merged / "generation_config.json").read_text())
     assert generation["eos_token_id"] == [5, *tok.stop_token_ids] and generation["top_p"] == 0.8
+    assert tok.stop_token_ids == [tok.eos_token_id, tok.get_command("<|user|>"), tok.get_command("<|observation|>")]
 
 
 @pytest.mark.parametrize("family", ["glm4", "chatglm3"])

@@ -111,7 +111,7 @@ def selected(cfg: DataConfig, files: list[str], parts: list, per_image: int, see
     train_stats = _rows_stats(train, np.concatenate([train.rows, dropped]), per_image)
     val_stats = _rows_stats(val, val.rows, per_image) if val is not None else None
     files_stats = tuple(FileStats(
-        file=path, records=_records(split), kept=stats.kept, dropped_lines=stats.dropped_lines,
+        file=path, records=records_format(split), kept=stats.kept, dropped_lines=stats.dropped_lines,
         weight=cfg.mix[i] if cfg.mix else None, train=len(train_picks[i]), val=len(val_picks[i]),
         rows=is_rows(locate(path))) for i, (path, (split, stats)) in enumerate(zip(files, parts)))
     return train, val, train_stats, val_stats, files_stats
@@ -124,6 +124,6 @@ def _rows_stats(split: TokenizedSplit, rows: np.ndarray, per_image: int) -> Spli
     return stats
 
 
-def _records(split: TokenizedSplit) -> str:
+def records_format(split: TokenizedSplit) -> str:
     """The record format the cache entry was built with (cache.py writes it into meta.json)."""
     return json.loads((Path(split.path) / "meta.json").read_text()).get("records", "?")

@@ -115,13 +115,15 @@ def build_datasets(cfg: DataConfig, tokenizer: MessageTokenizer, vision_config: 
                             f"tokens to truncation at data.max_length={cfg.max_length} (longest example "
                             f"{stats.max_untruncated} tokens) — raise data.max_length or shorten the prompts")
         parts.append((split, stats))
+    from .mixing import records_format, selected
+
     if len(files) == 1 and not cfg.val_size:  # one file as ever: its entry is the train split
         train, train_stats = parts[0]
-        files_stats: tuple[FileStats, ...] = ()
+        # Its row in the data table says which format was read (its dropped lines are listed under "train").
+        files_stats = (FileStats(file=files[0], records=records_format(train), kept=len(train), dropped_lines=(),
+                                 weight=None, train=len(train), val=0),)
         val, val_stats = None, None
     else:
-        from .mixing import selected  # several files or a held-out val set only
-
         train, val, train_stats, val_stats, files_stats = selected(cfg, files, parts, _per_image(vision_config), seed)
     if cfg.val_file is not None:
         val, val_stats = _load_split(cfg, cfg.val_file, "data.val_file", tokenizer, vision_config)
