@@ -111,7 +111,7 @@ class InferConfig:
     max_new_tokens: int = 256
     batch_size: int = 0  # 0 = as many rows as the KV cache fits (the estimator's term); CPU: 8
     gpus: int = 0  # 0 = every visible GPU (CPU when there is none); N = split the model over the first N
-    merge_to: Optional[str] = None  # also write base + adapter merged, in the official checkpoint layout
+    merge_to: Optional[str] = None  # also write base + adapter merged: the base's own files, official layout, stop ids
     prompt: Optional[str] = None  # one user message: generate for it (mode=infer) or open chat with it (mode=chat)
     system: Optional[str] = None  # system prompt put in front of infer.prompt and of every chat
     tools_file: Optional[str] = None  # JSON list of GLM-4 tools for chat (official "tools" format)

@@ -1,4 +1,5 @@
-"""mode=infer: generate with base + adapter on one device or several, and optionally save the merged model.
+"""mode=infer: generate with base + adapter on one device or several, and optionally save the merged model
+(export.py: a folder that loads wherever the base folder loads).
 
     python -m glmtune mode=infer model.path=/models/glm-4v-9b infer.adapter=outputs/.../adapter \\
         infer.prompts_file=prompts.jsonl                     # every visible GPU; CPU when there is none
