@@ -7,7 +7,6 @@ import pytest
 
 from glmtune.config import DataConfig
 from glmtune.data.mixing import mix_counts
-from glmtune.data.packing import pack_datasets
 from glmtune.data.pipeline import DataError, build_datasets, format_stats
 
 from conftest import glmtune_in_process
@@ -53,9 +52,6 @@ def test_two_files_mixed_3_to_1_give_15_and_5_examples(two_files, tok, tmp_path)
     table = format_stats(data.stats)
     rows = {line.split()[0]: line.split() for line in table.splitlines()}
     assert rows[two_files[0]][1:] == ["glm+openai", "12", "3", "15"] and rows[two_files[1]][1:] == ["glm+openai", "8", "1", "5"]
-    # packed rows (data/packing.py) hold the same 20 examples
-    packed, packing = pack_datasets(DataConfig(packing="on"), data, 0, 1, on_gpu=False)
-    assert packing.enabled and sum(len(row["lengths"]) for row in packed.train) == 20
     # without data.mix, every example of every file once
     plain = build_datasets(DataConfig(train_file=list(two_files), cache_dir=str(tmp_path / "cache")), tok)
     assert len(plain.train) == 20 and set(origins(plain.train, tok).values()) == {1}

@@ -145,7 +145,7 @@ def test_sharded_export_with_index_reloads(tmp_path, family):
     (base / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{{ 'mine' }}"}))
     (base / "generation_config.json").write_text(json.dumps({"eos_token_id": 5, "top_p": 0.8, "do_sample": True}))
     model, tok = load_model(base).eval(), load_tokenizer(base)
-    merged = save_merged(model, tok, base, tmp_path / "merged", shard_size="100KB")
+    merged = save_merged(model, tok, tmp_path / "merged", shard_size="100KB")  # base: where it loaded from
     index = json.loads((merged / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 2 and shards[0].startswith("model-00001-of-")

@@ -41,10 +41,12 @@ def base_files(model_dir: Path) -> list[Path]:
                   and p.name not in _WEIGHT_INDEXES and p.name not in _WRITTEN_HERE)
 
 
-def save_merged(model, tokenizer, model_dir: Path, out: str | Path, shard_size: str | int = SHARD_SIZE) -> Path:
-    """Write the merged `model` (glmtune's class, adapter already merged) and the base's files into `out`,
-    whole or not at all (an existing folder is replaced only with infer.overwrite, checked by the caller)."""
-    folder, model_dir = Path(out), Path(model_dir)
+def save_merged(model, tokenizer, out: str | Path, model_dir: str | Path | None = None,
+                shard_size: str | int = SHARD_SIZE) -> Path:
+    """Write the merged `model` (glmtune's class, adapter already merged) and the files of its base folder
+    (`model_dir`; by default the folder it was loaded from, which load_model records) into `out`, whole or not
+    at all (an existing folder is replaced only with infer.overwrite, checked by the caller)."""
+    folder, model_dir = Path(out), Path(model_dir or model.config.name_or_path)
     base_config = json.loads((model_dir / "config.json").read_text())
     dtype = _DTYPES.get(base_config.get("torch_dtype"), model.dtype)
     rotary = model.transformer.rotary_pos_emb

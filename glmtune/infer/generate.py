@@ -113,7 +113,7 @@ def run_infer(cfg: InferConfig, model_cfg: ModelConfig, memory_gib: float | None
         # checkpoint's own dtype: bf16 for GLM-4), so merge_to is an official-layout checkpoint like any other.
         model = load_merged(model_dir, cfg.adapter, model_cfg, None if quantized else inference_dtype())
     if cfg.merge_to:
-        result["merged"] = str(save_merged(model, tokenizer, model_dir, cfg.merge_to))
+        result["merged"] = str(save_merged(model, tokenizer, cfg.merge_to, model_dir))
     if prompts:
         if quantized:  # one device: a quantized 9B model fits one card, so infer.gpus does not split it
             model = None
