@@ -21,6 +21,9 @@ import pytest
 # and never read from or written to the user's ~/.cache.
 os.environ.setdefault("GLMTUNE_CACHE", tempfile.mkdtemp(prefix="glmtune-test-cache-"))
 os.environ["HF_HUB_OFFLINE"] = "1"
+# Remote code a test loads (trust_remote_code: the export tests' stand-in modeling files) is copied here, not into
+# ~/.cache/huggingface/modules.
+os.environ.setdefault("HF_MODULES_CACHE", os.path.join(os.environ["GLMTUNE_CACHE"], "hf_modules"))
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ.setdefault("OMP_NUM_THREADS", "2")

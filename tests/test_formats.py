@@ -109,9 +109,12 @@ def test_a_bad_record_in_each_is_one_line_naming_its_line_or_row(fmt, kind, tok,
     assert message == str(pytest.raises(DataError, read_conversations, path, fmt=fmt).value)
 
 
-def test_openai_tool_turn_in_a_glm_file_says_which_format(tmp_path):
-    path = write([{"messages": GLM[0]}, OPENAI[1]], tmp_path, "jsonl")  # auto reads the first record: glm
-    message = str(pytest.raises(DataError, read_conversations, path, fmt="auto").value)
+def test_openai_tool_turn_after_a_tool_less_first_record(tmp_path):
+    """auto: a first record without tools reads as GLM messages, and a later OpenAI record is mapped as OpenAI
+    (issue 35); data.format=glm stays strict and names the format to use."""
+    path = write([{"messages": GLM[0]}, OPENAI[1]], tmp_path, "jsonl")
+    assert [c.messages for c in read_conversations(path, fmt="auto")] == [GLM[0], GLM[1]]
+    message = str(pytest.raises(DataError, read_conversations, path, fmt="glm").value)
     assert "data.format=openai" in message and f"{path}:2:" in message
 
 

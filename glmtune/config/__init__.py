@@ -7,4 +7,5 @@ Imports nothing else of glmtune: every stage below receives these objects, and r
 """
 from .validate import (CONF_DIR, EVAL_METRICS, GROUPS, LORA_TARGETS, MODES, TRACKERS, ConfigError,  # noqa: F401
                        DataConfig, DistConfig, EvalConfig, HwConfig, InferConfig, LoraConfig, ModelConfig,
-                       ProbeConfig, RunConfig, ServeConfig, TrainConfig, check_override_keys, parse_config)
+                       ProbeConfig, RunConfig, ServeConfig, TrainConfig, check_override_keys, parse_config,
+                       train_files)

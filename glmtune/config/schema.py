@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 _PACKAGE = Path(__file__).resolve().parent.parent  # glmtune/
 # One copy of the configs: conf/ at the top of a source checkout (beside glmtune/), mapped into glmtune/conf/ inside a
@@ -26,7 +26,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train_file: str = "data/samples/train.jsonl"
+    train_file: Any = "data/samples/train.jsonl"  # one file, or a list of files (mixed by data.mix; validate.py)
     val_file: Optional[str] = None
     max_length: int = 500  # tokens per example after truncation; the planner never changes a value set here
     cache_dir: Optional[str] = None  # tokenized-data cache; None = $GLMTUNE_CACHE/data (~/.cache/glmtune/data)
@@ -34,6 +34,8 @@ class DataConfig:
     packing: str = "auto"  # auto | on | off: several examples per row (data/packing.py); auto = on a GPU when it halves the rows
     pack_length: Optional[int] = None  # positions per packed row; None = max(2048, longest example)
     format: str = "auto"  # auto | glm | alpaca | sharegpt | openai: how records map onto GLM messages (data/formats.py)
+    mix: Optional[list[float]] = None  # with several train files: each file's share of the training examples; None = all of each
+    val_size: float = 0.0  # hold out this fraction (< 1) or count (>= 1) of the train examples as the val set; 0 = none
 
 
 @dataclass
@@ -109,7 +111,7 @@ class InferConfig:
     max_new_tokens: int = 256
     batch_size: int = 0  # 0 = as many rows as the KV cache fits (the estimator's term); CPU: 8
     gpus: int = 0  # 0 = every visible GPU (CPU when there is none); N = split the model over the first N
-    merge_to: Optional[str] = None  # also write base + adapter merged, in the official checkpoint layout
+    merge_to: Optional[str] = None  # also write base + adapter merged: the base's own files, official layout, stop ids
     prompt: Optional[str] = None  # one user message: generate for it (mode=infer) or open chat with it (mode=chat)
     system: Optional[str] = None  # system prompt put in front of infer.prompt and of every chat
     tools_file: Optional[str] = None  # JSON list of GLM-4 tools for chat (official "tools" format)

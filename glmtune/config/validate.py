@@ -205,6 +205,7 @@ def _check_values(cfg: RunConfig) -> list[str]:
                         + ("" if cfg.eval.generate else " (the generation metrics need eval.generate=true)"))
     if cfg.eval.early_stopping_patience < 0:
         problems.append("eval.early_stopping_patience must be >= 0")
+    problems += _data_files_problems(cfg.data)
     if cfg.data.num_proc < 0:
         problems.append(f"data.num_proc must be >= 0 (0 = every core), got {cfg.data.num_proc}")
     if cfg.model.quantize != "none" and (cfg.dist.strategy == "zero3" or cfg.model.trust_remote_code):
@@ -254,6 +255,35 @@ def _serve_problems(cfg: RunConfig) -> list[str]:
         problems.append("serve.model_name is empty: give a name, or leave it null for the model folder's name")
     if cfg.mode == "serve" and not all(importlib.util.find_spec(m) for m in ("starlette", "uvicorn")):
         problems.append('mode=serve needs starlette and uvicorn: pip install "glmtune[serve]"')
+    return problems
+
+
+def train_files(cfg: DataConfig) -> list[str]:
+    """data.train_file as a list: one string keeps meaning one file."""
+    return [cfg.train_file] if isinstance(cfg.train_file, str) else list(cfg.train_file)
+
+
+def _data_files_problems(cfg: DataConfig) -> list[str]:
+    """data.train_file (a path or a list of paths), data.mix (a weight per file) and data.val_size."""
+    files = cfg.train_file
+    if not (isinstance(files, str) and files) and not (
+            isinstance(files, list) and files and all(isinstance(f, str) and f for f in files)):
+        return [f"data.train_file must be a file path or a list of them, got {files!r}"]
+    problems = []
+    if isinstance(files, list) and len(set(files)) < len(files):
+        problems.append(f"data.train_file lists a file twice ({files}): give each file once and weight it with data.mix")
+    if cfg.mix is not None:
+        if isinstance(files, str) or len(cfg.mix) != len(files):
+            count = 1 if isinstance(files, str) else len(files)
+            problems.append(f"data.mix={cfg.mix} needs one weight per data.train_file entry ({count} file"
+                            f"{'' if count == 1 else 's'}): e.g. data.train_file=[a.jsonl,b.jsonl] data.mix=[3,1]")
+        elif not all(w > 0 for w in cfg.mix):
+            problems.append(f"data.mix weights must be > 0, got {cfg.mix} (leave a file out of data.train_file instead)")
+    if cfg.val_size < 0 or (cfg.val_size >= 1 and cfg.val_size != int(cfg.val_size)):
+        problems.append(f"data.val_size must be a fraction in [0, 1) or a whole number of examples, got {cfg.val_size}")
+    if cfg.val_size > 0 and cfg.val_file is not None:
+        problems.append(f"set data.val_size={cfg.val_size:g} or data.val_file={cfg.val_file}, not both: pass "
+                        "data.val_file=null to hold the val set out of the train files")
     return problems
 
 

@@ -22,17 +22,16 @@ positions per image are reported separately (SplitStats.images, image_tokens).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
-import numpy as np
 import torch
 
-from ..config import DataConfig
+from ..config import DataConfig, train_files
 # The message encoding is the tokenizers' chat template (models/template.py); the rest is re-exported for the probe.
 from ..models.template import (IMAGE_PLACEHOLDERS, MessageTokenizer, encode_one, image_message_ids,  # noqa: F401
                                process_message)
 from .sources import is_rows, where
+from .stats import DataStats, FileStats, SplitStats, format_stats, longest_length, split_stats  # noqa: F401
 from .validate import DataError, check_file, locate
 
 if TYPE_CHECKING:
@@ -69,32 +68,6 @@ def encode_conversation(messages: list[dict[str, Any]], tokenizer: MessageTokeni
 
 # --- datasets and stats ---------------------------------------------------------------------------------
 
-@dataclass
-class SplitStats:
-    """Lengths in tokens; p50/p95/max are of the kept examples after truncation."""
-
-    examples: int  # conversations in the file
-    kept: int  # examples with at least one target token left after truncation
-    dropped: int  # examples whose every target token was cut off by truncation
-    truncated: int  # kept examples that lost tokens to max_length
-    p50: int
-    p95: int
-    max: int
-    max_untruncated: int  # longest example before truncation (kept or dropped): what max_length would need
-    tokens: int  # sum of kept lengths (tokens per epoch)
-    target_tokens: int  # sum of labels != -100 over the kept examples
-    dropped_lines: tuple[int, ...] = ()  # file line numbers of the dropped examples
-    images: int = 0  # kept examples with an image
-    image_tokens: int = 0  # embeddings the vision tower adds over the kept examples (N + 2 per image)
-
-
-@dataclass
-class DataStats:
-    max_length: int
-    train: SplitStats
-    val: Optional[SplitStats] = None
-
-
 def encode_example(messages: list[dict[str, Any]], tokenizer: MessageTokenizer, max_length: int
                    ) -> tuple[list[int], list[int], int, int]:
     """(input_ids, labels) cut to max_length from the right, the untruncated length, and the targets left.
@@ -106,41 +79,52 @@ def encode_example(messages: list[dict[str, Any]], tokenizer: MessageTokenizer, 
     return input_ids, labels, untruncated, sum(label != IGNORE_INDEX for label in labels)
 
 
-def split_stats(lines: np.ndarray, lengths: np.ndarray, untruncated: np.ndarray, targets: np.ndarray,
-                has_image: np.ndarray, per_image: int) -> SplitStats:
-    """Stats of one split from its per-example columns (the Arrow cache's; one entry per conversation).
-    per_image: embeddings the vision tower adds per image (N + 2), 0 for a text model."""
-    kept = targets > 0
-    kept_lengths = lengths[kept]
-    images = int(has_image[kept].sum())
-    return SplitStats(examples=len(lines), kept=int(kept.sum()), dropped=int((~kept).sum()),
-                      truncated=int((untruncated[kept] > lengths[kept]).sum()),
-                      p50=_percentile(kept_lengths, 50), p95=_percentile(kept_lengths, 95),
-                      max=int(kept_lengths.max(initial=0)), max_untruncated=int(untruncated.max(initial=0)),
-                      tokens=int(kept_lengths.sum()), target_tokens=int(targets[kept].sum()),
-                      dropped_lines=tuple(int(n) for n in lines[~kept]), images=images, image_tokens=images * per_image)
-
-
 class Datasets(NamedTuple):
     train: TokenizedSplit  # a torch Dataset of {"input_ids", "labels"[, "image"]} dicts over the Arrow cache
-    val: Optional[TokenizedSplit]  # None without data.val_file
+    val: Optional[TokenizedSplit]  # None without data.val_file or data.val_size
     stats: DataStats
 
 
-def build_datasets(cfg: DataConfig, tokenizer: MessageTokenizer, vision_config: Optional[dict] = None) -> Datasets:
+def cache_entries(data: Datasets) -> dict[str, TokenizedSplit]:
+    """Each data file's cache entry by the config key naming it: what a resume must find unchanged."""
+    parts = getattr(data.train, "parts", [data.train])  # a mixing.Selection spans several entries
+    found = {"data.train_file" + (f"[{i}]" if i else ""): part for i, part in enumerate(parts)}
+    if data.val is not None and not hasattr(data.val, "parts"):  # a held-out val set is in the train entries
+        found["data.val_file"] = data.val
+    return found
+
+
+def build_datasets(cfg: DataConfig, tokenizer: MessageTokenizer, vision_config: Optional[dict] = None,
+                   seed: int = 42) -> Datasets:
     """Train and val examples with their stats, memory-mapped from the Arrow cache (cache.py builds an entry on
     a miss, validating every line and encoding with encode_example). Raises DataError on a bad file or an empty
-    split. vision_config: the model's (`arch.vision_config`); None = a text model, and an image is a DataError."""
-    for path, key in ((cfg.train_file, "data.train_file"), (cfg.val_file, "data.val_file")):
+    split. vision_config: the model's (`arch.vision_config`); None = a text model, and an image is a DataError.
+    Several train files are mixed by data.mix, and data.val_size holds a val set out of them (mixing.py), with
+    `seed` (train.seed)."""
+    files = train_files(cfg)
+    keys = ["data.train_file"] + [f"data.train_file[{i}]" for i in range(1, len(files))]
+    for path, key in (*zip(files, keys), (cfg.val_file, "data.val_file")):
         if path is not None:
             check_file(path, key)
-    train, train_stats = _load_split(cfg, cfg.train_file, "data.train_file", tokenizer, vision_config)
-    if not len(train):
-        at = where(cfg.train_file, train_stats.dropped_lines[0], is_rows(locate(cfg.train_file)))
-        raise DataError(f"{at}: every example lost all its assistant "
-                        f"tokens to truncation at data.max_length={cfg.max_length} (longest example "
-                        f"{train_stats.max_untruncated} tokens) — raise data.max_length or shorten the prompts")
-    val, val_stats = None, None
+    parts = []
+    for path, key in zip(files, keys):
+        split, stats = _load_split(cfg, path, key, tokenizer, vision_config)
+        if not len(split):
+            at = where(path, stats.dropped_lines[0], is_rows(locate(path)))
+            raise DataError(f"{at}: every example lost all its assistant "
+                            f"tokens to truncation at data.max_length={cfg.max_length} (longest example "
+                            f"{stats.max_untruncated} tokens) — raise data.max_length or shorten the prompts")
+        parts.append((split, stats))
+    from .mixing import records_format, selected
+
+    if len(files) == 1 and not cfg.val_size:  # one file as ever: its entry is the train split
+        train, train_stats = parts[0]
+        # Its row in the data table says which format was read (its dropped lines are listed under "train").
+        files_stats = (FileStats(file=files[0], records=records_format(train), kept=len(train), dropped_lines=(),
+                                 weight=None, train=len(train), val=0),)
+        val, val_stats = None, None
+    else:
+        train, val, train_stats, val_stats, files_stats = selected(cfg, files, parts, _per_image(vision_config), seed)
     if cfg.val_file is not None:
         val, val_stats = _load_split(cfg, cfg.val_file, "data.val_file", tokenizer, vision_config)
         if not len(val):
@@ -148,7 +132,16 @@ def build_datasets(cfg: DataConfig, tokenizer: MessageTokenizer, vision_config: 
             raise DataError(f"{at}: every validation example lost all its "
                             f"assistant tokens to truncation at data.max_length={cfg.max_length} — raise "
                             "data.max_length or set data.val_file=null")
-    return Datasets(train, val, DataStats(max_length=cfg.max_length, train=train_stats, val=val_stats))
+    return Datasets(train, val, DataStats(max_length=cfg.max_length, train=train_stats, val=val_stats,
+                                          files=files_stats, val_size=cfg.val_size))
+
+
+def _per_image(vision_config: Optional[dict]) -> int:
+    if not vision_config:
+        return 0
+    from ..models.vision import num_image_tokens  # the vision tower's module, only for a vision model
+
+    return num_image_tokens(vision_config) + 2  # boi + N patches + eoi
 
 
 def _load_split(cfg: DataConfig, path: str, key: str, tokenizer: MessageTokenizer, vision_config: Optional[dict]
@@ -156,50 +149,8 @@ def _load_split(cfg: DataConfig, path: str, key: str, tokenizer: MessageTokenize
     from .cache import load_split  # pyarrow and the cache machinery: the collator alone does not need them
 
     split = load_split(cfg, path, key, tokenizer, bool(vision_config), encode_example)
-    # The vision tower's module, only for data with images: the length statistics and the plan need no model code.
-    from ..models.vision import num_image_tokens
-
-    per_image = num_image_tokens(vision_config) + 2 if vision_config else 0  # boi + N patches + eoi
     columns = (split.column(c) for c in ("line", "length", "untruncated", "targets", "image"))
-    return split, split_stats(*columns, per_image)
-
-
-def longest_length(stats: DataStats) -> int:
-    """Longest kept example of any split, in tokens: the sequence length of a worst-case probe batch."""
-    return max(stats.train.max, stats.val.max if stats.val is not None else 0)
-
-
-def format_stats(stats: DataStats) -> str:
-    """A small fixed-width table (plain text: no markup, fits logs and the console)."""
-    rows = [("split", "examples", "kept", "dropped", "truncated", "p50", "p95", "max", "max untrunc.", "tokens")]
-    for name, split in (("train", stats.train), ("val", stats.val)):
-        if split is not None:
-            rows.append((name, *(str(v) for v in (split.examples, split.kept, split.dropped, split.truncated,
-                                                  split.p50, split.p95, split.max, split.max_untruncated,
-                                                  split.tokens))))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [f"data (tokens, max_length={stats.max_length})"]
-    lines += ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-              for row in rows]
-    for name, split in (("train", stats.train), ("val", stats.val)):
-        if split is not None and split.images:
-            each = split.image_tokens // split.images
-            lines.append(f"{name}: {split.images} example(s) with an image: {each} image embeddings each replace "
-                         f"3 placeholder tokens (+{split.images * (each - 3)} positions beyond the counts above)")
-        if split is not None and split.dropped:
-            shown = ", ".join(str(n) for n in split.dropped_lines[:10])
-            lines.append(f"{name}: dropped (no target token left after truncation) lines {shown}"
-                         + (", …" if split.dropped > 10 else ""))
-    return "\n".join(lines)
-
-
-def _percentile(values: np.ndarray, percent: int) -> int:
-    """Nearest-rank percentile (an actual example length, never interpolated); 0 for no values."""
-    if not len(values):
-        return 0
-    ordered = np.sort(values)
-    rank = max(1, math.ceil(percent / 100 * len(ordered)))
-    return int(ordered[rank - 1])
+    return split, split_stats(*columns, _per_image(vision_config))
 
 
 # --- batching -------------------------------------------------------------------------------------------

@@ -4,6 +4,8 @@ same (number, byte offset, raw JSON) triples, so every file type gets the same c
 
     .jsonl (or any other file)   one record per line      errors name the line:   train.jsonl:12: ...
     .json                        a list of records        errors name the row:    train.json:row 3: ...
+    .json not starting with [    one record per line (JSON lines named .json, as HF datasets, LLaMA-Factory and
+                                 axolotl read them)       errors name the line:   train.json:12: ...
     .parquet                     one record per row       (rows count from 0, as data[3] and ds[3] do)
     folder with state.json       datasets.load_from_disk  one split; a DatasetDict folder names its splits
 
@@ -29,7 +31,22 @@ class DataError(ConfigError):
 
 def is_rows(path: Path) -> bool:
     """True when errors in this file name a row (0-based index) rather than a line."""
+    if path.suffix.lower() == ".json" and path.is_file():
+        return is_json_array(path)
     return path.is_dir() or path.suffix.lower() in ROW_SUFFIXES
+
+
+def is_json_array(path: Path) -> bool:
+    """A .json file is one JSON list when its first non-blank character (after a UTF-8 BOM) is `[`; anything else
+    is read as JSON lines, one record per line."""
+    with path.open("rb") as f:
+        head = f.read(4096)
+        while head and not head.lstrip(b"\xef\xbb\xbf \t\r\n"):  # only whitespace so far: read on
+            more = f.read(4096)
+            if not more:
+                break
+            head += more
+    return head.lstrip(b"\xef\xbb\xbf \t\r\n")[:1] == b"["
 
 
 def where(shown: str, number: int, rows: bool) -> str:
@@ -87,7 +104,7 @@ def _json_rows(raw: bytes, shown: str) -> Iterator[tuple[int, int, bytes]]:
         raise _error(shown, f"not valid UTF-8 (byte offset {err.start})", "re-save the file as UTF-8") from None
     except json.JSONDecodeError as err:
         raise DataError(f"{shown}:{err.lineno}: invalid JSON: {err.msg} (column {err.colno}) — a .json data file "
-                        "is one JSON list of records; for one record per line name the file .jsonl") from None
+                        "starting with [ is one JSON list of records; check its brackets and commas") from None
     if not isinstance(data, list):
         raise _error(shown, f"holds a JSON {type(data).__name__}, not a list of records",
                      "write [{...}, {...}] (or one record per line in a .jsonl file)")

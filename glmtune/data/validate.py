@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ..config import ConfigError, DataConfig
+from ..config import ConfigError, DataConfig, train_files
 from .formats import detect, to_glm
 from .images import image_problem
 from .sources import DataError, is_rows, is_saved_dataset, records
@@ -32,6 +32,9 @@ MESSAGE_KEYS = ("messages", "conversations")  # GLM-4 name first, then the ChatG
 TOOL_TYPES = ("function", "python", "simple_browser", "cogview")
 _SHOWN_LINES = 5  # how many further bad line numbers the one-line message lists
 _UTF8_BOM = b"\xef\xbb\xbf"  # written by some Windows editors; harmless, so it is skipped
+# data.format=auto on a file whose first record is GLM messages: each record read as GLM, or as OpenAI chat when it
+# has what only OpenAI chat has (tool_calls, a tool turn, top-level tools, content parts: formats.detect).
+GLM_OR_OPENAI = "glm+openai"
 
 
 class Conversation(NamedTuple):
@@ -65,8 +68,9 @@ def locate(path: str | Path) -> Path:
 
 
 def validate_files(cfg: DataConfig) -> None:
-    """Read and check the train file and, when set, the validation file; raise DataError on the first bad one."""
-    read_conversations(cfg.train_file, "data.train_file")
+    """Read and check the train files and, when set, the validation file; raise DataError on the first bad one."""
+    for path in train_files(cfg):
+        read_conversations(path, "data.train_file", fmt=cfg.format)
     if cfg.val_file is not None:
         read_conversations(cfg.val_file, "data.val_file")
 
@@ -99,7 +103,9 @@ def read_conversations(path: str | Path, key: str = "data.train_file", prompts: 
 
 
 def file_format(fmt: str, path: Path, shown: str, raw: bytes | None) -> str:
-    """data.format for this file: as set, or (auto) the format of its first record that parses as an object."""
+    """data.format for this file: as set, or (auto) the format of its first record that parses as an object.
+    auto on a GLM-looking first record gives GLM_OR_OPENAI: OpenAI chat without tools is GLM messages already,
+    so an OpenAI file is told apart only at its first tool call, which may be on any line."""
     if fmt != "auto":
         return fmt
     for _, _, raw_line in records(path, shown, raw):
@@ -108,7 +114,7 @@ def file_format(fmt: str, path: Path, shown: str, raw: bytes | None) -> str:
         except (UnicodeDecodeError, ValueError, RecursionError):
             continue
         if found is not None:
-            return found
+            return GLM_OR_OPENAI if found == "glm" else found
     return "glm"  # nothing recognisable: the GLM checks name what is wrong
 
 
@@ -195,6 +201,8 @@ def _parse_line(text: str, line_no: int, prompts: bool = False, fmt: str = "glm"
     if not isinstance(obj, dict):
         return _Problem(line_no, f"line is {_kind(obj)}, not an object",
                         'write one {"messages": [...]} object per line')
+    if fmt == GLM_OR_OPENAI:
+        fmt = "openai" if detect(obj) == "openai" else "glm"
     if fmt != "glm":
         obj = to_glm(obj, fmt)
         if isinstance(obj, tuple):

@@ -1,5 +1,5 @@
-"""Infer: generation from base + adapter and merging (`generate.py`), device maps over several GPUs
-(`devicemap.py`).
+"""Infer: generation from base + adapter (`generate.py`), the merged export that loads elsewhere (`export.py`),
+device maps over several GPUs (`devicemap.py`).
 
 May import: glmtune.config, rundir, models, data, plan. Imported by run/modes.py only.
 """

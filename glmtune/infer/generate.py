@@ -1,4 +1,5 @@
-"""mode=infer: generate with base + adapter on one device or several, and optionally save the merged model.
+"""mode=infer: generate with base + adapter on one device or several, and optionally save the merged model
+(export.py: a folder that loads wherever the base folder loads).
 
     python -m glmtune mode=infer model.path=/models/glm-4v-9b infer.adapter=outputs/.../adapter \\
         infer.prompts_file=prompts.jsonl                     # every visible GPU; CPU when there is none
@@ -18,11 +19,12 @@ from pathlib import Path
 import torch
 import transformers
 
-from ..rundir.atomic import folder_as_one_unit, write_text
+from ..rundir.atomic import write_text
 from ..config import ConfigError, InferConfig, ModelConfig
 from .adapter import check_outputs, load_adapter
 from ..data.validate import Conversation, read_conversations
 from .devicemap import GIB, bytes_per_device, device_map
+from .export import save_merged
 from ..models import load_config, load_model
 from ..models.generation import encode_prompt, generate
 from ..models.quantize import load_quantized, weight_storage_bytes
@@ -55,20 +57,6 @@ def load_quantized_adapter(model_dir: Path, adapter: str | None, model_cfg: Mode
 
         model = PeftModel.from_pretrained(model, adapter)
     return model.eval(), {str(model.device): weight_storage_bytes(model)}
-
-
-def save_merged(model, tokenizer, out: str) -> Path:
-    """Base + adapter in the official layout: config.json, model.safetensors, tokenizer files, and the
-    `transformer.rotary_pos_emb.inv_freq` buffer the official files carry (base 10000, as they store it)."""
-    folder = Path(out)
-    rotary = model.transformer.rotary_pos_emb
-    state = dict(model.state_dict())
-    state["transformer.rotary_pos_emb.inv_freq"] = (
-        1.0 / 10000 ** (torch.arange(0, rotary.dim, 2, dtype=torch.float32) / rotary.dim)).to(model.dtype)
-    with folder_as_one_unit(folder) as tmp:  # whole or not at all; an existing folder only with infer.overwrite
-        model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-    return folder
 
 
 def place(model, gpus: int, memory_gib: float | None):
@@ -125,7 +113,7 @@ def run_infer(cfg: InferConfig, model_cfg: ModelConfig, memory_gib: float | None
         # checkpoint's own dtype: bf16 for GLM-4), so merge_to is an official-layout checkpoint like any other.
         model = load_merged(model_dir, cfg.adapter, model_cfg, None if quantized else inference_dtype())
     if cfg.merge_to:
-        result["merged"] = str(save_merged(model, tokenizer, cfg.merge_to))
+        result["merged"] = str(save_merged(model, tokenizer, cfg.merge_to, model_dir))
     if prompts:
         if quantized:  # one device: a quantized 9B model fits one card, so infer.gpus does not split it
             model = None

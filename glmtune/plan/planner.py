@@ -95,7 +95,7 @@ def run_shape(run: RunConfig, arch, c: Choices, data_max_tokens: int | None = No
                     offload_checkpoints=c.offload_checkpoints, autocast=c.dtype != "fp32",
                     zero_stage=c.zero_stage, offload_params=c.offload_params, offload_optimizer=c.offload_optimizer,
                     world_size=c.world_size, images_per_sample=images,
-                    eval_batch=c.eval_batch_size if run.data.val_file else 0,
+                    eval_batch=c.eval_batch_size if run.data.val_file or run.data.val_size else 0,
                     eval_max_new_tokens=run.eval.max_new_tokens if run.eval.generate else 0,
                     device="cuda" if on_gpu else "cpu", gpu_family=gpu_family(run.hw.name),
                     quantize=run.model.quantize, double_quant=run.model.double_quant, use_dora=run.lora.use_dora,

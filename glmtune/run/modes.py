@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..rundir.atomic import is_disk_full
 from ..config import ConfigError, parse_config
 from ..data.packing import format_packing, pack_datasets, planned_packing
-from ..data.pipeline import DataCollator, build_datasets, format_stats, longest_length
+from ..data.pipeline import DataCollator, build_datasets, cache_entries, format_stats, longest_length
 from ..launch import rank, world_size
 from ..models import load_tokenizer
 from ..models.loading import check_weight_files
@@ -69,9 +69,8 @@ def prepare(cfg: DictConfig, overrides: list[str]) -> Prepared:
             prep.tokenizer = load_tokenizer(prep.model_dir)
         if run.mode in ("train", "probe"):
             # Every line of every file is checked when its cache entry is built, before any weights load.
-            data = build_datasets(run.data, prep.tokenizer, prep.arch.vision_config)
-            prep.inputs = input_fingerprints({"data.train_file": data.train, "data.val_file": data.val},
-                                             prep.model_dir)
+            data = build_datasets(run.data, prep.tokenizer, prep.arch.vision_config, seed=run.train.seed)
+            prep.inputs = input_fingerprints(cache_entries(data), prep.model_dir)
             prep.data, prep.packing = pack_datasets(run.data, data, image_extra_tokens(prep.arch),
                                                     run.train.per_device_batch_size, on_gpu=torch.cuda.is_available())
     except (ValueError, OSError) as err:  # bad input, or a device map that cannot place a tensor

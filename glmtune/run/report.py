@@ -10,7 +10,7 @@ import math
 import textwrap
 from pathlib import Path
 
-from ..config import EVAL_METRICS, RunConfig, TrainConfig
+from ..config import EVAL_METRICS, RunConfig, TrainConfig, train_files
 from ..launch import rank
 from ..plan.estimate import GIB
 from ..plan.planner import Choices, Plan
@@ -57,7 +57,10 @@ def header(run: RunConfig, plan: Plan, run_dir: Path | None, train_examples: int
         model = f"{run.model.name} (built-in random tiny model)"
     else:
         model = f"{run.model.name} (architecture facts only: training needs model.path)"
-    data = f"{run.data.train_file}" + (f", val {run.data.val_file}" if run.data.val_file else ", no val")
+    files = train_files(run.data)
+    data = ", ".join(files) + (f" mixed {':'.join(f'{w:g}' for w in run.data.mix)}" if run.data.mix else "")
+    data += (f", val {run.data.val_file}" if run.data.val_file else
+             f", val_size {run.data.val_size:g} held out" if run.data.val_size else ", no val")
     where = (f"run dir {run_dir}  (full config: .hydra/config.yaml)" if run_dir else
              "nothing written (hydra.run.dir=DIR keeps plan.json)")
     lines = [f"glmtune {run.mode}: {where}",

@@ -31,11 +31,18 @@ def perplexity(eval_loss: float) -> float:
     return math.exp(min(eval_loss, MAX_LOG_PERPLEXITY))
 
 
-def eval_examples(val_file: str, limit: int = 0, fmt: str = "auto") -> list[tuple[int, list[dict], str]]:
+def eval_examples(val_file: str | list[tuple[str, list[int]]], limit: int = 0, fmt: str = "auto"
+                  ) -> list[tuple[int, list[dict], str]]:
     """(line, prompt messages, reference text) for every assistant turn of the val file, the first `limit`;
-    fmt: data.format."""
+    fmt: data.format. val_file may also be (train file, line numbers) pairs: a val set held out by data.val_size
+    (data/mixing.py Selection.sources)."""
+    if isinstance(val_file, str):
+        conversations = read_conversations(val_file, "data.val_file", fmt=fmt)
+    else:
+        conversations = [c for path, lines in val_file for wanted in [set(lines)]
+                         for c in read_conversations(path, "data.train_file", fmt=fmt) if c.line in wanted]
     examples = []
-    for conversation in read_conversations(val_file, "data.val_file", fmt=fmt):
+    for conversation in conversations:
         for i, message in enumerate(conversation.messages):
             if message["role"] == "assistant" and i > 0:
                 examples.append((conversation.line, conversation.messages[:i], reference_text(message)))
@@ -45,8 +52,8 @@ def eval_examples(val_file: str, limit: int = 0, fmt: str = "auto") -> list[tupl
 class GenerationEval:
     """Generates for the validation examples and scores the replies; writes each evaluation's predictions."""
 
-    def __init__(self, cfg: EvalConfig, val_file: str, tokenizer, batch_size: int, out_dir: Path,
-                 synced_gpus: bool = False, fmt: str = "auto"):
+    def __init__(self, cfg: EvalConfig, val_file: str | list[tuple[str, list[int]]], tokenizer, batch_size: int,
+                 out_dir: Path, synced_gpus: bool = False, fmt: str = "auto"):
         self.examples = eval_examples(val_file, cfg.max_examples, fmt)
         self.tokenizer, self.out_dir, self.synced_gpus = tokenizer, Path(out_dir), synced_gpus
         self.decoding = InferConfig(max_new_tokens=cfg.max_new_tokens, batch_size=batch_size)  # greedy
