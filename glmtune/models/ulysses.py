@@ -72,26 +72,16 @@ def _to_sequence(x: torch.Tensor, sp: SequenceGroup) -> torch.Tensor:
     return got.permute(1, 0, 2, 3, 4).reshape(b, n * h, s // n, d)
 
 
-class _ToHeads(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
+    """One of the two exchanges; its backward is the other one, along the same routes."""
     @staticmethod
-    def forward(ctx, x, sp):
-        ctx.sp = sp
-        return _to_heads(x, sp)
+    def forward(ctx, x, sp, to_heads: bool):
+        ctx.sp, ctx.to_heads = sp, to_heads
+        return _to_heads(x, sp) if to_heads else _to_sequence(x, sp)
 
     @staticmethod
     def backward(ctx, grad):
-        return _to_sequence(grad, ctx.sp), None
-
-
-class _ToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, sp):
-        ctx.sp = sp
-        return _to_sequence(x, sp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _to_heads(grad, ctx.sp), None
+        return (_to_sequence(grad, ctx.sp) if ctx.to_heads else _to_heads(grad, ctx.sp)), None, None
 
 
 def heads_for_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: SequenceGroup):
@@ -101,12 +91,12 @@ def heads_for_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: S
     if sp.size > groups:  # one KV group per rank: copy each group for the N/groups ranks whose heads read it
         k = k.repeat_interleave(sp.size // groups, dim=1)
         v = v.repeat_interleave(sp.size // groups, dim=1)
-    return _ToHeads.apply(q, sp), _ToHeads.apply(k, sp), _ToHeads.apply(v, sp)
+    return _Exchange.apply(q, sp, True), _Exchange.apply(k, sp, True), _Exchange.apply(v, sp, True)
 
 
 def heads_to_sequence(out: torch.Tensor, sp: SequenceGroup) -> torch.Tensor:
     """Attention output [b, heads/N, s, d] -> [b, heads, s/N, d] for the output projection."""
-    return _ToSequence.apply(out, sp)
+    return _Exchange.apply(out, sp, False)
 
 
 def gather_sequence(x: torch.Tensor, sp: SequenceGroup) -> torch.Tensor:
