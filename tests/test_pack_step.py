@@ -149,7 +149,7 @@ def test_the_collator_packs_the_micro_batch_and_leaves_null_slots_out():
     features = [{**e, "example_id": i, "step_tokens": 14} for i, e in enumerate(examples)]
     features[2]["example_id"] = NULL
     batch = collate(features)
-    assert batch["seq_ids"].tolist() == [[0] * 5 + [1] * 4 + [-1], [0] * 6 + [-1] * 4]  # first-fit: [5, 4], [6]
+    assert batch["seq_ids"].tolist() == [[0] * 5 + [1] * 4, [0] * 6 + [-1] * 3]  # first-fit: [5, 4], [6]
     assert batch["example_ids"].tolist() == [0, 1, NULL, 3] and batch["step_tokens"].item() == 14
     # A micro-batch of null slots only: one row of one of them, without a target, so every rank still runs a forward.
     nulls = collate([{**e, "example_id": NULL, "step_tokens": 0, "labels": [-100] * len(e["labels"])}

@@ -16,6 +16,9 @@ split to change memory and speed but never the result, three things must not dep
    same forward passes, which ZeRO-3's collectives need). Nothing is dropped and nothing is seen twice; a resume
    with another split skips whole blocks, so it continues with the next unconsumed example.
 
+Packing (data/packing.py, data.packing=on) changes none of this: StepCollator lays each micro-batch's examples,
+the ones listed above, into fewer rows, and the summed token loss of those rows is the summed loss of the examples.
+
 `train.loss_normalization=micro_batch` keeps the official demo's weighting (each micro-batch's mean, averaged
 over accumulation steps and ranks) for reproducing its numbers, over the same step order (a micro-batch of null
 slots only adds 0); the two agree at 1 × 1 × 1.
