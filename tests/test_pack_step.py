@@ -212,3 +212,35 @@ def test_packed_runs_on_two_processes_and_zero3_match_the_unpacked_run(data_file
         assert losses == pytest.approx(ref_losses, rel=1e-5), name
         assert norms == pytest.approx(ref_norms, rel=1e-5), name
         assert_same_adapter(weights, ref_adapter, name)
+
+
+def test_the_probe_runs_the_planned_micro_step_through_the_runs_packer(tmp_path):
+    """run_probe with packing: its training micro-batches are the plan's fullest micro-step (rows x positions), laid
+    out by the same collator and packer the run uses; its evaluation batches stay unpacked."""
+    from glmtune.config import DataConfig, RunConfig, TrainConfig
+    from glmtune.data.pipeline import longest_length
+    from glmtune.models import load_config
+    from glmtune.probe.probe import run_probe
+
+    model_dir = ensure_tiny("glm4")
+    tok = load_tokenizer(model_dir)
+    run = RunConfig(data=DataConfig(packing="on", pack_length=600),
+                    train=TrainConfig(per_device_batch_size=4, eval_batch_size=2))
+    data = build_datasets(run.data, tok)
+    arch, longest = load_config(model_dir), longest_length(data.stats)
+    plan = make_plan(run, arch, 1, user_set_max_length=False, data_max_tokens=longest, packed=(600, 0))
+    shapes = []
+    collate = DataCollator(tok.pad_token_id)
+
+    def recording(features):
+        batch = collate(features)
+        shapes.append(("packed" if "seq_ids" in batch else "unpacked", *batch["input_ids"].shape))
+        return batch
+
+    report = run_probe(run, plan, arch, model_dir, longest, tok, recording, tmp_path, 1, evaluates=True,
+                       packed=(600, 0))
+    assert report.fits
+    layout = fullest_micro_step(4, longest, 600)
+    assert (plan.packing["probed_rows_per_micro_step"], plan.packing["probed_row_positions"]) == layout[:2]
+    assert {s for s in shapes if s[0] == "packed"} == {("packed", layout.rows, layout.row_positions)}
+    assert {s for s in shapes if s[0] == "unpacked"} == {("unpacked", 2, longest)}
