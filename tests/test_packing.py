@@ -159,7 +159,7 @@ def test_decide_packing_decides_and_reports(packing, on_gpu, packs):
 
 
 @pytest.mark.parametrize("packing", ["off", "on"])
-def test_packing_decides_from_the_length_column_without_reading_tokens(packing, monkeypatch):
+def test_packing_plans_from_the_length_column_without_reading_tokens(packing, monkeypatch):
     """Issue 25: deciding and reporting reads no token list; packing happens per micro-batch, in the collator."""
     from glmtune.data import tokenized
 
