@@ -42,7 +42,7 @@ def launch(data: Path, cache: Path, packing: str, run_dir: Path) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}:\n{out[-3000:]}")
     found = DATA_LINE.search(out)
-    rows = re.search(r"train: \d+ examples -> (\d+) rows", out)
+    rows = re.search(r"train: micro-batches of \d+ examples -> ([\d.]+) rows", out)
     return {"wall": wall, "data_s": float(found.group(4)) if found else float("nan"), "how": found.group(3) if found
             else "?", "rss_gb": usage.ru_maxrss * 1024 / 1e9, "rows": rows.group(1) if rows else "-"}
 
@@ -57,7 +57,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     print(f"# {time.strftime('%Y-%m-%d %H:%M')} {platform.node()} {os.cpu_count()} cores, load "
           f"{os.getloadavg()[0]:.1f}; python {platform.python_version()}")
-    print("| conversations | packing | launch | wall s | data stage s | peak RSS GB | packed rows | cached / first |")
+    print("| conversations | packing | launch | wall s | data stage s | peak RSS GB | rows per micro-batch | cached / first |")
     print("|---|---|---|---|---|---|---|---|")
     for n in args.n:
         data = work / f"conv{n}.jsonl"

@@ -6,8 +6,9 @@
 
 No download: the model is built from glmtune.models.released_config with random weights on the GPU; LoRA r 8
 on query_key_value (fp32 adapters, bf16 autocast, the official demo's settings). Data is synthesized:
-  demo  prompts 30-60 and answers 80-150 tokens (GLM-4 finetune demo-like), micro-batch 1; unpacked = the
-        official recipe (one example per step), packed = rows of --pack-length positions (data/packing.py)
+  demo  prompts 30-60 and answers 80-150 tokens (GLM-4 finetune demo-like), --micro-batch examples a step
+        (8); unpacked = padded to the longest, packed = the same examples first-fit into rows of up to
+        --pack-length positions (data/packing.py): the same examples and tokens per step either way
   2k    one 2,048-token example per step (1,024 prompt + 1,024 answer)
   8k    one 8,192-token example per step, gradient checkpointing on (as a 9B run at 8K needs on 80 GB)
 Long examples fill a row alone, so 2k/8k are run unpacked only.
@@ -38,7 +39,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from glmtune.config import LoraConfig, TrainConfig  # noqa: E402
-from glmtune.data.packing import pack  # noqa: E402
+from glmtune.data.packing import RowPacker  # noqa: E402
 from glmtune.data.pipeline import IGNORE_INDEX, DataCollator  # noqa: E402
 from glmtune.models import ChatGLMForConditionalGeneration, GLMConfig, enable_checkpointing, released_config  # noqa: E402
 from glmtune.models.loading import TINY_ARCH  # noqa: E402
@@ -70,11 +71,12 @@ class Recorder:
     """Collator wrapper: real tokens of every batch, in the order the Trainer draws them."""
 
     def __init__(self, collator: DataCollator):
-        self.collator, self.tokens, self.widths = collator, [], []
+        self.collator, self.tokens, self.widths, self.rows = collator, [], [], []
 
     def __call__(self, features):
         batch = self.collator(features)
         self.tokens.append(int(batch["attention_mask"].sum()))
+        self.rows.append(batch["input_ids"].shape[0])
         self.widths.append(batch["input_ids"].shape[1])
         return batch
 
@@ -145,16 +147,17 @@ def versions() -> str:
             f"transformers {transformers.__version__}, peft {peft.__version__}, python {platform.python_version()}")
 
 
-def run_one(model, rows, steps: int, warmup: int, profile: int, ckpt: bool, dtype: str, scratch: Path) -> dict:
+def run_one(model, rows, steps: int, warmup: int, profile: int, ckpt: bool, dtype: str, scratch: Path,
+            micro_batch: int = 1, packer: RowPacker | None = None) -> dict:
     cuda = torch.cuda.is_available()
     choices = Choices(dtype=dtype, gradient_checkpointing=ckpt, zero_stage=0, offload_params=False,
-                      offload_optimizer=False, micro_batch_size=1, grad_accum=1, max_length=8192, world_size=1,
-                      eval_batch_size=1)
+                      offload_optimizer=False, micro_batch_size=micro_batch, grad_accum=1, max_length=8192,
+                      world_size=1, eval_batch_size=1)
     total = warmup + steps + profile
     args = training_args(TrainConfig(learning_rate=1e-4), choices, scratch, has_eval=False, probe_steps=total)
     recorder = Recorder(DataCollator(pad_id=0))
     timer = Timer(cuda, profile)
-    trainer = make_trainer(args, model, rows, None, recorder, callbacks=[timer])
+    trainer = make_trainer(args, model, rows, None, recorder, callbacks=[timer], packer=packer)
     for quiet in (PrinterCallback, ProgressCallback):  # keep stdout to the table
         trainer.remove_callback(quiet)
     gc.collect()
@@ -166,7 +169,8 @@ def run_one(model, rows, steps: int, warmup: int, profile: int, ckpt: bool, dtyp
     tokens = recorder.tokens[warmup:warmup + steps]
     del trainer
     return {"step_s": sum(times) / len(times), "tokens_per_s": sum(tokens) / sum(times),
-            "tokens_per_step": sum(tokens) / len(tokens), "width": max(recorder.widths), "busy": timer.busy,
+            "tokens_per_step": sum(tokens) / len(tokens), "width": max(recorder.widths),
+            "rows": max(recorder.rows), "busy": timer.busy,
             "reserved": torch.cuda.max_memory_reserved() if cuda else None}
 
 
@@ -179,6 +183,7 @@ def main() -> None:
     ap.add_argument("--attention", default="sdpa,flex",
                     help="packed rows: dense-mask SDPA and/or FlexAttention (CUDA only; fused when compiled)")
     ap.add_argument("--pack-length", type=int, default=2048)
+    ap.add_argument("--micro-batch", type=int, default=8, help="demo: examples per step, packed or not")
     ap.add_argument("--steps", type=int, default=8, help="measured steps per configuration")
     ap.add_argument("--warmup", type=int, default=3, help="unmeasured steps first (compilation happens here)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, rows of 256/512, fp32")
@@ -211,14 +216,14 @@ def main() -> None:
     rng = random.Random(0)
     vocab = arch.padded_vocab_size
     need = (a.warmup + a.steps + 2) * 2
-    data = {"demo": demo_examples(need * 20, vocab, rng)}
+    data = {"demo": demo_examples(need * max(20, a.micro_batch), vocab, rng)}
     for name in ("2k", "8k"):
         data[name] = long_examples(need, lengths[name], vocab, rng)
     cases = [c for c in a.cases.split(",") if c]
     packings, compiles = a.packing.split(","), a.compile.split(",")
     attentions = [x for x in a.attention.split(",") if x and (cuda or x != "flex")]  # no flex backward on CPU
-    print("\n| data | packing | attention | compile | ckpt | row (max) | tokens/step | step s | tokens/s | TFLOP/s (4N) "
-          "| % of matmul | GPU busy | reserved GiB | estimate GiB |")
+    print("\n| data | packing | attention | compile | ckpt | rows x row (max) | tokens/step | step s | tokens/s "
+          "| TFLOP/s (4N) | % of matmul | GPU busy | reserved GiB | estimate GiB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     baseline = None
     with tempfile.TemporaryDirectory() as scratch:
@@ -229,19 +234,20 @@ def main() -> None:
                 runs = [(p, att) for p in (packings if case == "demo" else ["off"])
                         for att in (attentions if p == "on" else ["-"])]
                 for packing, attention in runs:
-                    rows = data[case]
+                    rows, packer, micro = data[case], None, a.micro_batch if case == "demo" else 1
                     if packing == "on":
-                        rows = pack(rows, a.pack_length)
+                        packer = RowPacker(a.pack_length)
                         set_packed_attention(model, attention)
                     ckpt = case == "8k"
                     if ckpt:
                         enable_checkpointing(model, use_reentrant=True)
                         model.enable_input_require_grads()
-                    r = run_one(model, rows, a.steps, a.warmup, 2 if cuda else 0, ckpt, dtype, Path(scratch))
+                    r = run_one(model, rows, a.steps, a.warmup, 2 if cuda else 0, ckpt, dtype, Path(scratch), micro,
+                                packer)
                     if ckpt:
                         model.gradient_checkpointing_disable()
                     tflops = 4 * n_params * r["tokens_per_s"] / 1e12
-                    shape = RunShape(dtype=dtype, micro_batch=1, seq_len=r["width"], lora_r=8,
+                    shape = RunShape(dtype=dtype, micro_batch=r["rows"], seq_len=r["width"], lora_r=8,
                                      gradient_checkpointing=ckpt, device=device,
                                      gpu_family=gpu_family(torch.cuda.get_device_name().lower()) if cuda else None)
                     predicted = estimate(arch, shape).peak_bytes
@@ -249,7 +255,8 @@ def main() -> None:
                         baseline = r["tokens_per_s"]
                     speedup = f" ({r['tokens_per_s'] / baseline:.2f}x)" if baseline and case == "demo" else ""
                     fmt = (lambda x, f: "-" if x is None else f.format(x))
-                    print(f"| {case} | {packing} | {attention} | {comp} | {'on' if ckpt else 'off'} | {r['width']} | "
+                    print(f"| {case} | {packing} | {attention} | {comp} | {'on' if ckpt else 'off'} | "
+                          f"{r['rows']} x {r['width']} | "
                           f"{r['tokens_per_step']:.0f} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f}{speedup} | "
                           f"{tflops:.1f} | {fmt(peak_mm and 100 * tflops / peak_mm, '{:.0f}%')} | "
                           f"{fmt(r['busy'] and 100 * r['busy'], '{:.0f}%')} | "

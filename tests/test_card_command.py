@@ -14,7 +14,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from glmtune.config import DataConfig, RunConfig, TrainConfig
-from glmtune.data.packing import pack_datasets
+from glmtune.data.packing import decide_packing
 from glmtune.data.pipeline import DataCollator, build_datasets, longest_length
 from glmtune.models import load_config, load_model, load_tokenizer
 from glmtune.models.presets import ensure_tiny
@@ -53,19 +53,20 @@ def packed_data():
     data_cfg = DataConfig(train_file=str(samples / "train.jsonl"), val_file=str(samples / "val.jsonl"),
                           packing="on", pack_length=600)
     data = build_datasets(data_cfg, tok)
-    packed, packing = pack_datasets(data_cfg, data, 0, 1, on_gpu=False)
+    packing = decide_packing(data_cfg, data.train, 0, 4, on_gpu=False)
     assert packing.enabled
-    return model_dir, tok, data_cfg, packed
+    return model_dir, tok, data_cfg, data, packing
 
 
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_packed_rows_with_a_chunked_loss_train_and_evaluate(tmp_path, packed_data, checkpointing):
-    model_dir, tok, data_cfg, packed = packed_data
+    model_dir, tok, data_cfg, data, packing = packed_data
     run = RunConfig(data=data_cfg, train=TrainConfig(max_steps=2, eval_steps=1, logging_steps=1, save_minutes=0,
                                                      use_reentrant=not checkpointing))
     choices = replace(make_plan(run, load_config(model_dir), 1, user_set_max_length=False).choices,
-                      loss_chunk_tokens=64, gradient_checkpointing=checkpointing)
-    metrics, _ = train(run, choices, tmp_path, model_dir, packed.train, packed.val, DataCollator(tok.pad_token_id))
+                      loss_chunk_tokens=64, gradient_checkpointing=checkpointing, micro_batch_size=4)
+    metrics, _ = train(run, choices, tmp_path, model_dir, data.train, data.val, DataCollator(tok.pad_token_id),
+                       packer=packing.packer())
     assert metrics["steps"] == 2 and metrics["eval_loss"] > 0
     assert set(metrics["phase_peak_bytes"]) == {"train", "eval", "save"}
     evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

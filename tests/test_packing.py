@@ -1,14 +1,17 @@
 """Packing: a packed row trains exactly like its examples run one by one (losses and LoRA gradients, fp32),
-with and without images; the packer, the collator's positions and the stats."""
+with and without images; the packer, the collator's positions and the stats. That a packed step trains the same
+examples with the same gradient as unpacked, however it is split: tests/test_pack_step.py."""
 from __future__ import annotations
 
+import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from glmtune.config import DataConfig, LoraConfig
-from glmtune.data.packing import format_packing, pack, pack_datasets, positions
+from glmtune.data.packing import decide_packing, format_packing, pack, positions
 from glmtune.data.pipeline import IGNORE_INDEX, DataCollator, build_datasets
 from glmtune.models import load_config, load_model, load_tokenizer
 from glmtune.models.presets import ensure_tiny
@@ -134,36 +137,30 @@ def test_collator_positions_seq_ids_and_images_of_packed_rows():
 
 @pytest.mark.parametrize("packing, on_gpu, packs", [("on", False, True), ("off", True, False),
                                                      ("auto", False, False), ("auto", True, True)])
-def test_pack_datasets_decides_and_reports(packing, on_gpu, packs):
+def test_decide_packing_decides_and_reports(packing, on_gpu, packs):
     tok = load_tokenizer(ensure_tiny("glm4"))
     cfg = DataConfig(train_file=str(REPO / "data/samples/train.jsonl"),
                      val_file=str(REPO / "data/samples/val.jsonl"), packing=packing, pack_length=1024)
     data = build_datasets(cfg, tok)
-    packed, info = pack_datasets(cfg, data, image_extra=0, micro_batch=2, on_gpu=on_gpu)
-    assert info.enabled is packs and (packed.train is not data.train) is packs
-    assert info.shape() == ((1024, 0) if packs else None)
+    info = decide_packing(cfg, data.train, image_extra=0, micro_batch=4, on_gpu=on_gpu)
+    assert info.enabled is packs and info.shape() == ((1024, 0) if packs else None)
+    assert (info.packer() is not None) is packs
     if packing == "off" or not on_gpu and packing == "auto":
-        assert info.train is None and "rows of" not in format_packing(info, 2)  # off: no packing work at all
+        assert info.train is None and "rows of" not in format_packing(info, 4)  # off: no packing work at all
         return
     stats = info.train
-    assert stats.examples == len(data.train) and stats.positions == data.stats.train.tokens
-    rows = pack(list(data.train), 1024)  # the dict path gives the same rows as the column path
-    assert stats.rows == len(rows) == len(packed.train) == 13 and stats.examples == 51  # ceil(12,691 / 1,024)
-    if packs:
-        assert [packed.train[i] for i in range(len(packed.train))] == rows
-    assert 0.8 < stats.fill <= 1.0
-    assert stats.pad_unpacked > stats.pad_packed  # micro-batches of 2 unpacked examples pad to the longer one
-    assert stats.pad_unpacked == _padding_by_hand([len(e["input_ids"]) for e in data.train], 2)
-
-
-def _padding_by_hand(lengths: list[int], micro: int) -> int:
-    return sum(max(lengths[i:i + micro]) * len(lengths[i:i + micro]) - sum(lengths[i:i + micro])
-               for i in range(0, len(lengths), micro))
+    assert stats.examples == len(data.train) == 51 and stats.positions == data.stats.train.tokens
+    assert stats.micro_steps == 13 and stats.micro_steps <= stats.rows < 51  # 4 examples -> 1-2 rows each
+    assert 1 <= stats.most_rows <= 4 and stats.pad_unpacked > stats.pad_packed
+    assert "micro-batches of 4 examples -> " in format_packing(info, 4)
+    assert "micro-batches of 1 examples -> 1.0 rows" in format_packing(info, 1)  # redrawn at the plan's micro-batch
+    # auto needs at least 2 examples per row: a micro-batch of one example never packs.
+    assert not decide_packing(replace(cfg, packing="auto"), data.train, 0, 1, on_gpu=True).enabled
 
 
 @pytest.mark.parametrize("packing", ["off", "on"])
 def test_packing_plans_from_the_length_column_without_reading_tokens(packing, monkeypatch):
-    """Issue 25: packing off reads no token list, and packing on reads only the rows asked for."""
+    """Issue 25: deciding and reporting reads no token list; packing happens per micro-batch, in the collator."""
     from glmtune.data import tokenized
 
     tok = load_tokenizer(ensure_tiny("glm4"))
@@ -173,12 +170,9 @@ def test_packing_plans_from_the_length_column_without_reading_tokens(packing, mo
     reads = []
     real = tokenized._ListColumn.__getitem__
     monkeypatch.setattr(tokenized._ListColumn, "__getitem__", lambda self, row: reads.append(row) or real(self, row))
-    packed, info = pack_datasets(cfg, data, image_extra=0, micro_batch=2, on_gpu=False)
+    info = decide_packing(cfg, data.train, image_extra=0, micro_batch=2, on_gpu=False)
     format_packing(info, 2)
     assert reads == []
-    if packing == "on":
-        row = packed.train[3]
-        assert len(reads) == 2 * len(row["lengths"])  # input_ids and labels of that row's examples only
 
 
 def test_flex_attention_block_mask_matches_the_dense_mask_forward():
@@ -206,13 +200,19 @@ def test_planner_and_config_know_the_packed_row():
 
     run = RunConfig(hw=HwConfig(name="a100_80g", memory_gib=80))
     arch = released_config("glm4_9b_chat")
+    run.train.per_device_batch_size = 8
     plain = make_plan(run, arch, 1, user_set_max_length=False)
     packed = make_plan(run, arch, 1, user_set_max_length=False, packed=(4096, 0))
-    assert run_shape(run, arch, packed.choices, 300, packed=(4096, 0)).seq_len == 4096
-    assert packed.peak_bytes > plain.peak_bytes  # rows of 4,096 positions, not examples of <= 500
+    eight = replace(packed.choices, micro_batch_size=8)
+    # The fullest micro-step: 8 examples of <= 300 tokens fit one row; of <= 500, rows of 8 x 512 = 4,096.
+    assert (run_shape(run, arch, eight, 300, packed=(4096, 0)).micro_batch,
+            run_shape(run, arch, eight, 300, packed=(4096, 0)).seq_len) == (1, 2400)
+    assert packed.peak_bytes >= plain.peak_bytes  # the same positions, plus the packed rows' attention mask
+    assert packed.packing["probed_rows_per_micro_step"] * packed.packing["probed_row_positions"] >= \
+        packed.choices.micro_batch_size * packed.choices.max_length
     vision = released_config("glm4v_9b")
-    shape = run_shape(run, vision, packed.choices, 300, packed=(8192, 3))
-    assert (shape.seq_len, shape.images_per_sample) == (8192, 3)
+    shape = run_shape(run, vision, replace(eight, micro_batch_size=4), 300, packed=(8192, 3))
+    assert (shape.micro_batch, shape.seq_len, shape.images_per_sample) == (1, 4 * (300 + 1599), 4)  # one row
     with pytest.raises(ConfigError) as err:
         parse_config({"data": {"packing": "yes", "pack_length": 100, "max_length": 500},
                       "train": {"compile": "maybe", "packed_attention": "fast"}})
@@ -225,7 +225,9 @@ def test_cli_trains_on_packed_rows_with_the_probe(tmp_path, repo):
     from conftest import glmtune_in_process
 
     out = glmtune_in_process("data.packing=on", "data.pack_length=600", "train.max_steps=2", "train.eval_steps=0",
-                             f"hydra.run.dir={tmp_path / 'run'}", cwd=repo)
+                             "train.per_device_batch_size=4", f"hydra.run.dir={tmp_path / 'run'}", cwd=repo)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "packing: on (data.packing=on); rows of 600 positions" in out.stdout
-    assert "train: 51 examples -> " in out.stdout and (tmp_path / "run" / "adapter").is_dir()
+    assert "packing: on (data.packing=on); each micro-batch's examples in rows of up to 600 positions" in out.stdout
+    assert "train: micro-batches of 4 examples -> " in out.stdout and (tmp_path / "run" / "adapter").is_dir()
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())["packing"]
+    assert plan["examples_per_micro_step"] == 4 and 1 <= plan["expected_rows_per_micro_step"] <= 4

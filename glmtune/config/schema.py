@@ -31,7 +31,7 @@ class DataConfig:
     max_length: int = 500  # tokens per example after truncation; the planner never changes a value set here
     cache_dir: Optional[str] = None  # tokenized-data cache; None = $GLMTUNE_CACHE/data (~/.cache/glmtune/data)
     num_proc: int = 0  # processes that tokenize a file on a cache miss; 0 = every core this process may use
-    packing: str = "auto"  # auto | on | off: several examples per row (data/packing.py); auto = on a GPU when it halves the rows
+    packing: str = "auto"  # auto | on | off: each micro-batch's examples in fewer rows (data/packing.py); auto = on a GPU when it halves them
     pack_length: Optional[int] = None  # positions per packed row; None = max(2048, longest example)
     format: str = "auto"  # auto | glm | alpaca | sharegpt | openai: how records map onto GLM messages (data/formats.py)
     mix: Optional[list[float]] = None  # with several train files: each file's share of the training examples; None = all of each

@@ -1,10 +1,16 @@
-"""Packing: several short conversations per row, each one blind to the others (`data.packing=auto|on|off`).
+"""Packing: the examples of one micro-step laid into fewer, fuller rows (`data.packing=auto|on|off`).
 
     python -m glmtune data.packing=on data.pack_length=4096
 
-GLM-4's demo data is short (prompts ~30-60, answers ~80-150 tokens): one example per step leaves a GPU
-launch-bound (issue 13: 57 ms busy of a ~190 ms step at 512 tokens). Packing concatenates examples into rows
-of up to `pack_length` positions, so one forward does the work of many.
+Packing is a speed lever, never another training (issue 31). The optimizer step's examples are decided first,
+exactly as unpacked (train/steps.py: the global batch in examples, the same sampler and order), and each rank's
+micro-batch receives the same examples it would receive unpacked. Only then are that micro-batch's examples laid,
+first-fit in the sampler's order, into rows of up to `pack_length` positions (RowPacker, called by the collator):
+a micro-batch of 8 examples of ~150 tokens becomes one row of ~1,200 positions instead of 8 rows padded to the
+longest. The loss is still the step's summed token loss over its target tokens (train/steps.py), so packed and
+unpacked train the same examples per step with the same gradient up to floating-point order; `train.max_steps`
+and epochs count the same data, and `auto` may switch freely. What packing saves is padding, and on a GPU the
+launches of many short rows; it never changes how many micro-batches (forward passes) a step takes.
 
 A packed row is a plain dict, like an encoded example plus `lengths`:
     {"input_ids": [...], "labels": [...], "lengths": [n_1, n_2, ...], "images": [path, ...]}   (images: GLM-4V)
@@ -18,11 +24,11 @@ Labels: each example's first label is -100 (encode_conversation's shift makes it
 for any other source, e.g. the probe's synthetic rows). The model predicts label i from position i - 1,
 so no example is ever a target of the one before it.
 
-Loss weighting: the model's loss is the mean over every target token of the micro-batch (the reference
-loss), packed or not. A packed row therefore weighs each target token equally — the same loss as an
-unpacked batch holding the same examples, not a mean of per-example means. What packing changes is
-how many examples share a micro-batch (and so an optimizer step): with packing a step covers more
-examples, and `train.max_steps` counts steps of packed rows.
+Layouts the rule cannot keep as it is: the null slots of an epoch's last, short step (train/steps.py: copies of
+an example with every label masked) are left out of the rows, since they carry no target; a micro-batch of null
+slots only still runs one row of one of them (zero target tokens: zero loss, zero gradient), so every rank joins
+the same collectives. Evaluation batches are not packed: the Trainer weighs each evaluation batch by its row
+count, so packing them would change eval_loss.
 
 GLM-4V: an example with an image occupies len(input_ids) + (N - 1) positions (boi + N patches + eoi
 replace 3 placeholders); pack_length counts positions, so a row's length after the model splices the
@@ -30,36 +36,45 @@ images stays within it. Rows may carry several images; the model splices each in
 """
 from __future__ import annotations
 
-import bisect
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
-import torch
 
 from ..config import DataConfig
-from .pipeline import IGNORE_INDEX, Datasets
+from .pipeline import IGNORE_INDEX
 
 # Default row length when data.pack_length is not set: on an H100 a 2,048-token row already runs the 9B model
 # at ~47 % of the card's bf16 matmul rate, against ~15 % for a single 512-token example (issue 13).
 DEFAULT_PACK_LENGTH = 2048
-# `auto` packs when packing at least halves the forward passes: below that the saved launches are few.
+# `auto` packs when packing at least halves the rows of a micro-batch: below that the saved launches are few.
 AUTO_MIN_GAIN = 2.0
+# The micro-step statistics draw the examples in a random order of this seed: an estimate of what the sampler's
+# (train.seed's) order gives, without importing the trainer.
+STATS_SEED = 0
 
 
 @dataclass
 class PackStats:
-    """One split, in positions (text tokens + image embeddings beyond the placeholders)."""
+    """The train split cut into micro-batches of `micro_batch` examples, each packed; in positions (text tokens +
+    image embeddings beyond the placeholders)."""
 
     examples: int
-    rows: int
+    micro_batch: int
+    micro_steps: int  # micro-batches of one epoch (forward passes, packed or not)
+    rows: int  # packed rows over those micro-batches
+    most_rows: int  # most rows any one of those micro-batches became
     pack_length: int
     positions: int  # sum of example positions
     max_images: int  # most images in one row (GLM-4V), for the planner
     oversize: int  # examples longer than pack_length, alone in a row of their own
-    pad_unpacked: int  # padding of micro-batches of unpacked examples in file order, padded to their longest
-    pad_packed: int  # padding of micro-batches of packed rows, padded to their longest
+    pad_unpacked: int  # padding of the micro-batches unpacked, each padded to its longest example
+    pad_packed: int  # padding of the same micro-batches packed, each padded to its longest row
+
+    @property
+    def rows_per_micro_step(self) -> float:
+        return self.rows / self.micro_steps if self.micro_steps else 0.0
 
     @property
     def fill(self) -> float:
@@ -73,14 +88,18 @@ class Packing:
     reason: str
     pack_length: int
     train: Optional[PackStats] = None
-    val: Optional[PackStats] = None
+    image_extra: int = 0
+    lengths: Optional[np.ndarray] = None  # positions of every train example, for stats at the plan's micro-batch
 
     def shape(self) -> Optional[tuple[int, int]]:
         """(row length in positions, images per row) for the planner and the probe; None when not packing."""
         if not self.enabled:
             return None
-        splits = [s for s in (self.train, self.val) if s is not None]
-        return self.pack_length, max((s.max_images for s in splits), default=0)
+        return self.pack_length, self.train.max_images if self.train is not None else 0
+
+    def packer(self) -> Optional[RowPacker]:
+        """What the training collator packs each micro-batch with; None when not packing."""
+        return RowPacker(self.pack_length, self.image_extra) if self.enabled else None
 
 
 def positions(example: dict[str, Any], image_extra: int) -> int:
@@ -96,67 +115,38 @@ def example_positions(split, image_extra: int) -> np.ndarray:
     return np.array([positions(e, image_extra) for e in split], dtype=np.int64)
 
 
-def plan_rows(lengths: np.ndarray, pack_length: int) -> tuple[np.ndarray, np.ndarray]:
-    """Best-fit decreasing over example lengths: longest first, into the fullest row it still fits (O(n log n)).
-    An example longer than pack_length gets a row of its own (it is never cut: max_length already did).
-    Returns (members, offsets): row r holds examples members[offsets[r]:offsets[r + 1]], in index order, and
-    rows come in order of their first example. Two int64 arrays, 8 B per example: no Python list per row."""
-    order = np.argsort(-lengths, kind="stable").tolist()
-    sizes = lengths.tolist()
-    row_of = [0] * len(sizes)
-    rows = 0
-    # Free room as one sorted list of room * 2**32 + row: the first entry >= n * 2**32 is the best fit.
-    free: list[int] = []
-    for i in order:
-        n = sizes[i]
-        at = bisect.bisect_left(free, n << 32)
-        if at < len(free):
-            key = free.pop(at)
-            room, row = key >> 32, key & 0xFFFFFFFF
-            if room - n > 0:
-                bisect.insort(free, ((room - n) << 32) | row)
+def first_fit(lengths: list[int], pack_length: int) -> list[list[int]]:
+    """Indices of `lengths` per row: each example, in the given order, into the first row it still fits; an
+    example longer than pack_length gets a row of its own (it is never cut: max_length already did). Rows
+    come in order of their first example. A micro-batch holds tens of examples: O(n x rows) is nothing."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i, n in enumerate(lengths):
+        at = next((r for r, free in enumerate(room) if n <= free), None)
+        if at is None:
+            rows.append([i])
+            room.append(pack_length - n)
         else:
-            row, rows = rows, rows + 1
-            if pack_length - n > 0:
-                bisect.insort(free, ((pack_length - n) << 32) | row)
-        row_of[i] = row
-    row_of_np = np.asarray(row_of, dtype=np.int64)
-    first = np.full(rows, len(sizes), dtype=np.int64)
-    np.minimum.at(first, row_of_np, np.arange(len(sizes)))
-    rank = np.empty(rows, dtype=np.int64)
-    rank[np.argsort(first, kind="stable")] = np.arange(rows)  # renumber rows by their first example
-    members = np.lexsort((np.arange(len(sizes)), rank[row_of_np]))
-    offsets = np.concatenate([[0], np.cumsum(np.bincount(rank[row_of_np], minlength=rows))])
-    return members, offsets
+            rows[at].append(i)
+            room[at] -= n
+    return rows
+
+
+@dataclass(frozen=True)
+class RowPacker:
+    """A micro-batch's examples -> its packed rows (first-fit, in the given order)."""
+
+    pack_length: int
+    image_extra: int = 0
+
+    def __call__(self, examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        rows = first_fit([positions(e, self.image_extra) for e in examples], self.pack_length)
+        return [join_row([examples[i] for i in row]) for row in rows]
 
 
 def pack(examples, pack_length: int, image_extra: int = 0) -> list[dict[str, Any]]:
-    """Every packed row of `examples` (a list or split), as dicts: for tests and small data."""
-    rows = PackedSplit(examples, *plan_rows(example_positions(examples, image_extra), pack_length))
-    return [rows[i] for i in range(len(rows))]
-
-
-class PackedSplit(torch.utils.data.Dataset):
-    """Packed rows over a split, joined when the Trainer asks for one: only that row's examples are read
-    (memory-mapped from the cache), so a launch never holds all the tokens as Python lists."""
-
-    def __init__(self, split, members: np.ndarray, offsets: np.ndarray) -> None:
-        self.split, self.members, self.offsets = split, members, offsets
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def target_counts(self) -> np.ndarray:
-        """Target tokens per row (train/steps.py weighs each step by them), from the examples' cached counts."""
-        counts = self.split.target_counts() if hasattr(self.split, "target_counts") else \
-            np.array([sum(label != IGNORE_INDEX for label in e["labels"][1:]) for e in self.split], dtype=np.int64)
-        return np.add.reduceat(counts[self.members], self.offsets[:-1]) if len(self.members) else counts[:0]
-
-    def __getitem__(self, row: int) -> dict[str, Any]:
-        if not -len(self) <= row < len(self):
-            raise IndexError(f"row {row} out of range for {len(self)} packed rows")
-        row %= len(self)
-        return join_row([self.split[int(i)] for i in self.members[self.offsets[row]:self.offsets[row + 1]]])
+    """Every packed row of `examples` (a list or split) as one micro-batch: for tests, bench/ and small data."""
+    return RowPacker(pack_length, image_extra)(list(examples))
 
 
 def join_row(members: list[dict[str, Any]]) -> dict[str, Any]:
@@ -173,31 +163,34 @@ def join_row(members: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
-def split_stats(split, lengths: np.ndarray, members: np.ndarray, offsets: np.ndarray, pack_length: int,
-                image_extra: int, micro_batch: int) -> PackStats:
-    """Rows, fill and padding of one split, vectorized over the length (and image) columns."""
-    row_positions = np.add.reduceat(lengths[members], offsets[:-1]) if len(members) else lengths[:0]
-    max_images = 0
-    if image_extra:
-        if hasattr(split, "column"):
-            has_image = split.column("image")[split.rows]
-        else:
-            has_image = np.array([bool(e.get("image")) for e in split])
+def micro_step_stats(lengths: np.ndarray, has_image: np.ndarray, micro_batch: int, pack_length: int) -> PackStats:
+    """One epoch in a seeded random order, cut into micro-batches of `micro_batch` examples, each packed."""
+    order = np.random.default_rng(STATS_SEED).permutation(len(lengths))
+    rows = most = pad_unpacked = pad_packed = max_images = 0
+    for start in range(0, len(order), micro_batch):
+        chunk = order[start:start + micro_batch]
+        sizes = lengths[chunk].tolist()
+        packed = first_fit(sizes, pack_length)
+        row_sizes = [sum(sizes[i] for i in row) for row in packed]
+        rows, most = rows + len(packed), max(most, len(packed))
+        pad_unpacked += max(sizes) * len(sizes) - sum(sizes)
+        pad_packed += max(row_sizes) * len(row_sizes) - sum(row_sizes)
         if has_image.any():
-            max_images = int(np.add.reduceat(has_image[members].astype(np.int64), offsets[:-1]).max())
-    return PackStats(examples=len(lengths), rows=len(offsets) - 1, pack_length=pack_length,
-                     positions=int(lengths.sum()), max_images=max_images,
-                     oversize=int((lengths > pack_length).sum()),
-                     pad_unpacked=_padding(lengths, micro_batch), pad_packed=_padding(row_positions, micro_batch))
+            max_images = max(max_images, *(int(has_image[chunk[row]].sum()) for row in packed))
+    return PackStats(examples=len(lengths), micro_batch=micro_batch, micro_steps=math.ceil(len(lengths) / micro_batch),
+                     rows=rows, most_rows=most, pack_length=pack_length, positions=int(lengths.sum()),
+                     max_images=max_images, oversize=int((lengths > pack_length).sum()), pad_unpacked=pad_unpacked,
+                     pad_packed=pad_packed)
 
 
-def _padding(lengths: np.ndarray, micro_batch: int) -> int:
-    """Padding of consecutive micro-batches of `lengths`, each padded to its longest."""
-    if not len(lengths):
-        return 0
-    starts = np.arange(0, len(lengths), micro_batch)
-    counts = np.diff(np.append(starts, len(lengths)))
-    return int((np.maximum.reduceat(lengths, starts) * counts).sum() - lengths.sum())
+def expected_rows(p: Packing, micro_batch: int) -> float:
+    """Rows per micro-step on average over an epoch of this data at `micro_batch` examples (the plan's)."""
+    if p.train is not None and micro_batch == p.train.micro_batch:
+        return round(p.train.rows_per_micro_step, 2)
+    if p.lengths is None:
+        return float(micro_batch)
+    return round(micro_step_stats(p.lengths, np.zeros(len(p.lengths), dtype=bool), micro_batch,
+                                  p.pack_length).rows_per_micro_step, 2)
 
 
 def pack_length_for(cfg: DataConfig, longest: int) -> int:
@@ -214,48 +207,52 @@ def planned_packing(cfg: DataConfig, image_extra: int) -> Optional[tuple[int, in
     return length, (length // (image_extra + 3) if image_extra else 0)
 
 
-def pack_datasets(cfg: DataConfig, data: Datasets, image_extra: int, micro_batch: int, on_gpu: bool
-                  ) -> tuple[Datasets, Packing]:
-    """Datasets of packed rows when data.packing says so (auto: on a GPU when it at least halves the rows).
-    Off (or auto on CPU) does no packing work at all; on plans rows from the length columns and joins each
-    row only when it is read (PackedSplit).
+def decide_packing(cfg: DataConfig, train, image_extra: int, micro_batch: int, on_gpu: bool) -> Packing:
+    """Whether the training collator packs (auto: on a GPU when it at least halves a micro-batch's rows), and the
+    micro-step statistics. Off (or auto on CPU) does no packing work at all; on reads only the length and image
+    columns (numpy over the cache), never a token list. The datasets themselves are never changed: which examples
+    a step trains does not depend on packing.
 
     image_extra: positions an image adds beyond its 3 placeholders (plan.estimate.image_extra_tokens)."""
-    splits = [s for s in (data.train, data.val) if s is not None]
-    lengths = [example_positions(s, image_extra) for s in splits]  # numpy over the cached columns: milliseconds
-    length = pack_length_for(cfg, max(int(n.max(initial=0)) for n in lengths))
+    lengths = example_positions(train, image_extra)
+    length = pack_length_for(cfg, int(lengths.max(initial=0)))
     if cfg.packing == "off":
-        return data, Packing(False, "data.packing=off", length)
+        return Packing(False, "data.packing=off", length)
     if cfg.packing == "auto" and not on_gpu:
-        return data, Packing(False, "auto: off on CPU (compute-bound per token: no launch overhead to save, and "
-                                    "the dense block-diagonal mask costs attention over the whole row)", length)
-    plans = [plan_rows(n, length) for n in lengths]
-    stats = [split_stats(s, n, *p, length, image_extra, micro_batch) for s, n, p in zip(splits, lengths, plans)]
-    gain = stats[0].examples / max(1, stats[0].rows)
+        return Packing(False, "auto: off on CPU (compute-bound per token: no launch overhead to save, and "
+                              "the dense block-diagonal mask costs attention over the whole row)", length)
+    stats = micro_step_stats(lengths, _has_image(train, image_extra), micro_batch, length)
+    gain = micro_batch / max(stats.rows_per_micro_step, 1e-9)
     if cfg.packing == "on":
         enabled, reason = True, "data.packing=on"
     elif gain >= AUTO_MIN_GAIN:
-        enabled, reason = True, f"auto: {gain:.1f} examples per row, {gain:.1f}x fewer forward passes"
+        enabled, reason = True, f"auto: {gain:.1f} examples per row, {gain:.1f}x fewer rows per micro-step"
     else:
-        enabled, reason = False, f"auto: only {gain:.1f} examples per row (packs from {AUTO_MIN_GAIN:.0f})"
-    result = Packing(enabled, reason, length, stats[0], stats[1] if len(stats) > 1 else None)
-    if not enabled:
-        return data, result
-    packed = [PackedSplit(s, *p) for s, p in zip(splits, plans)]
-    return Datasets(packed[0], packed[1] if len(packed) > 1 else None, data.stats), result
+        enabled, reason = False, (f"auto: only {gain:.1f} examples per row at micro-batch {micro_batch} "
+                                  f"(packs from {AUTO_MIN_GAIN:.0f})")
+    return Packing(enabled, reason, length, stats, image_extra, lengths)
+
+
+def _has_image(split, image_extra: int) -> np.ndarray:
+    if not image_extra:
+        return np.zeros(len(split), dtype=bool)
+    if hasattr(split, "column"):
+        return split.column("image")[split.rows].astype(bool)
+    return np.array([bool(e.get("image")) for e in split])
 
 
 def format_packing(p: Packing, micro_batch: int) -> str:
-    """Rows, fill and padding per split, plain text under the data table."""
+    """Rows per micro-step, fill and padding, plain text under the data table. With the plan's micro-batch
+    (which the probe may lower) the statistics are redrawn for it."""
     lines = [f"packing: {'on' if p.enabled else 'off'} ({p.reason})"
-             + (f"; rows of {p.pack_length} positions" if p.train is not None else "")]
-    for name, s in (("train", p.train), ("val", p.val)):
-        if s is None:
-            continue
+             + (f"; each micro-batch's examples in rows of up to {p.pack_length} positions" if p.train else "")]
+    s = p.train
+    if s is not None and p.lengths is not None and micro_batch != s.micro_batch:
+        s = micro_step_stats(p.lengths, np.zeros(len(p.lengths), dtype=bool), micro_batch, p.pack_length)
+    if s is not None:
         saved = s.pad_unpacked - s.pad_packed
-        lines.append(f"  {name}: {s.examples} examples -> {s.rows} rows ({s.examples / max(1, s.rows):.1f} per row), "
-                     f"fill {s.fill:.1%}; padding at micro-batch {micro_batch}: {s.pad_unpacked} unpacked vs "
-                     f"{s.pad_packed} packed ({saved:+d} saved), forward passes "
-                     f"{math.ceil(s.examples / micro_batch)} -> {math.ceil(s.rows / micro_batch)}"
+        lines.append(f"  train: micro-batches of {s.micro_batch} examples -> {s.rows_per_micro_step:.1f} rows on "
+                     f"average, at most {s.most_rows} ({s.micro_steps} micro-batches of an epoch, as unpacked), fill "
+                     f"{s.fill:.1%}; padding {s.pad_unpacked} unpacked vs {s.pad_packed} packed ({saved:+d} saved)"
                      + (f"; {s.oversize} example(s) longer than a row, alone in theirs" if s.oversize else ""))
     return "\n".join(lines)

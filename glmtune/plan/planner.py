@@ -17,6 +17,7 @@ import torch
 from ..config import RunConfig
 from .advice import advise, format_options
 from .estimate import GIB, RunShape, estimate, gpu_family, image_extra_tokens
+from .packrows import fullest_micro_step, most_rows
 from ..config import userds
 from .provenance import derived_near_budget, term_sources
 from .quantized import allows_zero3
@@ -58,6 +59,7 @@ class Plan:
     advice: list[str] = field(default_factory=list)
     sources: dict[str, str] = field(default_factory=dict)  # per breakdown term: measured / CPU-verified / derived
     unmeasured_risk: str = ""  # a near-budget peak that rests on derived terms (plan/provenance.py)
+    packing: dict = field(default_factory=dict)  # packed runs: rows per micro-step and step (packing_figures)
 
     def to_json(self) -> str:
         keys = ("dtype", "gradient_checkpointing", "zero_stage", "offload_params", "offload_optimizer",
@@ -66,7 +68,7 @@ class Plan:
         return json.dumps({"fits": self.fits, "budget_bytes": self.budget_bytes, "peak_bytes": self.peak_bytes,
                            "breakdown": self.breakdown, "choices": {k: getattr(self.choices, k) for k in keys},
                            "reasons": self.reasons, "advice": self.advice, "sources": self.sources,
-                           "unmeasured_risk": self.unmeasured_risk}, indent=2)
+                           "unmeasured_risk": self.unmeasured_risk, "packing": self.packing or None}, indent=2)
 
 
 def local_dtype(run: RunConfig) -> tuple[str, str]:
@@ -80,16 +82,36 @@ def local_dtype(run: RunConfig) -> tuple[str, str]:
     return "fp16", "no bfloat16 on this card: fp16 with dynamic loss scaling"
 
 
+def packing_figures(run: RunConfig, arch, c: Choices, data_max_tokens: int | None,
+                    packed: tuple[int, int] | None) -> dict:
+    """How many rows a step becomes when packed (data/packing.py: each micro-batch's examples, first-fit into rows):
+    the probed (fullest) micro-step, the most rows any micro-step can make, and per optimizer step."""
+    if packed is None:
+        return {}
+    seq = (min(c.max_length, data_max_tokens) if data_max_tokens else c.max_length) + \
+        (image_extra_tokens(arch) if arch.vision_config else 0)
+    layout = fullest_micro_step(c.micro_batch_size, seq, packed[0])
+    most = most_rows(c.micro_batch_size, seq, packed[0])
+    steps = c.grad_accum * c.world_size  # micro-steps of one optimizer step, over all ranks
+    return {"pack_length": packed[0], "examples_per_micro_step": c.micro_batch_size,
+            "probed_rows_per_micro_step": layout.rows, "probed_row_positions": layout.row_positions,
+            "most_rows_per_micro_step": most, "micro_steps_per_step": steps,
+            "most_rows_per_step": most * steps}
+
+
 def run_shape(run: RunConfig, arch, c: Choices, data_max_tokens: int | None = None,
               packed: tuple[int, int] | None = None) -> RunShape:
     """packed: (positions per row, most images in a row) when the data is packed (data/packing.py)."""
     seq = min(c.max_length, data_max_tokens) if data_max_tokens else c.max_length
     images = 1 if arch.vision_config else 0  # GLM-4V: one image per conversation, sized for the worst case
     seq += image_extra_tokens(arch) * images
-    if packed is not None:  # a packed row is one sequence of its full length; the length counts image embeddings
-        seq, images = packed
+    micro_batch = c.micro_batch_size
+    if packed is not None:  # the micro-batch's examples in rows (plan/packrows.py): the fullest micro-step
+        layout = fullest_micro_step(c.micro_batch_size, seq, packed[0])
+        micro_batch, seq = layout.rows, layout.row_positions
+        images = layout.per_row if arch.vision_config else 0  # the probe's examples each carry an image
     on_gpu = run.hw.memory_gib is not None or torch.cuda.is_available()
-    return RunShape(dtype=c.dtype, micro_batch=c.micro_batch_size, seq_len=seq,
+    return RunShape(dtype=c.dtype, micro_batch=micro_batch, seq_len=seq,
                     lora_r=run.lora.r, lora_targets=tuple(run.lora.target_modules), lora_dropout=run.lora.dropout,
                     gradient_checkpointing=c.gradient_checkpointing, loss_chunk_tokens=c.loss_chunk_tokens,
                     offload_checkpoints=c.offload_checkpoints, autocast=c.dtype != "fp32",
@@ -188,7 +210,8 @@ def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
     reasons.update(_reasons(run, start, c, budget, weights_only, world_size, ok))
     sources = term_sources(est.breakdown, run_shape(run, arch, c, data_max_tokens, packed))
     plan = Plan(ok, budget, est.peak_bytes, est.breakdown, c, reasons, sources=sources,
-                unmeasured_risk=derived_near_budget(est.breakdown, sources, est.peak_bytes, budget) if ok else "")
+                unmeasured_risk=derived_near_budget(est.breakdown, sources, est.peak_bytes, budget) if ok else "",
+                packing=packing_figures(run, arch, c, data_max_tokens, packed))
     if not ok and advice:
         plan.advice = _advice(run, arch, world_size, c.max_length, data_max_tokens, margin, packed)
     return plan
@@ -256,8 +279,19 @@ def format_plan(plan: Plan):
     table.add_row("[bold]budget", budget)
     for key, value in plan.choices.to_dict().items():
         table.add_row(key, str(value), plan.reasons.get(key, ""))
+    if plan.packing:
+        table.add_row("packing", "on", format_rows(plan.packing))
     if plan.unmeasured_risk:
         table.add_row("[yellow]unmeasured", "", plan.unmeasured_risk)
     if not plan.advice:
         return table
     return Group(table, Text(format_options(plan.advice)))
+
+
+def format_rows(p: dict) -> str:
+    """The plan's packing line: how many rows a micro-step and a step become."""
+    expected = (f"expected {p['expected_rows_per_micro_step']:.1f}, " if "expected_rows_per_micro_step" in p else "")
+    return (f"{p['examples_per_micro_step']} examples per micro-step -> {expected}probed "
+            f"{p['probed_rows_per_micro_step']} x {p['probed_row_positions']} positions, at most "
+            f"{p['most_rows_per_micro_step']} rows; a step: {p['micro_steps_per_step']} micro-steps, at most "
+            f"{p['most_rows_per_step']} rows of <= {p['pack_length']}")

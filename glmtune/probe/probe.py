@@ -28,11 +28,12 @@ import torch
 import torch.distributed as torch_dist
 
 from ..config import RunConfig
-from ..data.packing import join_row
+from ..data.packing import RowPacker
 from ..data.pipeline import IMAGE_PLACEHOLDERS
 from ..plan.estimate import CUDA_CONTEXT_DEFAULT, GIB, estimate, image_extra_tokens
 from ..plan.advice import cards_for_measured
 from ..config import userds
+from ..plan.packrows import fullest_micro_step
 from ..plan.planner import Choices, Plan, run_shape, step_down
 from ..train.gpumem import outside_allocator_bytes
 from ..train.phases import format_peaks
@@ -86,24 +87,6 @@ def worst_case_examples(count: int, length: int, tokenizer, seed: int, image: Pa
     return out
 
 
-def worst_case_rows(count: int, packed: tuple[int, int], length: int, tokenizer, seed: int,
-                    image: Path | None = None, image_extra: int = 0) -> list[dict]:
-    """`count` packed rows (data/packing.py) of exactly packed[0] positions, filled with worst-case examples
-    of up to `length` tokens; with `image`, the first packed[1] examples of a row carry it (GLM-4V)."""
-    row_length, images = packed
-    rows = []
-    for r in range(count):
-        members, room = [], row_length
-        while room > 5 + (image_extra if image is not None and len(members) < images else 0):
-            with_image = image is not None and len(members) < images
-            n = min(length, room - (image_extra if with_image else 0))
-            members += worst_case_examples(1, n, tokenizer, seed + 7919 * r + len(members),
-                                           image if with_image else None)
-            room -= n + (image_extra if with_image else 0)
-        rows.append(join_row(members))
-    return rows
-
-
 def _probe_image(size: int, folder: Path) -> Path:
     """A noise image of the tower's input size; pixel values do not change the tower's memory."""
     from PIL import Image
@@ -131,7 +114,7 @@ def emulate_card(memory_gib: float | None) -> bool:
 
 
 def _attempt(run: RunConfig, choices: Choices, model_dir: Path, examples: list[dict], eval_examples, collator,
-             scratch: Path) -> tuple[dict | None, dict]:
+             scratch: Path, packer: RowPacker | None = None) -> tuple[dict | None, dict]:
     """One probe attempt through the run's own Trainer and phases (train/phases.py): a training step, an
     evaluation when the run evaluates, training again, evaluating again. Returns (peak bytes per phase, detail),
     or (None, detail) when it ran out of memory; detail["phase"] then names the phase it ran out in."""
@@ -141,7 +124,7 @@ def _attempt(run: RunConfig, choices: Choices, model_dir: Path, examples: list[d
     try:
         model = build_model(model_dir, run, choices)
         trainer = make_trainer(args, model, examples, eval_examples or None, collator,
-                               normalization=run.train.loss_normalization)
+                               normalization=run.train.loss_normalization, packer=packer)
         try:
             trainer.train()
         finally:
@@ -214,7 +197,8 @@ def _restore_rng(state: tuple) -> None:
 
 def run_probe(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, tokenizer, collator,
               run_dir: Path, world_size: int, evaluates: bool, packed: tuple[int, int] | None = None) -> ProbeReport:
-    """packed: (positions per row, images per row) when the data is packed: the probe then runs full packed rows."""
+    """packed: (positions per row, images per row) when the data is packed: the probe then runs the fullest
+    micro-step packing can make of its micro-batch (plan/packrows.py), laid out by the run's own packer."""
     start, rng = time.perf_counter(), _rng_state()
     emulated = emulate_card(run.hw.memory_gib)
     record_memory_history()  # the run records it for its OOM snapshot: the probe runs under the same allocator
@@ -223,22 +207,24 @@ def run_probe(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, t
     while True:
         length = min(choices.max_length, longest)
         count = choices.micro_batch_size * choices.grad_accum * run.probe.steps * world_size
-        if packed is not None:
+        packer, each = None, length
+        if packed is not None:  # equal examples the run's own packer lays into the fullest micro-step (packrows.py)
             extra = image_extra_tokens(arch)
-            examples = worst_case_rows(count, packed, length, tokenizer, run.train.seed, image, extra)
-            eval_examples = (worst_case_rows(choices.eval_batch_size * world_size, packed, length, tokenizer,
-                                             run.train.seed, image, extra) if evaluates else None)
-        else:
-            examples = worst_case_examples(count, length, tokenizer, run.train.seed, image)
-            eval_examples = (worst_case_examples(choices.eval_batch_size * world_size, length, tokenizer,
-                                                 run.train.seed, image) if evaluates else None)
+            image_positions = extra if image is not None else 0
+            each = fullest_micro_step(choices.micro_batch_size, length + image_positions,
+                                      packed[0]).example_positions - image_positions
+            packer = RowPacker(packed[0], extra)
+        examples = worst_case_examples(count, each, tokenizer, run.train.seed, image)
+        # Evaluation batches are never packed (data/packing.py): the longest examples, as unpacked.
+        eval_examples = (worst_case_examples(choices.eval_batch_size * world_size, length, tokenizer,
+                                             run.train.seed, image) if evaluates else None)
         shape = run_shape(run, arch, choices, longest, packed)
         if not torch.cuda.is_available():  # CPU: compare tensor terms only (no CUDA context, no allocator)
             shape = replace(shape, device="cpu", gpu_family=None)
         est = estimate(arch, shape)
         predicted = est.peak_bytes
         t0 = time.perf_counter()
-        peaks, detail = _attempt(run, choices, model_dir, examples, eval_examples, collator, run_dir)
+        peaks, detail = _attempt(run, choices, model_dir, examples, eval_examples, collator, run_dir, packer)
         gathered = _gather((peaks, detail))
         per_rank = [None if p is None else max(p.values()) for p, _ in gathered]
         peaks, detail = _merge_ranks(gathered)

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..rundir.atomic import is_disk_full
 from ..config import ConfigError, parse_config
-from ..data.packing import format_packing, pack_datasets, planned_packing
+from ..data.packing import decide_packing, expected_rows, format_packing, planned_packing
 from ..data.pipeline import DataCollator, build_datasets, cache_entries, format_stats, longest_length
 from ..launch import rank, world_size
 from ..models import load_tokenizer
@@ -71,8 +71,9 @@ def prepare(cfg: DictConfig, overrides: list[str]) -> Prepared:
             # Every line of every file is checked when its cache entry is built, before any weights load.
             data = build_datasets(run.data, prep.tokenizer, prep.arch.vision_config, seed=run.train.seed)
             prep.inputs = input_fingerprints(cache_entries(data), prep.model_dir)
-            prep.data, prep.packing = pack_datasets(run.data, data, image_extra_tokens(prep.arch),
-                                                    run.train.per_device_batch_size, on_gpu=torch.cuda.is_available())
+            prep.data = data  # packing never changes which examples a step trains: only how the collator lays them
+            prep.packing = decide_packing(run.data, data.train, image_extra_tokens(prep.arch),
+                                          run.train.per_device_batch_size, on_gpu=torch.cuda.is_available())
     except (ValueError, OSError) as err:  # bad input, or a device map that cannot place a tensor
         if is_disk_full(err):
             raise
@@ -134,6 +135,8 @@ def planned(prep: Prepared, run_dir: Path, plan_scratch: bool):
     packed = prep.packing.shape() if prep.packing else planned_packing(run.data, image_extra_tokens(arch))
     plan = make_plan(run, arch, world, length_set, data_max_tokens=longest_length(data.stats) if data else None,
                      packed=packed)
+    if plan.packing and prep.packing is not None:  # the data's own rows per micro-step at the plan's micro-batch
+        plan.packing["expected_rows_per_micro_step"] = expected_rows(prep.packing, plan.choices.micro_batch_size)
     start = Start()
     if run.mode == "train":  # an earlier run in this dir: resume it, refuse, or move it aside (runlock.decide)
         start = decide(run_dir, run.train.resume, prep.config, last_complete(run_dir / "checkpoints"), rank() == 0)
@@ -185,7 +188,7 @@ def probe_stage(prep: Prepared, plan, start: Start, run_dir: Path) -> tuple[Choi
 
     if rank() == 0:
         console.print(format_stats(prep.data.stats))
-        console.print(format_packing(prep.packing, run.train.per_device_batch_size))
+        console.print(format_packing(prep.packing, plan.choices.micro_batch_size))
         console.print(describe(run.train, plan.choices.zero_stage, arch.attention_dropout, prep.packing.enabled))
     settle_process()
     if start.choices or not run.probe.enabled:  # +hw= on a larger card: run_probe caps the probed runs itself
@@ -257,7 +260,7 @@ def train_mode(prep: Prepared, plan, start: Start, choices: Choices, peaks: tupl
         with diagnosed(run_dir, plan.breakdown, choices.to_dict(), run.probe.enabled):
             metrics, _ = train(run, choices, run_dir, prep.model_dir, data.train, data.val, collator(prep),
                                prep.tokenizer, peaks[0], plan.budget_bytes, resume_from=start.resume_from,
-                               probe_bytes=peaks[1])
+                               probe_bytes=peaks[1], packer=prep.packing.packer())
     except StoppedBySignal as stop:
         STOP.settle()  # the checkpoint is complete: nothing left for a later signal to protect
         last = last_complete(run_dir / "checkpoints")

@@ -39,7 +39,8 @@ RESUMABLE_CHANGES = ("train.resume", "train.max_steps", "train.num_epochs", "tra
 # engine. The micro-batch and accumulation may change as long as the global batch (micro x accumulation x
 # processes, recorded at the first launch) stays; run/modes.py checks that and re-plans for the new hardware.
 MEMORY_LEVERS = ("train.per_device_batch_size", "train.grad_accum", "train.eval_batch_size",
-                 "train.gradient_checkpointing", "train.precision", "train.compile", "train.packed_attention")
+                 "train.gradient_checkpointing", "train.precision", "train.compile", "train.packed_attention",
+                 "data.packing", "data.pack_length")  # packing: rows of the same examples (data/packing.py)
 MEMORY_LEVER_GROUPS = ("hw.", "dist.", "probe.")  # the card preset, process counts and engine, the probe
 _OURS = (".lock.rank", "rank")  # lock files and Hydra's per-rank logs of the current launch
 

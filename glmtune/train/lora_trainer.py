@@ -20,14 +20,15 @@ from .steps import ExampleLog, StepCollator, StepExamples, StepSampler, step_los
 
 def make_trainer(args: TrainingArguments, model, train_set, val_set, collator, callbacks=(),
                  generation_eval: GenerationEval | None = None, best: BestTracker | None = None,
-                 normalization: str = "tokens") -> Trainer:
+                 normalization: str = "tokens", packer=None) -> Trainer:
     """The Trainer for the run and for the probe; args carries train.learning_rate and train.weight_decay;
-    `normalization` is train.loss_normalization."""
+    `normalization` is train.loss_normalization; `packer` (data.packing.RowPacker) packs each training
+    micro-batch's examples into rows (data.packing=on), the step's examples staying those of the unpacked run."""
     steps = None
     if train_set is not None:  # train/steps.py: each step's examples, whatever the split
         steps = StepSampler(target_counts(train_set), args.per_device_train_batch_size *
                             args.gradient_accumulation_steps * args.world_size, args.seed)
-        train_set, collator = StepExamples(train_set, steps), StepCollator(collator)
+        train_set, collator = StepExamples(train_set, steps), StepCollator(collator, packer)
     # The meter first, so each training step's peak is read before any other callback's own reset (timeline.py).
     meter = PhaseMeter(model)
     trainer = LoraTrainer(model=model, args=args, train_dataset=train_set, eval_dataset=val_set or None,

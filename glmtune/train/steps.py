@@ -16,6 +16,9 @@ split to change memory and speed but never the result, three things must not dep
    same forward passes, which ZeRO-3's collectives need). Nothing is dropped and nothing is seen twice; a resume
    with another split skips whole blocks, so it continues with the next unconsumed example.
 
+Packing (data/packing.py, data.packing=on) changes none of this: StepCollator lays each micro-batch's examples,
+the ones listed above, into fewer rows, and the summed token loss of those rows is the summed loss of the examples.
+
 `train.loss_normalization=micro_batch` keeps the official demo's weighting (each micro-batch's mean, averaged
 over accumulation steps and ranks) for reproducing its numbers, over the same step order (a micro-batch of null
 slots only adds 0); the two agree at 1 × 1 × 1.
@@ -96,10 +99,14 @@ class StepExamples(torch.utils.data.Dataset):
 
 
 class StepCollator:
-    """The data collator, plus `step_tokens` (the step's target tokens) and `example_ids` (NULL for padding)."""
+    """The data collator, plus `step_tokens` (the step's target tokens) and `example_ids` (NULL for padding).
 
-    def __init__(self, collator: Callable) -> None:
-        self.collator = collator
+    packer (data.packing.RowPacker, data.packing=on): the micro-batch's examples, the same ones as unpacked, go
+    into rows first; its null slots carry no target and are left out, unless the micro-batch is nothing else (one
+    null row then still runs the forward every rank's collectives expect). Evaluation batches stay unpacked."""
+
+    def __init__(self, collator: Callable, packer: Callable | None = None) -> None:
+        self.collator, self.packer = collator, packer
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         if "step_tokens" not in features[0]:  # the evaluation loader shares the Trainer's collator
@@ -107,6 +114,9 @@ class StepCollator:
         ids = [f.pop("example_id") for f in features]
         tokens = {f.pop("step_tokens") for f in features}
         assert len(tokens) == 1, "a micro-batch spans two optimizer steps"  # G is a multiple of the micro-batch
+        if self.packer is not None:
+            real = [f for f, i in zip(features, ids) if i != NULL]
+            features = self.packer(real or features[:1])
         batch = self.collator(features)
         batch["example_ids"] = torch.tensor(ids, dtype=torch.long)
         batch["step_tokens"] = torch.tensor(tokens.pop(), dtype=torch.long)

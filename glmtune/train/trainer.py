@@ -156,14 +156,16 @@ def swanlab_callback(report_to: list[str]) -> list:
 
 def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, train_set, val_set,
           collator, tokenizer=None, planned_bytes: int | None = None, budget_bytes: int | None = None,
-          resume_from: Path | None = None, probe_bytes: int | None = None) -> tuple[dict, torch.nn.Module]:
+          resume_from: Path | None = None, probe_bytes: int | None = None, packer=None
+          ) -> tuple[dict, torch.nn.Module]:
     """Fine-tune (from `resume_from`, a complete checkpoint, when given), save the adapter (rank 0) and
     return (metrics, the trained PEFT model). Raises guard.Diverged / guard.StoppedBySignal instead of
     returning when the run stopped early; the last complete checkpoint is then in run_dir/checkpoints.
 
     tokenizer: needed for eval.generate (replies are generated and decoded). planned_bytes and budget_bytes
     (the plan's per-GPU peak and budget) are drawn on memory_timeline.png; they and probe_bytes (the probe's
-    measured peak) go to the trackers with every training log line."""
+    measured peak) go to the trackers with every training log line. packer: data.packing's RowPacker when
+    packing (each micro-batch's examples laid into rows), else None."""
     args = training_args(run.train, choices, run_dir, has_eval=bool(val_set), user_ds=userds.apply(run))
     output_dir = Path(args.output_dir)
     if resume_from is not None:
@@ -185,7 +187,7 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
                                       CompleteMarker(output_dir, run.train.keep_checkpoints), guard,
                                       *swanlab_callback(run.train.report_to)],
                            generation_eval=generation_eval, best=best,
-                           normalization=run.train.loss_normalization)
+                           normalization=run.train.loss_normalization, packer=packer)
     trainer.guard, trainer.memory = guard, timeline
     trackers = TrackerRuns(run.train.report_to, run_dir, launch_params(run, choices, planned_bytes, budget_bytes,
                                                                       probe_bytes, run_dir), args.process_index == 0)
