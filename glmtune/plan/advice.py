@@ -140,8 +140,8 @@ def _gpus(run: RunConfig, base: RunConfig, world_size: int, replan) -> list[Opti
         overrides = ([f"dist.nnodes={nodes}"] if nodes > 1 else []) + [f"dist.nproc_per_node={procs}"]
         if strategy != run.dist.strategy:
             overrides.append(f"dist.strategy={strategy}")
-        launch = (f"torchrun --nproc_per_node {procs}" if nodes == 1 else
-                  f"{nodes} nodes of torchrun --nproc_per_node {procs}")
+        launch = (f"scripts/torchrun.sh {procs}" if nodes == 1 else
+                  f"NNODES={nodes} NPROC={procs} scripts/torchrun_multinode.sh on each node")
         zero = "ZeRO-3" if plan.choices.zero_stage == 3 else "data parallel"
         return [_option(overrides, f"{n} GPUs with {zero} (mode=plan reads these keys; train with {launch})", plan)]
     return []

@@ -59,7 +59,7 @@ def advice(kind: str, choices: dict, probe_enabled: bool) -> list[str]:
             out.append("train.gradient_checkpointing=on")
         out.append("hw.margin=0.8  (plan with more headroom: the planner then picks the next memory lever)")
         if choices.get("zero_stage", 0) == 0:
-            out.append("dist=zero3 with more GPUs: torchrun --nproc_per_node 2 -m glmtune ...")
+            out.append("dist=zero3 with more GPUs: scripts/torchrun.sh 2 dist=zero3 ...")
         out.append(f"data.max_length={max(64, choices.get('max_length', 500) // 2)}")
         return out
     if kind == "nccl":

@@ -160,7 +160,8 @@ def planned(prep: Prepared, run_dir: Path, plan_scratch: bool):
     if not plan.fits:
         # Short enough for a 120-column log: the options themselves are the numbered list under the plan table.
         fail(f"the plan does not fit: {plan.peak_bytes / GIB:.1f} GiB > {plan.budget_bytes / GIB:.1f} GiB budget; "
-             + (f"{len(plan.advice)} option(s) that fit are listed above, best first" if plan.advice else
+             + (f"best: {plan.advice[0].split(': ', 1)[0]} ({len(plan.advice)} option(s) that fit are listed above)"
+                if plan.advice else
                 "no option fits: lower lora.r or lora.target_modules"), code=3)
     return plan, start
 
