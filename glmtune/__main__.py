@@ -152,7 +152,7 @@ def cli() -> None:
 
     try:
         # A plain run composes its config once (config/compose.py); the rest goes through hydra.main.
-        if not run_once(main.__wrapped__, sys.argv[1:], str(CONF_DIR)):
+        if multirun or not run_once(main.__wrapped__, sys.argv[1:], str(CONF_DIR)):
             main()
     except (HydraException, OmegaConfBaseException) as err:
         fail(" ".join(str(err).split()))

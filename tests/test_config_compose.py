@@ -16,6 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 from glmtune.config import CONF_DIR
+from glmtune.config.cli import installed
 from glmtune.config.compose import run_once
 
 SEEN: list[tuple[dict, dict]] = []
@@ -56,6 +57,10 @@ def test_plain_run_composes_once_as_hydra_main(tmp_path, monkeypatch, compositio
     (cfg_main, hydra_main), (cfg_once, hydra_once) = both_paths(argv, monkeypatch)
     assert compositions[0] == 3  # hydra.main: get_mode + run; run_once: run
     assert cfg_once == cfg_main
+    # hydra.main adds `hydra.mode=RUN` to Hydra's own overrides when the config leaves the mode unset; run_once
+    # lets Hydra.run set the mode instead (a config may ask for a sweep), so that record is all that differs.
+    assert hydra_main["overrides"]["hydra"][-1] == "hydra.mode=RUN"
+    hydra_main["overrides"]["hydra"].pop()
     assert hydra_once == hydra_main
     assert str(hydra_once["mode"]) == "RunMode.RUN" and hydra_once["job"]["name"] == "glmtune"
 
@@ -67,6 +72,7 @@ def test_config_dir_joins_the_search_path(tmp_path, monkeypatch):
     (extra / "hw" / "my_card.yaml").write_text((CONF_DIR / "hw" / "a100_40g.yaml").read_text())
     argv = ["--config-dir", str(extra), "mode=plan", "+hw=my_card", f"hydra.run.dir={tmp_path / 'run'}"]
     (cfg_main, hydra_main), (cfg_once, hydra_once) = both_paths(argv, monkeypatch)
+    hydra_main["overrides"]["hydra"].remove("hydra.mode=RUN")
     assert cfg_once == cfg_main and hydra_once == hydra_main
     assert hydra_once["runtime"]["choices"]["hw"] == "my_card"
     assert any(s["path"] == str(extra) for s in hydra_once["runtime"]["config_sources"])
@@ -77,6 +83,16 @@ def test_config_dir_joins_the_search_path(tmp_path, monkeypatch):
 def test_everything_but_a_plain_run_is_left_to_hydra_main(argv, compositions):
     assert run_once(capture, argv, str(CONF_DIR)) is False
     assert compositions[0] == 0
+
+
+@pytest.mark.skipif(not installed("hydra_plugins.hydra_optuna_sweeper"), reason="needs the sweep extra")
+def test_a_config_that_asks_for_a_sweep_is_left_to_hydra_main(tmp_path, monkeypatch, compositions):
+    """+hparams_search=lora_optuna sets hydra.mode: MULTIRUN in its YAML: without `-m` it is still a sweep."""
+    monkeypatch.chdir(tmp_path)
+    SEEN.clear()
+    assert run_once(capture, ["+hparams_search=lora_optuna", f"hydra.sweep.dir={tmp_path / 's'}"],
+                    str(CONF_DIR)) is False
+    assert SEEN == [] and compositions[0] == 1
 
 
 def test_the_command_composes_once(tmp_path):

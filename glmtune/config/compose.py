@@ -5,9 +5,9 @@ single run: `Hydra.get_mode` composes it as a multirun to read `hydra.mode`, the
 to run. glmtune's command line already says whether it is a multirun (`cli.is_multirun`), so the first one is
 waste: 0.5-0.6 s of `mode=plan`'s ~4 s on a 2-core VM, which is the whole point of an "instant" plan (issue 32,
 `bench/plan_import.py`). A plain run is handed to the same `Hydra.run` hydra.main would call, with the same
-task name, search path (`--config-dir` included) and `hydra.mode=RUN` override. Everything else (multirun,
---cfg, --info, --hydra-help, shell completion, --experimental-rerun, --config-path/--config-name) still goes
-through `hydra.main`, unchanged.
+task name and search path (`--config-dir` included). Everything else (`-m`, a config that sets
+`hydra.mode: MULTIRUN` such as `+hparams_search=`, --cfg, --info, --hydra-help, shell completion,
+--experimental-rerun, --config-path/--config-name) still goes through `hydra.main`, unchanged.
 
 Hydra's `_internal` helpers are used on purpose: they are what hydra.main itself runs, so a run composed here
 gets the same run dir, logging, `.hydra/` files and HydraConfig as before. The version is pinned in
@@ -48,10 +48,22 @@ def run_once(task_function: Callable[[DictConfig], Any], argv: list[str], config
                             anchor=SearchPathQuery(provider="schema"))
     hydra = Hydra.create_main_hydra2(task_name=detect_task_name(calling_file, calling_module),
                                      config_search_path=search_path)
+    entered = []
+
+    def task(cfg: DictConfig) -> Any:
+        entered.append(True)
+        return task_function(cfg)
+
     try:
-        # hydra.main adds this override when the mode was not set in the config (glmtune's never sets it).
-        hydra.run(config_name=CONFIG_NAME, task_function=task_function,
-                  overrides=[*args.overrides, "hydra.mode=RUN"])
+        # No `hydra.mode=RUN` override (hydra.main adds one when the config leaves the mode unset): a config that
+        # sets MULTIRUN (+hparams_search=..., or a user's group) must stay a sweep. Hydra.run sets RUN itself
+        # when the mode is unset, and asserts it is RUN before running anything, so a config that asks for a
+        # sweep without `-m` ends here, the task unrun, and goes to hydra.main.
+        hydra.run(config_name=CONFIG_NAME, task_function=task, overrides=list(args.overrides))
+    except AssertionError:
+        if entered:
+            raise  # raised by the run itself, not by Hydra's mode check
+        return False
     finally:
         GlobalHydra.instance().clear()
     return True
