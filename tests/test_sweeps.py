@@ -229,7 +229,7 @@ def test_sigterm_during_an_optuna_trial_stops_the_sweep_and_the_same_command_con
     assert proc.returncode == 7, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     [sweep] = [p.parent for p in tmp_path.glob("multirun/*/*/trials.jsonl")]
-    lines = [line for line in err.splitlines() if "glmtune: " in line]  # glmtune's one line: a stop, not an error
+    lines = [line for line in err.splitlines() if "glmtune: error: " in line or "glmtune: stopped by" in line]
     assert len(lines) == 1 and "glmtune: stopped by SIGTERM at step" in lines[0], err[-3000:]
     assert "trial 1 resumes" in lines[0] and sweep.name in lines[0]
     assert [(r["num"], r["status"]) for r in trials(sweep)] == [(0, "ok"), (1, "stopped")]
