@@ -272,13 +272,15 @@ def train_mode(prep: Prepared, plan, start: Start, choices: Choices, peaks: tupl
         last = last_complete(run_dir / "checkpoints")
         if leader:
             write_state(run_dir, status="diverged", step=bad.step, checkpoint=str(last or ""))
-        fail(f"training diverged at step {bad.step}: {bad.what}; {describe_checkpoint(last)} — "
-             f"{divergence_advice(run.train.learning_rate, choices.dtype)}, then start over with "
-             "train.resume=restart or another hydra.run.dir", code=EXIT_DIVERGED)
+        advice = divergence_advice(run.train.learning_rate, choices.dtype, run.train.weight_decay)
+        fail(f"training diverged at step {bad.step}: {bad.what}; {describe_checkpoint(last)} — {advice}, then start "
+             "over with train.resume=restart or another hydra.run.dir", code=EXIT_DIVERGED)
     except BaseException as crash:  # out of memory (exit 4), NCCL (5), any crash: the dir must not say running
         if leader:
             write_state(run_dir, status="interrupted" if isinstance(crash, Interrupted) else "failed",
                         error=f"{type(crash).__name__}: {crash}"[:300])
+        if is_disk_full(crash):
+            raise  # the entry point's one line for a full disk (exit 2), now that the state says failed
         if not isinstance(crash, Exception) or isinstance(crash, Interrupted):
             raise  # sys.exit of a diagnosed failure (its line is out), or a signal the entry point reports
         fail(f"training failed in {getattr(crash, 'glmtune_where', 'training')}: {crash_line(crash)} — the traceback "
@@ -289,6 +291,22 @@ def train_mode(prep: Prepared, plan, start: Start, choices: Choices, peaks: tupl
         write_state(run_dir, status="done", step=metrics["steps"], adapter=metrics["adapter_dir"])
         console.print(summary(metrics, time.monotonic() - started), markup=False)
     return metrics["train_loss"]
+
+
+def disk_full_line(err: BaseException, run_dir: Path) -> str:
+    """The one line for a write that found the disk full: the file and folder it was writing (from the error
+    chain; the run dir when no error names one), and whether a re-run resumes or starts again."""
+    named, link, seen = None, err, set()
+    while link is not None and id(link) not in seen and named is None:
+        seen.add(id(link))
+        named = getattr(link, "filename", None)
+        link = link.__cause__ or link.__context__
+    reason = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+    where = f"{named} in {Path(named).parent}" if named else f"a run file in {run_dir}"
+    last = last_complete(run_dir / "checkpoints") if run_dir.is_dir() else None
+    then = f"it resumes from {last}" if last else "nothing was saved yet, so it starts again"
+    return (f"disk full or over quota writing {where} ({reason}) — free space there, then re-run the same "
+            f"command: {then}")
 
 
 def crash_line(crash: BaseException) -> str:

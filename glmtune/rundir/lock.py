@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .atomic import read_jsonl, write_json, write_text
+from .atomic import is_disk_full, read_jsonl, write_json, write_text
 from ..config import ConfigError
 
 STATE = "run_state.json"
@@ -110,10 +110,28 @@ def read_state(run_dir: Path) -> dict | None:
 
 
 def write_state(run_dir: Path, **fields: Any) -> None:
-    """Merge `fields` into run_state.json (rank 0 only; the caller checks)."""
+    """Merge `fields` into run_state.json (rank 0 only; the caller checks).
+
+    On a full disk the atomic write (a new file, then a rename) has no room, and the dir would keep saying
+    `running` for a run that failed: the state is then rewritten in place, without indentation, which is
+    shorter than the indented file it replaces, so it needs no new blocks (on a copy-on-write filesystem it
+    fails like the first write, and the original error is reported)."""
     state = read_state(run_dir) or {}
     state.update(fields, updated=time.strftime("%Y-%m-%d %H:%M:%S"))
-    write_json(run_dir / STATE, state)
+    try:
+        write_json(run_dir / STATE, state)
+    except OSError as err:
+        if not (is_disk_full(err) and (run_dir / STATE).is_file()):
+            raise
+        data = json.dumps(state, separators=(",", ":")).encode() + b"\n"
+        try:
+            with open(run_dir / STATE, "r+b") as f:
+                f.write(data)
+                f.truncate()
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError:
+            raise err from None
 
 
 def flatten(config: dict) -> dict[str, Any]:
