@@ -41,7 +41,8 @@ from .rundir.atomic import disk_nearly_full, is_disk_full
 from .rundir.files import check_output_dirs, console, discard_unused, fail, own_new_logs
 from .rundir.lock import RunDirLock
 from .rundir.resume import redirect
-from .run.modes import disk_full_line, prepare, run_mode
+from .run.modes import prepare, run_mode
+from .run.report import disk_full_line
 from .run.sweep import EXIT_NO_TRIAL, final_line, none_succeeded, run_trial
 
 # Every rank of one launch must agree on the run dir; ${now:} alone would differ by a second. Cached in the

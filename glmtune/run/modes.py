@@ -293,22 +293,6 @@ def train_mode(prep: Prepared, plan, start: Start, choices: Choices, peaks: tupl
     return metrics["train_loss"]
 
 
-def disk_full_line(err: BaseException, run_dir: Path) -> str:
-    """The one line for a write that found the disk full: the file and folder it was writing (from the error
-    chain; the run dir when no error names one), and whether a re-run resumes or starts again."""
-    named, link, seen = None, err, set()
-    while link is not None and id(link) not in seen and named is None:
-        seen.add(id(link))
-        named = getattr(link, "filename", None)
-        link = link.__cause__ or link.__context__
-    reason = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
-    where = f"{named} in {Path(named).parent}" if named else f"a run file in {run_dir}"
-    last = last_complete(run_dir / "checkpoints") if run_dir.is_dir() else None
-    then = f"it resumes from {last}" if last else "nothing was saved yet, so it starts again"
-    return (f"disk full or over quota writing {where} ({reason}) — free space there, then re-run the same "
-            f"command: {then}")
-
-
 def crash_line(crash: BaseException) -> str:
     """'Type: the first line of its message', for the one line a crash gets on the console."""
     message = str(crash).strip()
