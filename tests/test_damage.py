@@ -267,3 +267,47 @@ def test_bad_data_leaves_no_run_dir_and_an_earlier_runs_log_stays(tmp_path):
     proc = glmtune_in_process(f"data.train_file={bad}", "data.val_file=null", f"hydra.run.dir={earlier}")
     assert proc.returncode == 2
     assert (earlier / "rank0.log").read_text().startswith("an earlier run's log\n")
+
+
+# ---- the hostile pass's findings --------------------------------------------------------------------------------
+
+def test_a_damaged_file_in_the_checkpoint_to_resume_from_is_named(trained, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained / "run", run_dir)
+    optimizer = run_dir / "checkpoints/checkpoint-2/optimizer.pt"
+    optimizer.write_bytes(optimizer.read_bytes()[:100])  # cut short by a copy
+    proc = glmtune_in_process(f"model.path={trained / 'model'}", "train.max_steps=3", "train.save_steps=1",
+                              "probe.enabled=false", "train.resume=always", f"data.train_file={SAMPLES}",
+                              "data.val_file=null", f"hydra.run.dir={run_dir}")
+    line = error_line(proc)
+    assert proc.returncode == 2 and "checkpoint-2: cannot resume" in line and "optimizer.pt" in line
+    assert "delete that folder" in line
+
+
+def test_a_cut_tokenizer_and_a_damaged_run_state_are_one_line_each(trained, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(trained / "model", model)
+    cut = (model / "tokenizer.model").read_bytes()[:100]
+    (model / "tokenizer.model").write_bytes(cut)
+    proc = glmtune_in_process(f"model.path={model}", "mode=infer", "infer.prompt=hi", f"hydra.run.dir={tmp_path / 'i'}")
+    assert proc.returncode == 2 and f"{model / 'tokenizer.model'}: not a complete" in error_line(proc)
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained / "run", run_dir)
+    (run_dir / "run_state.json").write_text('{"status": "runn')  # torn
+    proc = glmtune_in_process(f"model.path={trained / 'model'}", "train.max_steps=3", "probe.enabled=false",
+                              f"data.train_file={SAMPLES}", "data.val_file=null", f"hydra.run.dir={run_dir}")
+    line = error_line(proc)
+    assert proc.returncode == 2 and "run_state.json: unreadable" in line and "train.resume=restart" in line
+
+
+def test_more_new_tokens_than_the_context_is_one_line(tmp_path):
+    proc = glmtune_in_process("mode=infer", "infer.prompt=hi", "infer.max_new_tokens=1000000",
+                              f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 2 and "longer than the model's context (seq_length" in error_line(proc)
+    proc = glmtune_in_process("mode=plan", "infer.max_new_tokens=1000000000000", "train.grad_accum=1000000000000",
+                              "lora.r=1000000000", f"hydra.run.dir={tmp_path / 'run'}")
+    line = error_line(proc)
+    assert proc.returncode == 2
+    for key in ("infer.max_new_tokens must be <=", "train.grad_accum must be <=", "lora.r must be <="):
+        assert key in line

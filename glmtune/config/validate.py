@@ -57,7 +57,11 @@ _NON_NEGATIVE = ("train.max_steps", "train.num_epochs", "train.save_steps", "tra
 _AT_MOST = {"train.num_epochs": (10_000, "a typo: no run of more epochs finishes; for long runs set train.max_steps"),
             "train.max_steps": (10**9, "a billion optimizer steps is years of training"),
             "probe.steps": (100, "the probe measures the peak of the first steps; 2 reach the steady state"),
-            "train.seed": (2**32 - 1, "numpy's seed range"), "infer.seed": (2**32 - 1, "numpy's seed range")}
+            "train.seed": (2**32 - 1, "numpy's seed range"), "infer.seed": (2**32 - 1, "numpy's seed range"),
+            "train.grad_accum": (65_536, "the step's sampler indexes every micro-batch of it in memory"),
+            "lora.r": (65_536, "wider than any GLM layer: no low rank left"),
+            "infer.max_new_tokens": (2**20, "GLM-4's longest context is 1M tokens"),
+            "eval.max_new_tokens": (2**20, "GLM-4's longest context is 1M tokens")}
 
 
 def parse_config(raw: dict[str, Any]) -> RunConfig:

@@ -33,7 +33,7 @@ from .report import header, report_probe, summary
 from ..rundir.resume import check_inputs, input_fingerprints, refuse_training_run, resume_command
 from ..rundir.files import console, fail, probed_peak, remove_empty_dirs, write_run_files
 from ..rundir.lock import Start, decide, trim_metrics, write_state
-from ..train.checkpoints import checkpoint_step, last_complete
+from ..train.checkpoints import checkpoint_step, damage, last_complete
 from ..train.compile import check_attention, describe, resolve_compile
 from ..train.preflight import check_device, check_disk, check_host_memory
 from ..launch.signals import EXIT_DIVERGED, EXIT_INTERRUPTED, STOP, Interrupted
@@ -142,6 +142,10 @@ def planned(prep: Prepared, run_dir: Path, plan_scratch: bool):
             start = replace(start, choices=None, note=f"{start.note}; {line}")  # probed like a first launch
         if start.resume_from and rank() == 0:
             check_inputs(run_dir, prep.inputs or {})
+        problem = damage(start.resume_from) if start.resume_from else None
+        if problem:  # every rank reads the same files, so every rank stops with the same line
+            raise ConfigError(f"{start.resume_from}: cannot resume from this checkpoint: {problem} — delete that "
+                              "folder to resume from the one before it, or start over with train.resume=restart")
     elif not plan_scratch:
         refuse_training_run(run_dir, run.mode)
     if not plan_scratch:  # mode=plan without a run dir writes nothing (not even into its scratch dir)

@@ -203,6 +203,10 @@ def _decide(run_dir: Path, mode: str, config: dict, last_checkpoint: Path | None
         if found and leader:
             return Start(note=f"train.resume=restart: the earlier run's files moved to {move_aside(run_dir, found)}")
         return Start()
+    if state is None and (run_dir / STATE).exists():  # a glmtune run whose state file was damaged
+        raise ConfigError(f"{run_dir / STATE}: unreadable (not JSON) — without it the run cannot be resumed; pass "
+                          "train.resume=restart to move the run's files aside and start over, or use another "
+                          "hydra.run.dir")
     if state is None:
         raise ConfigError(f"{run_dir}: run dir already holds files that are not a glmtune run ({', '.join(found[:4])}"
                           f"{', …' if len(found) > 4 else ''}) — choose another hydra.run.dir, or pass "
