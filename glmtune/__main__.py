@@ -38,7 +38,7 @@ from .launch import export_slurm_env, rank, run_name
 from .launch.signals import EXIT_INTERRUPTED, STOP, Interrupted
 from .launch.supervise import descendants
 from .rundir.atomic import disk_nearly_full, is_disk_full
-from .rundir.files import check_output_dirs, console, discard_unused, fail, own_new_logs
+from .rundir.files import check_output_dirs, console, discard_unused, fail, own_new_logs, unmake
 from .rundir.lock import RunDirLock
 from .rundir.resume import redirect
 from .run.modes import prepare, run_mode
@@ -137,7 +137,7 @@ def cli() -> None:
         check_override_keys(argv)
     except ConfigError as err:
         fail(str(err))
-    check_output_dirs(argv)
+    made = check_output_dirs(argv)
     multirun = is_multirun(argv)
     PLAN_SCRATCH = None
     if chosen_mode(argv) == "plan" and not multirun and not any(a.startswith("hydra.run.dir=") for a in argv):
@@ -152,6 +152,7 @@ def cli() -> None:
     try:
         main()
     except (HydraException, OmegaConfBaseException) as err:
+        unmake(made)
         fail(" ".join(str(err).split()))
     except Exception:
         # The optuna sweeper asks its study for the best trial after the last one, which raises when none

@@ -68,6 +68,9 @@ def test_a_file_as_run_dir_is_one_line(tmp_path):
         proc = glmtune_in_process("mode=plan", f"hydra.run.dir={run_dir}")
         assert proc.returncode == 2 and f"{taken} is a file, not a folder" in error_line(proc)
     assert taken.read_text() == "mine\n"
+    if Path("/proc/self").is_dir():  # a folder no one can make
+        proc = glmtune_in_process("mode=plan", "hydra.run.dir=/proc/glmtune-run")
+        assert proc.returncode == 2 and "hydra.run.dir=/proc/glmtune-run: cannot create it" in error_line(proc)
 
 
 # ---- row 6: a cache entry without meta.json ---------------------------------------------------------------------

@@ -39,10 +39,11 @@ def fail(message: str, code: int = 2, leader_speaks: bool = False) -> None:
     sys.exit(code)
 
 
-def check_output_dirs(argv: list[str]) -> None:
-    """hydra.run.dir= / hydra.sweep.dir= naming a file (or a folder under a file): one line and exit 2 before
-    Hydra's mkdir raises FileExistsError/NotADirectoryError as a traceback. A value with ${...} is Hydra's to
-    resolve and is left to it."""
+def check_output_dirs(argv: list[str]) -> list[Path]:
+    """hydra.run.dir= / hydra.sweep.dir= naming a file (or a folder under a file), or a folder that cannot be
+    made: one line and exit 2 before Hydra's mkdir raises FileExistsError/NotADirectoryError/... as a
+    traceback. A value with ${...} is Hydra's to resolve and is left to it. Returns the folders it made."""
+    made = []
     for arg in argv:
         key, _, value = arg.lstrip("+").partition("=")
         if key not in ("hydra.run.dir", "hydra.sweep.dir") or not value or "${" in value:
@@ -52,6 +53,23 @@ def check_output_dirs(argv: list[str]) -> None:
         if blocker is not None:
             fail(f"{key}={value}: {blocker} is a file, not a folder — give a folder (new or existing) for the "
                  "run's files")
+        new = [p for p in (path, *path.parents) if not p.exists()]
+        try:  # what Hydra does next; here its failure is one line (a read-only or virtual filesystem)
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            fail(f"{key}={value}: cannot create it ({err.strerror or err}) — give a folder you can write to")
+        made += new
+    return made
+
+
+def unmake(made: list[Path]) -> None:
+    """Remove the folders check_output_dirs made, deepest first, where still empty (a launch that stopped
+    before its run began, e.g. on a Hydra composition error, leaves no folder behind)."""
+    for folder in sorted(made, key=lambda p: len(p.parts), reverse=True):
+        try:
+            folder.rmdir()
+        except OSError:
+            pass
 
 
 def _version(package: str) -> str | None:
