@@ -41,6 +41,8 @@ RESUMABLE_CHANGES = ("train.resume", "train.max_steps", "train.num_epochs", "tra
 MEMORY_LEVERS = ("train.per_device_batch_size", "train.grad_accum", "train.eval_batch_size",
                  "train.gradient_checkpointing", "train.precision", "train.compile", "train.packed_attention")
 MEMORY_LEVER_GROUPS = ("hw.", "dist.", "probe.")  # the card preset, process counts and engine, the probe
+# What a training launch writes before run_state.json: the plan's files and the probe's report.
+BEFORE_TRAINING = {".hydra", "plan.json", "versions.json", "probe.json"}
 _OURS = (".lock.rank", "rank")  # lock files and Hydra's per-rank logs of the current launch
 
 
@@ -199,6 +201,8 @@ def decide(run_dir: Path, mode: str, config: dict, last_checkpoint: Path | None,
 
 def _decide(run_dir: Path, mode: str, config: dict, last_checkpoint: Path | None, leader: bool) -> Start:
     state, found = read_state(run_dir), earlier_files(run_dir)
+    if state is None and set(found) <= BEFORE_TRAINING:  # a launch that stopped before training (exit 3, bad
+        found = []  # input after the plan): nothing of a run; this launch rewrites those files
     if mode == "restart" or not found:
         if found and leader:
             return Start(note=f"train.resume=restart: the earlier run's files moved to {move_aside(run_dir, found)}")
