@@ -111,7 +111,8 @@ def main() -> None:
             size = int(args.real_gb * GB)
             make_real(real, size)
             evict(real)
-            row("real", size, f"fingerprint, cold ({len(block_offsets(size))} blocks)", timed(lambda: weight_fingerprint(real)))
+            row("real", size, f"fingerprint, cold ({len(block_offsets(size))} blocks)",
+                timed(lambda: weight_fingerprint(real)))
             row("real", size, "fingerprint, warm, best of 5", timed(lambda: weight_fingerprint(real), 5))
             if size <= 4 * GB:  # ~4.5 s per GB here: the point is made on one shard
                 evict(real)

@@ -249,8 +249,9 @@ def test_adapters_checkpoints_and_merged_weights_have_the_usual_file_mode(traine
     assert {str(p.relative_to(trained)): oct(stat.S_IMODE(p.stat().st_mode)) for p in files
             if stat.S_IMODE(p.stat().st_mode) != FILE_MODE} == {}
     merged = tmp_path / "merged"
-    proc = glmtune_in_process(f"model.path={trained / 'model'}", "mode=infer", f"infer.adapter={trained / 'run/adapter'}",
-                              f"infer.merge_to={merged}", f"hydra.run.dir={tmp_path / 'run'}")
+    proc = glmtune_in_process(f"model.path={trained / 'model'}", "mode=infer",
+                              f"infer.adapter={trained / 'run/adapter'}", f"infer.merge_to={merged}",
+                              f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in merged.iterdir()
             if stat.S_IMODE(p.stat().st_mode) != FILE_MODE} == {}

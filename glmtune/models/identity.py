@@ -105,8 +105,8 @@ def _check_shapes(folder: Path, config: Any) -> None:
         with safe_open(str(weights), "pt") as f:
             shapes = {name: f.get_slice(name).get_shape() for name in f.keys()}
     except (SafetensorError, OSError) as err:  # cut short, or not a safetensors file at all
-        raise ConfigError(f"{weights}: unreadable ({str(err).splitlines()[0][:160]}) — the adapter file is damaged or "
-                          "cut short; copy it again from the run, or retrain") from None
+        raise ConfigError(f"{weights}: unreadable ({str(err).splitlines()[0][:160]}) — the adapter file is damaged "
+                          "or cut short; copy it again from the run, or retrain") from None
     for name, shape in shapes.items():
         number = name.split(".layers.")[-1].split(".")[0]
         if "lora_A" in name and ".layers." in name and number.isdigit():
