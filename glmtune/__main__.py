@@ -39,11 +39,12 @@ from .launch import export_slurm_env, rank, run_name
 from .launch.signals import EXIT_INTERRUPTED, STOP, Interrupted
 from .launch.supervise import descendants
 from .rundir.atomic import disk_nearly_full, is_disk_full
-from .rundir.files import console, discard_unused, fail
+from .rundir.files import check_output_dirs, console, discard_unused, fail, own_new_logs, unmake
 from .rundir.lock import RunDirLock
 from .rundir.resume import redirect
 from .run.modes import prepare, run_mode
 from .run import sweepstop
+from .run.report import disk_full_line
 from .run.sweep import EXIT_NO_TRIAL, final_line, none_succeeded, run_trial
 
 # Every rank of one launch must agree on the run dir; ${now:} alone would differ by a second. Cached in the
@@ -79,13 +80,14 @@ def execute(cfg: DictConfig) -> float | None:
             console.print(f"the same command ran before and did not finish: continuing {run_dir} "
                           "(train.resume=restart starts a new run instead)", markup=False)
     lock = RunDirLock(run_dir, rank())
+    own_logs = own_new_logs(run_dir)  # removed with the dir if the input is bad: README says no run dir is left
     STOP.install()  # SIGTERM/SIGINT: one line now; a checkpoint first once training runs (launch/signals.py)
     try:
         lock.acquire()
         return _execute(cfg, run_dir, list(hydra_cfg.overrides.task))
     except ConfigError as err:
         lock.discard()
-        discard_unused(run_dir)  # a run that never started leaves no folder behind (an earlier run's files stay)
+        discard_unused(run_dir, own_logs)  # a run that never started leaves no folder (an earlier run's files stay)
         fail(str(err))
     except Interrupted as sig:
         stop_children()
@@ -96,9 +98,7 @@ def execute(cfg: DictConfig) -> float | None:
     except Exception as err:  # noqa: BLE001 - only a full disk is turned into one line; the rest re-raises
         if not (is_disk_full(err) or disk_nearly_full(run_dir)):
             raise
-        fail(f"disk full or over quota writing {getattr(err, 'filename', None) or 'a run file'} in {run_dir} "
-             f"({str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__}) — free space, "
-             "then re-run the same command: it resumes from the last complete checkpoint")
+        fail(disk_full_line(err, run_dir))
     finally:
         lock.release()
         gc.unfreeze()  # modes.settle_process froze the heap for the run; the exit's own collection sees it again
@@ -139,6 +139,7 @@ def cli() -> None:
         check_override_keys(argv)
     except ConfigError as err:
         fail(str(err))
+    made = check_output_dirs(argv)
     multirun = is_multirun(argv)
     PLAN_SCRATCH = None
     if chosen_mode(argv) == "plan" and not multirun and not any(a.startswith("hydra.run.dir=") for a in argv):
@@ -155,6 +156,7 @@ def cli() -> None:
         if multirun or not run_once(main.__wrapped__, sys.argv[1:], str(CONF_DIR)):
             main()
     except (HydraException, OmegaConfBaseException) as err:
+        unmake(made)
         fail(" ".join(str(err).split()))
     except Interrupted as sig:  # a second stop signal between two trials of a sweep (run/sweepstop.py)
         sweepstop.mark_stopped()

@@ -188,7 +188,8 @@ def test_a_diverged_run_fails_with_exit_8_and_no_adapter(tmp_path):
                           "data.val_file=null", "train.save_steps=1", f"hydra.run.dir={out}")
     assert code == 8, stderr[-3000:]
     line = error_line(stderr)
-    assert "training diverged at step" in line and "lower train.learning_rate (now 1e+30)" in line
+    assert "training diverged at step" in line
+    assert "lower train.learning_rate (now 1e+30), e.g. train.learning_rate=0.0001" in line  # a sane value
     assert not (out / "adapter").exists() and not (out / "metrics.json").exists()
     assert json.loads((out / "run_state.json").read_text())["status"] == "diverged"
     # Only checkpoints saved before the divergence exist, and their weights are finite.
@@ -222,7 +223,8 @@ def test_a_full_disk_mid_run_is_one_line_and_leaves_no_empty_files(tmp_path):
               "done; "
               f"cat /dev/zero > {disk}/filler 2>/dev/null; wait $pid; echo exit=$? >&2; "
               f"for f in $(find {out} -name '*.json' -o -name '*.yaml'); do [ -s $f ] || echo EMPTY $f >&2; done; "
-              f"find {out}/checkpoints -name COMPLETE | sed 's/^/MARKED /' >&2)")
+              f"find {out}/checkpoints -name COMPLETE | sed 's/^/MARKED /' >&2; "
+              f"grep -o '\"status\": *\"[a-z]*\"' {out}/run_state.json | sed 's/^/STATE /' >&2)")
     proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=REPO, env=ENV, capture_output=True, text=True,
                           timeout=600)
     assert "exit=2" in proc.stderr, proc.stderr[-3000:]
@@ -230,6 +232,8 @@ def test_a_full_disk_mid_run_is_one_line_and_leaves_no_empty_files(tmp_path):
     assert "disk full" in line and "re-run the same command" in line
     assert "EMPTY" not in proc.stderr  # every run file is whole or absent: no 0-byte json/yaml
     assert "MARKED" in proc.stderr  # the complete checkpoints from before the disk filled are still marked
+    assert "STATE" in proc.stderr and '"failed"' in proc.stderr.split("STATE ")[1]  # not left at "running"
+    assert "it resumes from" in line and "/checkpoints/checkpoint-" in line  # names the checkpoint it resumes from
 
 
 def torchrun(*args, port: int) -> subprocess.Popen:

@@ -51,7 +51,17 @@ _POSITIVE = ("data.max_length", "lora.r", "lora.alpha", "dist.nnodes", "dist.npr
              "infer.repetition_penalty", "train.keep_checkpoints", "serve.max_batch")
 # Counts and sizes where 0 means "off" or "use the other key", but a negative value means nothing.
 _NON_NEGATIVE = ("train.max_steps", "train.num_epochs", "train.save_steps", "train.save_minutes",
-                 "train.eval_steps", "train.warmup_steps", "train.weight_decay", "train.seed")
+                 "train.eval_steps", "train.warmup_steps", "train.weight_decay", "train.seed", "infer.seed")
+# Upper bounds past which a value is a typo, not a setting: a run that would never end (epochs, steps, probe
+# steps) or a seed numpy refuses (its range is [0, 2**32)).
+_AT_MOST = {"train.num_epochs": (10_000, "a typo: no run of more epochs finishes; for long runs set train.max_steps"),
+            "train.max_steps": (10**9, "a billion optimizer steps is years of training"),
+            "probe.steps": (100, "the probe measures the peak of the first steps; 2 reach the steady state"),
+            "train.seed": (2**32 - 1, "numpy's seed range"), "infer.seed": (2**32 - 1, "numpy's seed range"),
+            "train.grad_accum": (65_536, "the step's sampler indexes every micro-batch of it in memory"),
+            "lora.r": (65_536, "wider than any GLM layer: no low rank left"),
+            "infer.max_new_tokens": (2**20, "GLM-4's longest context is 1M tokens"),
+            "eval.max_new_tokens": (2**20, "GLM-4's longest context is 1M tokens")}
 
 
 def parse_config(raw: dict[str, Any]) -> RunConfig:
@@ -166,8 +176,15 @@ def _check_values(cfg: RunConfig) -> list[str]:
     for key in _NON_NEGATIVE:
         if _get(cfg, key) < 0:
             problems.append(f"{key} must be >= 0, got {_get(cfg, key)}")
-    if cfg.train.seed >= 2**32:
-        problems.append(f"train.seed must be < 2**32 (numpy's seed range), got {cfg.train.seed}")
+    for key, (most, why) in _AT_MOST.items():
+        if _get(cfg, key) > most:
+            problems.append(f"{key} must be <= {_number(most)} ({why}), got {_number(_get(cfg, key))}")
+    # AdamW's decoupled decay multiplies every weight by (1 - lr x weight_decay) at each step: at 1 or more it
+    # zeroes or flips them all, whatever the gradient says.
+    if cfg.train.learning_rate * cfg.train.weight_decay >= 1:
+        problems.append(f"train.weight_decay={cfg.train.weight_decay:g} times train.learning_rate="
+                        f"{cfg.train.learning_rate:g} must be < 1 (AdamW scales each weight by 1 - lr x weight_decay "
+                        "per step) — usual weight_decay values are 0 to 0.1")
     for key, allowed in _CHOICES.items():
         if _get(cfg, key) not in allowed:
             problems.append(f"{key}={_get(cfg, key)!r} is not one of {', '.join(allowed)}")
@@ -285,6 +302,10 @@ def _data_files_problems(cfg: DataConfig) -> list[str]:
         problems.append(f"set data.val_size={cfg.val_size:g} or data.val_file={cfg.val_file}, not both: pass "
                         "data.val_file=null to hold the val set out of the train files")
     return problems
+
+
+def _number(value: float) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _mlflow_store_problem() -> list[str]:

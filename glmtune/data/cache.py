@@ -13,7 +13,8 @@ entry; an unchanged input costs one read and sha256 of the file (~0.2 s per 100 
 Entries are never modified, so old ones may be deleted at any time (rm -r) when no launch is using them.
 meta.json records the sha256 of every file of the entry's dataset/, checked at every open (the whole entry is
 read once; the pages stay cached for training): an entry whose files differ (a flipped bit, a truncated or
-replaced file, an entry from before the checksums) is never trained on: it is moved aside and built again.
+replaced file, an entry from before the checksums, a folder without meta.json) is never trained on: it is moved
+aside and built again.
 
 Who builds: the first process to take the entry's lock. With a node-local cache_dir that is one process per
 node, on a shared filesystem one for the whole job; the other ranks block on the lock meanwhile and then find
@@ -80,10 +81,21 @@ def load_split(cfg: DataConfig, path: str, config_key: str, tokenizer: Any, has_
             problem = damage(entry)
             if problem is None:
                 return _opened(entry, False, started)
+        elif entry.exists() or entry.is_symlink():
+            # No builder ever leaves this (it renames a folder with meta.json into place whole, under this lock,
+            # which we hold): meta.json was deleted by hand, or the folder came from elsewhere. Nobody opens an
+            # entry without meta.json, so it is set aside like a damaged one and built again.
+            problem = "no meta.json"
+        else:
+            problem = None
+        if problem is not None:
             log.warning("data: cache entry %s is damaged (%s): building it again", entry, problem)
             aside = root / f".{entry.name}.tmp-damaged-{os.getpid()}"
             os.rename(entry, aside)  # processes that have it open keep their mapping; nobody opens it again
-            shutil.rmtree(aside, ignore_errors=True)
+            if aside.is_dir() and not aside.is_symlink():
+                shutil.rmtree(aside, ignore_errors=True)
+            else:
+                aside.unlink(missing_ok=True)
         error_file = entry.with_name(entry.name + ".error")
         if error_file.is_file() and error_file.stat().st_mtime >= started - 1:  # it failed while we waited
             raise DataError(error_file.read_text(encoding="utf-8"))
@@ -106,6 +118,12 @@ def load_split(cfg: DataConfig, path: str, config_key: str, tokenizer: Any, has_
         except DataError as err:
             _write_atomic(error_file, str(err))
             raise
+        except OSError as err:  # pyarrow and datasets report a full disk as OSError, naming no file
+            if not _disk_full(err, root):
+                raise
+            raise DataError(f"{root}: disk full or over quota building the data cache entry for {path} "
+                            f"({str(err).splitlines()[0][:120]}) — free space there or set data.cache_dir to a "
+                            "folder with room, then re-run the same command") from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         error_file.unlink(missing_ok=True)
@@ -171,6 +189,16 @@ def _locked(lock_file: Path, entry: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.lockf(handle, fcntl.LOCK_UN)
+
+
+def _disk_full(err: OSError, root: Path) -> bool:
+    """ENOSPC/EDQUOT/EFBIG, or under 1 MiB left where the cache lives (a library that lost the errno)."""
+    if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or "No space left on device" in str(err):
+        return True
+    try:
+        return shutil.disk_usage(root).free < 2**20
+    except OSError:
+        return False
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -25,6 +25,7 @@ from transformers.generation.streamers import BaseStreamer
 from ..config import ConfigError, InferConfig, ModelConfig
 from ..models import load_config
 from .generate import inference_dtype, load_merged, place
+from .sampling import check_context
 from ..models.generation import encode_prompt, generation_kwargs, prompt_batch
 from ..models.kvcache import preallocated_kv_cache
 from ..models.identity import check_adapter_base
@@ -103,6 +104,7 @@ def run_chat(cfg: InferConfig, model_cfg: ModelConfig, memory_gib: float | None,
              run_dir: Path, read: Callable[[str], str] = input, out: TextIO = sys.stdout) -> int:
     """The chat loop; returns the number of replies."""
     start = start_messages(cfg)
+    check_context(cfg, load_config(model_dir))
     if cfg.adapter:
         check_adapter_base(cfg.adapter, model_dir, load_config(model_dir))
     model, _ = place(load_merged(model_dir, cfg.adapter, model_cfg, inference_dtype()), cfg.gpus, memory_gib)

@@ -30,7 +30,7 @@ from ..models.generation import encode_prompt, generate
 from ..models.quantize import load_quantized, weight_storage_bytes
 from ..models.template import reference_text
 from ..models.identity import check_adapter_base, write_provenance
-from .sampling import auto_batch_size, free_gpu_bytes, settings
+from .sampling import auto_batch_size, check_context, free_gpu_bytes, settings
 
 RESERVE = 2 * GIB  # per GPU, kept free for activations and the KV cache of a batch
 
@@ -104,6 +104,7 @@ def run_infer(cfg: InferConfig, model_cfg: ModelConfig, memory_gib: float | None
               run_dir: Path, config_sha: str | None = None) -> dict:
     out = check_outputs(cfg, model_dir, run_dir)  # before any weights load: never overwrite an input
     prompts = read_prompts(cfg)  # bad prompts and a mismatched adapter stop the run before the weights load
+    check_context(cfg, load_config(model_dir))
     if cfg.adapter:
         check_adapter_base(cfg.adapter, model_dir, load_config(model_dir))
     quantized = model_cfg.quantize != "none"

@@ -7,12 +7,21 @@ from __future__ import annotations
 
 import torch
 
-from ..config import InferConfig
+from ..config import ConfigError, InferConfig
 from ..models.generation import CPU_BATCH
 from ..plan.estimate import RunShape, block_working, estimate
 
 GIB = 1024 ** 3
 MAX_AUTO_BATCH = 64  # above this, decode steps stop getting cheaper per token on a 9B model (weights-bound ends)
+
+
+def check_context(cfg: InferConfig, model_config) -> None:
+    """infer.max_new_tokens past the model's context (config.json seq_length): each layer's KV cache is
+    allocated for all of them at once (models/kvcache.py), so it would fail as an allocation of terabytes."""
+    limit = getattr(model_config, "seq_length", None)
+    if limit and cfg.max_new_tokens > limit:
+        raise ConfigError(f"infer.max_new_tokens={cfg.max_new_tokens} is longer than the model's context "
+                          f"(seq_length {limit} in config.json) — lower it")
 
 
 def settings(cfg: InferConfig, batch_size: int) -> dict:

@@ -81,7 +81,11 @@ def check_adapter_base(adapter: str | Path, model_dir: Path, base_config: Any) -
                           f"adapter/ folder")
     recorded = folder / BASE_FILE
     if recorded.is_file():
-        trained_on, here = json.loads(recorded.read_text()), base_identity(model_dir)
+        try:
+            trained_on, here = json.loads(recorded.read_text()), base_identity(model_dir)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"{recorded}: unreadable ({err}) — restore it from the run, or delete it to check the "
+                              "adapter's shapes only") from None
         for key, what in (("config_sha256", "architecture (config.json)"), ("weights_sample_sha256", "weights")):
             if trained_on.get(key) and here.get(key) and trained_on[key] != here[key]:
                 raise ConfigError(f"infer.adapter={adapter} was trained on {trained_on['path']}, whose {what} "
@@ -94,20 +98,26 @@ def _check_shapes(folder: Path, config: Any) -> None:
     weights = folder / "adapter_model.safetensors"
     if not weights.is_file():
         return
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     h, layers = config.hidden_size, config.num_layers
-    with safe_open(str(weights), "pt") as f:
-        for name in f.keys():
-            if "lora_A" in name and ".layers." in name:
-                index = int(name.split(".layers.")[1].split(".")[0])
-                d_in = f.get_slice(name).get_shape()[1]
-                expected = config.ffn_hidden_size if "dense_4h_to_h" in name else (
-                    config.num_attention_heads * config.kv_channels if name.endswith("dense.lora_A.weight") else h)
-                if index >= layers or d_in != expected:
-                    raise ConfigError(f"infer.adapter={folder}: {name} takes {d_in} inputs but this base "
-                                      f"({layers} layers, hidden {h}) has {expected} there — the adapter was "
-                                      f"trained on another model; use its base")
+    try:
+        with safe_open(str(weights), "pt") as f:
+            shapes = {name: f.get_slice(name).get_shape() for name in f.keys()}
+    except (SafetensorError, OSError) as err:  # cut short, or not a safetensors file at all
+        raise ConfigError(f"{weights}: unreadable ({str(err).splitlines()[0][:160]}) — the adapter file is damaged "
+                          "or cut short; copy it again from the run, or retrain") from None
+    for name, shape in shapes.items():
+        number = name.split(".layers.")[-1].split(".")[0]
+        if "lora_A" in name and ".layers." in name and number.isdigit():
+            index = int(number)
+            d_in = shape[1] if len(shape) == 2 else None
+            expected = config.ffn_hidden_size if "dense_4h_to_h" in name else (
+                config.num_attention_heads * config.kv_channels if name.endswith("dense.lora_A.weight") else h)
+            if index >= layers or d_in != expected:
+                raise ConfigError(f"infer.adapter={folder}: {name} takes {d_in} inputs but this base "
+                                  f"({layers} layers, hidden {h}) has {expected} there — the adapter was "
+                                  f"trained on another model; use its base")
 
 
 def write_provenance(run_dir: Path, model_dir: Path, config_sha: str | None, adapter: str | None,

@@ -31,7 +31,14 @@ def load_tokenizer(path: str | os.PathLike) -> GLM4Tokenizer | ChatGLM3Tokenizer
         raise ValueError(f"{config_file}: not readable JSON ({e})") from None
     chat_template = config.get("chat_template") if isinstance(config.get("chat_template"), str) else None
     family = GLM4Tokenizer if looks_like_rank_file(data) else ChatGLM3Tokenizer
-    tokenizer = family.from_bytes(data, chat_template=chat_template, source=str(model_file))
+    try:
+        tokenizer = family.from_bytes(data, chat_template=chat_template, source=str(model_file))
+    except (ValueError, RuntimeError, UnicodeDecodeError) as e:  # cut short, or not a tokenizer file at all
+        message = str(e).splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        if message.startswith(str(model_file)):
+            raise
+        raise ValueError(f"{model_file}: not a complete {family.__name__[:-9]} tokenizer ({message}) — copy "
+                         "tokenizer.model again from the checkpoint") from None
     # What the tokenizer was made from, for caches of its output (glmtune.data.cache keys on it).
     tokenizer.files_sha256 = hashlib.sha256(data + b"\0" + (chat_template or "").encode()).hexdigest()
     return tokenizer

@@ -33,7 +33,7 @@ from .report import header, report_probe, summary
 from ..rundir.resume import check_inputs, input_fingerprints, refuse_training_run, resume_command
 from ..rundir.files import STOP_PREFIX, console, fail, probed_peak, remove_empty_dirs, write_run_files
 from ..rundir.lock import Start, decide, trim_metrics, write_state
-from ..train.checkpoints import checkpoint_step, last_complete
+from ..train.checkpoints import checkpoint_step, damage, last_complete
 from ..train.compile import check_attention, describe, resolve_compile
 from ..train.preflight import check_device, check_disk, check_host_memory
 from ..launch.signals import EXIT_DIVERGED, EXIT_INTERRUPTED, STOP, Interrupted
@@ -148,6 +148,10 @@ def planned(prep: Prepared, run_dir: Path, plan_scratch: bool):
             start = replace(start, choices=None, note=f"{start.note}; {line}")  # probed like a first launch
         if start.resume_from and rank() == 0:
             check_inputs(run_dir, prep.inputs or {})
+        problem = damage(start.resume_from) if start.resume_from else None
+        if problem:  # every rank reads the same files, so every rank stops with the same line
+            raise ConfigError(f"{start.resume_from}: cannot resume from this checkpoint: {problem} — delete that "
+                              "folder to resume from the one before it, or start over with train.resume=restart")
     elif not plan_scratch:
         refuse_training_run(run_dir, run.mode)
     if not plan_scratch:  # mode=plan without a run dir writes nothing (not even into its scratch dir)
@@ -281,13 +285,15 @@ def train_mode(prep: Prepared, plan, start: Start, choices: Choices, peaks: tupl
         last = last_complete(run_dir / "checkpoints")
         if leader:
             write_state(run_dir, status="diverged", step=bad.step, checkpoint=str(last or ""))
-        fail(f"training diverged at step {bad.step}: {bad.what}; {describe_checkpoint(last)} — "
-             f"{divergence_advice(run.train.learning_rate, choices.dtype)}, then start over with "
-             "train.resume=restart or another hydra.run.dir", code=EXIT_DIVERGED)
+        advice = divergence_advice(run.train.learning_rate, choices.dtype, run.train.weight_decay)
+        fail(f"training diverged at step {bad.step}: {bad.what}; {describe_checkpoint(last)} — {advice}, then start "
+             "over with train.resume=restart or another hydra.run.dir", code=EXIT_DIVERGED)
     except BaseException as crash:  # out of memory (exit 4), NCCL (5), any crash: the dir must not say running
         if leader:
             write_state(run_dir, status="interrupted" if isinstance(crash, Interrupted) else "failed",
                         error=f"{type(crash).__name__}: {crash}"[:300])
+        if is_disk_full(crash):
+            raise  # the entry point's one line for a full disk (exit 2), now that the state says failed
         if not isinstance(crash, Exception) or isinstance(crash, Interrupted):
             raise  # sys.exit of a diagnosed failure (its line is out), or a signal the entry point reports
         fail(f"training failed in {getattr(crash, 'glmtune_where', 'training')}: {crash_line(crash)} — the traceback "

@@ -2,7 +2,8 @@
 
 The whole composed config is in <run dir>/.hydra/config.yaml (and `glmtune --cfg job` prints it); the
 header keeps what decides a run: model, data, card and budget, the plan's decisions, and how many optimizer
-steps the run will take, so a run that trains 40 steps of a 3-epoch request cannot pass unnoticed.
+steps the run will take, so a run that trains 40 steps of a 3-epoch request cannot pass unnoticed. A full
+disk's one line names the file and folder it hit and whether a re-run resumes.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ..plan.estimate import GIB
 from ..plan.planner import Choices, Plan
 from ..rundir.atomic import write_json
 from ..rundir.files import LOG_WIDTH, console
+from ..train.checkpoints import last_complete
 
 
 def optimizer_steps(cfg: TrainConfig, choices: Choices, examples: int) -> tuple[int, float]:
@@ -115,3 +117,19 @@ def summary(metrics: dict, wall_s: float) -> str:
     if best.get("adapter_dir"):  # with a val set: the best evaluation's adapter, kept beside the last one
         line += (f"; best {best['metric']} {best['value']:.4g} at step {best['step']}: {best['adapter_dir']}")
     return line
+
+
+def disk_full_line(err: BaseException, run_dir: Path) -> str:
+    """The one line for a write that found the disk full: the file and folder it was writing (from the error
+    chain; the run dir when no error names one), and whether a re-run resumes or starts again."""
+    named, link, seen = None, err, set()
+    while link is not None and id(link) not in seen and named is None:
+        seen.add(id(link))
+        named = getattr(link, "filename", None)
+        link = link.__cause__ or link.__context__
+    reason = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+    where = f"{named} in {Path(named).parent}" if named else f"a run file in {run_dir}"
+    last = last_complete(run_dir / "checkpoints") if run_dir.is_dir() else None
+    then = f"it resumes from {last}" if last else "nothing was saved yet, so it starts again"
+    return (f"disk full or over quota writing {where} ({reason}) — free space there, then re-run the same "
+            f"command: {then}")

@@ -35,6 +35,15 @@ def _umask() -> int:
 _FILE_MODE, _DIR_MODE = 0o666 & ~_umask(), 0o777 & ~_umask()
 
 
+def plain_file_modes(folder: str | os.PathLike) -> None:
+    """Give every file under `folder` the mode plain open() gives (0644 under umask 022): safetensors writes
+    its files 0600, so an adapter would be the one file of a run its group cannot read."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with contextlib.suppress(OSError):
+                os.chmod(os.path.join(root, name), _FILE_MODE)
+
+
 def fsync_dir(folder: Path) -> None:
     """Make the names in `folder` (new files, renames) durable; a no-op where folders cannot be opened."""
     try:
@@ -119,6 +128,7 @@ def folder_as_one_unit(final: str | os.PathLike) -> Iterator[Path]:
     tmp.chmod(_DIR_MODE)
     try:
         yield tmp
+        plain_file_modes(tmp)
         fsync_tree(tmp)
         old = final.with_name(f"{final.name}.old-{os.getpid()}")
         if final.exists():

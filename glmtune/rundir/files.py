@@ -43,6 +43,39 @@ def fail(message: str, code: int = 2, leader_speaks: bool = False, prefix: str =
     sys.exit(code)
 
 
+def check_output_dirs(argv: list[str]) -> list[Path]:
+    """hydra.run.dir= / hydra.sweep.dir= naming a file (or a folder under a file), or a folder that cannot be
+    made: one line and exit 2 before Hydra's mkdir raises FileExistsError/NotADirectoryError/... as a
+    traceback. A value with ${...} is Hydra's to resolve and is left to it. Returns the folders it made."""
+    made = []
+    for arg in argv:
+        key, _, value = arg.lstrip("+").partition("=")
+        if key not in ("hydra.run.dir", "hydra.sweep.dir") or not value or "${" in value:
+            continue
+        path = Path(value).expanduser()
+        blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+        if blocker is not None:
+            fail(f"{key}={value}: {blocker} is a file, not a folder — give a folder (new or existing) for the "
+                 "run's files")
+        new = [p for p in (path, *path.parents) if not p.exists()]
+        try:  # what Hydra does next; here its failure is one line (a read-only or virtual filesystem)
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            fail(f"{key}={value}: cannot create it ({err.strerror or err}) — give a folder you can write to")
+        made += new
+    return made
+
+
+def unmake(made: list[Path]) -> None:
+    """Remove the folders check_output_dirs made, deepest first, where still empty (a launch that stopped
+    before its run began, e.g. on a Hydra composition error, leaves no folder behind)."""
+    for folder in sorted(made, key=lambda p: len(p.parts), reverse=True):
+        try:
+            folder.rmdir()
+        except OSError:
+            pass
+
+
 def _version(package: str) -> str | None:
     try:
         return version(package)
@@ -86,15 +119,35 @@ def remove_empty_dirs(run_dir: Path, *names: str) -> None:
             pass
 
 
-def discard_unused(run_dir: Path) -> None:
-    """After bad input, undo what Hydra made for this run: empty rank logs, then the folders left empty.
+def own_new_logs(run_dir: Path) -> list[Path]:
+    """This process's log files in `run_dir` that are still empty, i.e. made by this launch: Hydra appends to
+    an earlier run's log, which is never in this list."""
+    found = []
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == run_dir.resolve():
+            try:
+                if Path(handler.baseFilename).stat().st_size == 0:
+                    found.append(Path(handler.baseFilename))
+            except OSError:
+                pass
+    return found
 
-    Only empty files and folders go, so an earlier run's dir given again with hydra.run.dir keeps its files.
+
+def discard_unused(run_dir: Path, own_logs: list[Path] = ()) -> None:
+    """After bad input, undo what Hydra made for this run: empty rank logs and the logs this launch made
+    (`own_logs`, from own_new_logs: what they say is on the console already), then the folders left empty.
+
+    Only those files and empty folders go, so an earlier run's dir given again with hydra.run.dir keeps its files.
     Parents are removed only inside ./outputs (Hydra's default DATE/TIME folders), never a folder of the user's."""
     if not run_dir.is_dir():
         return
-    for log in run_dir.glob("rank*.log"):
-        if log.stat().st_size == 0:
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename) in own_logs:
+            root.removeHandler(handler)  # closed and detached: a later record would reopen (recreate) the file
+            handler.close()
+    for log in [*run_dir.glob("rank*.log"), *own_logs]:
+        if log in own_logs or (log.is_file() and log.stat().st_size == 0):
             log.unlink(missing_ok=True)
     outputs = (Path.cwd() / "outputs").resolve()
     folder = run_dir.resolve()

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .atomic import read_jsonl, write_json, write_text
+from .atomic import is_disk_full, read_jsonl, write_json, write_text
 from ..config import ConfigError
 
 STATE = "run_state.json"
@@ -42,6 +42,8 @@ MEMORY_LEVERS = ("train.per_device_batch_size", "train.grad_accum", "train.eval_
                  "train.gradient_checkpointing", "train.precision", "train.compile", "train.packed_attention",
                  "data.packing", "data.pack_length")  # packing: rows of the same examples (data/packing.py)
 MEMORY_LEVER_GROUPS = ("hw.", "dist.", "probe.")  # the card preset, process counts and engine, the probe
+# What a training launch writes before run_state.json: the plan's files and the probe's report.
+BEFORE_TRAINING = {".hydra", "plan.json", "versions.json", "probe.json"}
 _OURS = (".lock.rank", "rank")  # lock files and Hydra's per-rank logs of the current launch
 
 
@@ -111,10 +113,28 @@ def read_state(run_dir: Path) -> dict | None:
 
 
 def write_state(run_dir: Path, **fields: Any) -> None:
-    """Merge `fields` into run_state.json (rank 0 only; the caller checks)."""
+    """Merge `fields` into run_state.json (rank 0 only; the caller checks).
+
+    On a full disk the atomic write (a new file, then a rename) has no room, and the dir would keep saying
+    `running` for a run that failed: the state is then rewritten in place, without indentation, which is
+    shorter than the indented file it replaces, so it needs no new blocks (on a copy-on-write filesystem it
+    fails like the first write, and the original error is reported)."""
     state = read_state(run_dir) or {}
     state.update(fields, updated=time.strftime("%Y-%m-%d %H:%M:%S"))
-    write_json(run_dir / STATE, state)
+    try:
+        write_json(run_dir / STATE, state)
+    except OSError as err:
+        if not (is_disk_full(err) and (run_dir / STATE).is_file()):
+            raise
+        data = json.dumps(state, separators=(",", ":")).encode() + b"\n"
+        try:
+            with open(run_dir / STATE, "r+b") as f:
+                f.write(data)
+                f.truncate()
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError:
+            raise err from None
 
 
 def flatten(config: dict) -> dict[str, Any]:
@@ -182,10 +202,16 @@ def decide(run_dir: Path, mode: str, config: dict, last_checkpoint: Path | None,
 
 def _decide(run_dir: Path, mode: str, config: dict, last_checkpoint: Path | None, leader: bool) -> Start:
     state, found = read_state(run_dir), earlier_files(run_dir)
+    if state is None and set(found) <= BEFORE_TRAINING:  # a launch that stopped before training (exit 3, bad
+        found = []  # input after the plan): nothing of a run; this launch rewrites those files
     if mode == "restart" or not found:
         if found and leader:
             return Start(note=f"train.resume=restart: the earlier run's files moved to {move_aside(run_dir, found)}")
         return Start()
+    if state is None and (run_dir / STATE).exists():  # a glmtune run whose state file was damaged
+        raise ConfigError(f"{run_dir / STATE}: unreadable (not JSON) — without it the run cannot be resumed; pass "
+                          "train.resume=restart to move the run's files aside and start over, or use another "
+                          "hydra.run.dir")
     if state is None:
         raise ConfigError(f"{run_dir}: run dir already holds files that are not a glmtune run ({', '.join(found[:4])}"
                           f"{', …' if len(found) > 4 else ''}) — choose another hydra.run.dir, or pass "

@@ -28,6 +28,7 @@ from typing import Any
 
 from ..config import ConfigError
 from ..launch import rank, world_size
+from .fingerprint import LEGACY, legacy_fingerprint, weight_fingerprint
 from .lock import RunDirLock, comparable, read_state
 
 RESUMABLE = ("interrupted", "running", "failed")  # running/failed: only when no process holds the lock
@@ -100,8 +101,9 @@ def resume_command(run_dir: Path, overrides: list[str]) -> str:
 
 def input_fingerprints(splits: dict[str, Any], model_dir: Path) -> dict[str, str]:
     """What a resume must find unchanged besides the config, by name: each data file's content and the tokenizer
-    files (sha256, as its cache entry recorded them: no second read), and each weight file's size and mtime
-    (hashing 18 GB of weights would add minutes to every launch; an in-place rewrite keeping both is not seen)."""
+    files (sha256, as its cache entry recorded them: no second read), and each weight file's sampled content
+    fingerprint (fingerprint.py: header, small tensors and evenly spread blocks; hashing 18 GB of weights
+    whole would add minutes to every launch)."""
     found: dict[str, str] = {}
     for key, split in splits.items():
         if split is not None:
@@ -110,8 +112,7 @@ def input_fingerprints(splits: dict[str, Any], model_dir: Path) -> dict[str, str
             found[f"the tokenizer files in {model_dir}"] = f"sha256 {meta['tokenizer_sha256']}"
     for weights in sorted(Path(model_dir).iterdir()):
         if weights.suffix in (".safetensors", ".bin") and weights.is_file():
-            stat = weights.stat()
-            found[f"weight file {weights}"] = f"{stat.st_size} bytes, modified {stat.st_mtime_ns}"
+            found[f"weight file {weights}"] = weight_fingerprint(weights)
     return found
 
 
@@ -120,11 +121,21 @@ def check_inputs(run_dir: Path, now: dict[str, str]) -> None:
     before = (read_state(run_dir) or {}).get("inputs")
     if before is None:  # a run from before inputs were recorded: nothing to compare with
         return
-    changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+    changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k)
+                     and not _same_legacy(k, before.get(k)))
     if changed:
         raise ConfigError(f"{run_dir}: cannot resume: {'; '.join(changed[:3])}{' …' if len(changed) > 3 else ''} "
                           "changed since the interrupted run started — restore the original files to resume, or "
                           "start over with train.resume=restart (or another hydra.run.dir)")
+
+
+def _same_legacy(key: str, recorded: str | None) -> bool:
+    """A run recorded before content fingerprints holds a weight file's size and mtime: compared as such, so
+    it still resumes (with the old, weaker check)."""
+    if not (recorded and LEGACY in recorded and key.startswith("weight file ")):
+        return False
+    path = Path(key[len("weight file "):])
+    return path.is_file() and legacy_fingerprint(path) == recorded
 
 
 def refuse_training_run(run_dir: Path, mode: str) -> None:

@@ -4,7 +4,9 @@ The HF Trainer (4.40) writes `checkpoints/checkpoint-<step>/` file by file with 
 mid-save leaves a folder with a 0-byte `optimizer.pt` and no `trainer_state.json`, which the Trainer's own
 `get_last_checkpoint` would pick. Here a checkpoint counts only once every rank finished writing, every file
 in it was fsynced, and then a marker file `COMPLETE` (written last, atomically) names its step. Resume
-only ever starts from a folder with that marker; folders without it are deleted before training restarts.
+only ever starts from a folder with that marker; folders without it are deleted before training restarts. The
+marker records each file's size and sha256: a file damaged after the save (cut short by a copy, overwritten) is
+named before the resume loads it, instead of failing inside the Trainer.
 The callback that writes the marker is in saving.py; this module stays light (no Trainer import) for the CLI.
 
 Rotation is glmtune's, not the Trainer's `save_total_limit`: the Trainer deletes old checkpoints before its
@@ -12,6 +14,7 @@ caller knows the new one is whole, so a crash mid-save could leave no complete c
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -57,8 +60,36 @@ def remove_incomplete(output_dir: Path) -> list[Path]:
 
 
 def mark_complete(folder: Path, step: int) -> None:
+    """The marker, with the size and sha256 of every file in the folder (a LoRA checkpoint is a few times the
+    adapter's size: tens of MB for a 9B model), so a file damaged later is named at the resume (damage)."""
     fsync_tree(folder)  # the Trainer's and DeepSpeed's plain writes reach the disk before the marker does
-    write_json(folder / MARKER, {"step": step})
+    write_json(folder / MARKER, {"step": step, "files": _checksums(folder)})
+
+
+def _checksums(folder: Path) -> dict[str, str]:
+    found = {}
+    for file in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MARKER):
+        digest = hashlib.sha256()
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        found[file.relative_to(folder).as_posix()] = f"{file.stat().st_size} {digest.hexdigest()}"
+    return found
+
+
+def damage(folder: Path) -> str | None:
+    """What differs in a complete checkpoint from what its marker recorded (None: as saved, or a marker from
+    before the checksums). Files added since (none of glmtune's) are not looked at."""
+    try:
+        recorded = json.loads((folder / MARKER).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not recorded:
+        return None
+    now = _checksums(folder)
+    changed = [name for name in recorded if now.get(name) != recorded[name]]
+    return (f"{', '.join(changed[:3])} {'is missing or differs' if len(changed) == 1 else 'are missing or differ'} "
+            "from what was saved") if changed else None
 
 
 def rotate(output_dir: Path, keep: int) -> list[Path]:

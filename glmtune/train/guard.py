@@ -96,8 +96,12 @@ def _agree(flags: list[bool]) -> list[bool]:
     return [bool(v) for v in tensor.tolist()]
 
 
-def divergence_advice(lr: float, dtype: str) -> str:
-    advice = f"lower train.learning_rate (now {lr:g}), e.g. train.learning_rate={lr / 10:g}"
+def divergence_advice(lr: float, dtype: str, weight_decay: float = 0.0) -> str:
+    # A tenth of the rate that diverged, but never above 1e-4: from a rate far too high (0.5) a tenth diverges too.
+    advice = f"lower train.learning_rate (now {lr:g}), e.g. train.learning_rate={min(lr / 10, 1e-4):g}"
+    if lr * weight_decay > 0.01:  # AdamW's decay alone shrinks every weight by over 1 % per step
+        advice = (f"lower train.weight_decay (now {weight_decay:g}; usual values 0 to 0.1: it shrinks every weight "
+                  f"by lr x weight_decay = {lr * weight_decay:.2g} per step), or {advice}")
     if dtype == "fp16":
         advice += "; fp16 overflows easily: train.precision=bf16 on Ampere or newer cards, else fp32"
     return advice

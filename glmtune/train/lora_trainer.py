@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from transformers import PrinterCallback, ProgressCallback, Trainer, TrainingArguments
 
+from ..rundir.atomic import plain_file_modes
 from .evaluation import BestTracker, GenerationEval, perplexity
 from .guard import Guard
 from .lora import trainable_parameters
@@ -162,3 +163,4 @@ class LoraTrainer(Trainer):
         self.model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=self.args.save_safetensors,
                                    save_embedding_layers=False)
         torch.save(self.args, Path(output_dir) / "training_args.bin")
+        plain_file_modes(output_dir)  # safetensors' 0600 -> the umask's mode, as every other run file

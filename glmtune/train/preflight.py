@@ -45,10 +45,18 @@ def check_host_memory(run: RunConfig, plan: Plan) -> None:
         return
     ram = available_ram()
     if plan.peak_bytes > ram * HOST_MARGIN:
+        # The levers the user set above the micro-batch's own size come first: they are the likely cause.
+        levers = [f"data.pack_length (rows of {run.data.pack_length} tokens)"] if (
+            run.data.pack_length and run.data.packing != "off") else []
+        if run.data.val_file and run.train.eval_batch_size > run.train.per_device_batch_size:
+            levers.append(f"train.eval_batch_size (now {run.train.eval_batch_size})")
+        largest = max(plan.breakdown, key=plan.breakdown.get) if plan.breakdown else None
         raise MemoryError(f"the plan estimates {plan.peak_bytes / GIB:.1f} GiB for micro-batch "
-                          f"{plan.choices.micro_batch_size} x {plan.choices.max_length} tokens, and this CPU-only "
-                          f"machine has {ram / GIB:.1f} GiB available — lower train.per_device_batch_size (raise "
-                          "train.grad_accum to keep the global batch) or data.max_length")
+                          f"{plan.choices.micro_batch_size} x {plan.choices.max_length} tokens"
+                          f"{f' (largest: {largest})' if largest else ''}, and this CPU-only machine has "
+                          f"{ram / GIB:.1f} GiB available — lower {', '.join(levers + [''])}"
+                          "train.per_device_batch_size (raise train.grad_accum to keep the global batch) or "
+                          "data.max_length")
 
 
 def checkpoint_bytes(run: RunConfig, arch, choices: Choices) -> int:
