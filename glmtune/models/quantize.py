@@ -113,12 +113,15 @@ def _never_pack_on_cpu(layer: nn.Module) -> None:
 
 # Logged by bitsandbytes' import on CPUs with AVX512-BF16 when the optional `kernels` package (which would
 # fetch a compiled kernel from the Hub) is missing. It is about the packed inference kernel above, which
-# glmtune never uses, so it is dropped for quantized runs instead of reaching the console.
+# glmtune never uses, so it is lowered to INFO: below the console, still in rank<N>.log (launch/quiet.py
+# does the same for the whole process; this covers a direct caller of the loader).
 _KERNELS_HINT = "Failed to load CPU gemm_4bit_forward"
 
 
 def _drop_kernels_hint(record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith(_KERNELS_HINT)
+    if str(record.msg).startswith(_KERNELS_HINT):
+        record.levelno, record.levelname = logging.INFO, "INFO"
+    return True
 
 
 @contextlib.contextmanager
