@@ -39,7 +39,7 @@ from .launch import export_slurm_env, rank, run_name
 from .launch.signals import EXIT_INTERRUPTED, STOP, Interrupted
 from .launch.supervise import descendants
 from .rundir.atomic import disk_nearly_full, is_disk_full
-from .rundir.files import check_output_dirs, console, discard_unused, fail, own_new_logs, unmake
+from .rundir.files import STOP_PREFIX, check_output_dirs, console, discard_unused, fail, own_new_logs, unmake
 from .rundir.lock import RunDirLock
 from .rundir.resume import redirect
 from .run.modes import prepare, run_mode
@@ -92,9 +92,13 @@ def execute(cfg: DictConfig) -> float | None:
     except Interrupted as sig:
         stop_children()
         STOP.requeue()  # submitit's pre-emption signal: resubmitted (rank 0 exits in it); nothing was saved
+        mode = cfg.get("mode", "train")
+        before = "training began" if mode in ("train", "probe") else f"mode={mode} was ready"
+        # A stop that was asked for: "glmtune: stopped by ...", not an error line (exit 7 either way).
         fail(f"stopped by a second {sig.name} before the checkpoint was complete — re-run the same command to resume "
-             "from the last complete one" if STOP.deferred else f"stopped by {sig.name} before training began; "
-             "nothing to save — re-run the same command to start again", code=EXIT_INTERRUPTED, leader_speaks=True)
+             "from the last complete one" if STOP.deferred else f"stopped by {sig.name} before {before}; "
+             "nothing to save — re-run the same command to start again", code=EXIT_INTERRUPTED, leader_speaks=True,
+             prefix=STOP_PREFIX)
     except Exception as err:  # noqa: BLE001 - only a full disk is turned into one line; the rest re-raises
         if not (is_disk_full(err) or disk_nearly_full(run_dir)):
             raise
@@ -161,7 +165,7 @@ def cli() -> None:
     except Interrupted as sig:  # a second stop signal between two trials of a sweep (run/sweepstop.py)
         sweepstop.mark_stopped()
         fail(f"stopped by a second {sig.name} between two trials; no trial was running — re-run the same sweep "
-             "command to continue it: finished trials are kept", code=EXIT_INTERRUPTED)
+             "command to continue it: finished trials are kept", code=EXIT_INTERRUPTED, prefix=STOP_PREFIX)
     except Exception:
         # The optuna sweeper asks its study for the best trial after the last one, which raises when none
         # completed; every trial is already recorded, and the sweep ends below with exit 9 instead.

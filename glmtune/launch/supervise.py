@@ -160,7 +160,7 @@ class Supervisor:
             return EXIT_INTERRUPTED
         if code != 0 and self.stopped and not self.seen:  # the signal came before any rank could answer it
             # (torchrun's SignalException, or ranks still importing, which SIGTERM kills): nothing was saved
-            print(f"{ERROR}stopped by {self.signal_name} before training began; nothing to save — re-run the same "
+            print(f"glmtune: stopped by {self.signal_name} before training began; nothing to save — re-run the same "
                   "command to start again", file=sys.stderr)
             return EXIT_INTERRUPTED
         if code != 0 and self.seen and self.first_failure is not None and self.first_failure > 0:

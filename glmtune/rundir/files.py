@@ -32,7 +32,7 @@ def fail(message: str, code: int = 2, leader_speaks: bool = False, prefix: str =
 
     `leader_speaks`: a line every rank would say alike (a stop on a signal) is printed by rank 0 only; the other
     ranks write it to their own log (rank<N>.log), so the console shows it once. `prefix`: STOP_PREFIX for a stop
-    that was asked for and kept its work (not an error, though the exit code is not 0)."""
+    that was asked for (not an error, though the exit code is 7)."""
     if leader_speaks and rank() != 0:
         for handler in logging.getLogger().handlers:
             if isinstance(handler, logging.FileHandler):
