@@ -29,10 +29,9 @@ from ..config import userds
 from ..plan.estimate import GIB, image_extra_tokens
 from ..plan.elastic import elastic_choices
 from ..plan.planner import Choices, format_plan, make_plan
-from .report import header, report_probe, summary
+from .report import header, no_fit_line, report_probe, summary
 from ..rundir.resume import check_inputs, input_fingerprints, refuse_training_run, resume_command
-from ..rundir.files import (ERROR_PREFIX, LOG_WIDTH, STOP_PREFIX, console, fail, probed_peak, remove_empty_dirs,
-                             write_run_files)
+from ..rundir.files import STOP_PREFIX, console, fail, probed_peak, remove_empty_dirs, write_run_files
 from ..rundir.lock import Start, decide, trim_metrics, write_state
 from ..train.checkpoints import checkpoint_step, damage, last_complete
 from ..train.compile import check_attention, describe, resolve_compile
@@ -165,18 +164,6 @@ def planned(prep: Prepared, run_dir: Path, plan_scratch: bool):
     if not plan.fits:
         fail(no_fit_line(plan), code=3)
     return plan, start
-
-
-def no_fit_line(plan) -> str:
-    """Exit 3's line: the best option's overrides where the line stays within a 120-column log (a sweep's record
-    and a grep of the log keep them); the options themselves are the numbered list under the plan table."""
-    line = f"the plan does not fit: {plan.peak_bytes / GIB:.1f} GiB > {plan.budget_bytes / GIB:.1f} GiB budget; "
-    if not plan.advice:
-        return line + "no option fits: lower lora.r or lora.target_modules"
-    best = f"best: {plan.advice[0].split(': ', 1)[0]} ({len(plan.advice)} options listed above)"
-    if len(ERROR_PREFIX + line + best) <= LOG_WIDTH:
-        return line + best
-    return line + f"{len(plan.advice)} option(s) that fit are listed above, best first"
 
 
 def typed(overrides: list[str], key: str) -> bool:

@@ -16,7 +16,7 @@ from ..launch import rank
 from ..plan.estimate import GIB
 from ..plan.planner import Choices, Plan
 from ..rundir.atomic import write_json
-from ..rundir.files import LOG_WIDTH, console
+from ..rundir.files import ERROR_PREFIX, LOG_WIDTH, console
 from ..train.checkpoints import last_complete
 
 
@@ -133,3 +133,15 @@ def disk_full_line(err: BaseException, run_dir: Path) -> str:
     then = f"it resumes from {last}" if last else "nothing was saved yet, so it starts again"
     return (f"disk full or over quota writing {where} ({reason}) — free space there, then re-run the same "
             f"command: {then}")
+
+
+def no_fit_line(plan) -> str:
+    """Exit 3's line: the best option's overrides where the line stays within a 120-column log (a sweep's record
+    and a grep of the log keep them); the options themselves are the numbered list under the plan table."""
+    line = f"the plan does not fit: {plan.peak_bytes / GIB:.1f} GiB > {plan.budget_bytes / GIB:.1f} GiB budget; "
+    if not plan.advice:
+        return line + "no option fits: lower lora.r or lora.target_modules"
+    best = f"best: {plan.advice[0].split(': ', 1)[0]} ({len(plan.advice)} options listed above)"
+    if len(ERROR_PREFIX + line + best) <= LOG_WIDTH:
+        return line + best
+    return line + f"{len(plan.advice)} option(s) that fit are listed above, best first"
