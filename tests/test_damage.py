@@ -319,10 +319,12 @@ def test_more_new_tokens_than_the_context_is_one_line(tmp_path):
 
 def test_a_run_that_did_not_fit_names_its_lever_and_the_fixed_command_reuses_its_dir(tmp_path):
     run_dir = tmp_path / "run"
-    common = [f"data.train_file={SAMPLES}", "data.val_file=null", "probe.enabled=false", "train.max_steps=1",
-              "data.packing=on", f"hydra.run.dir={run_dir}"]
-    proc = glmtune_in_process(*common, "data.pack_length=1000000000000")
-    assert proc.returncode == 3 and "lower data.pack_length (rows of 1000000000000 tokens)" in error_line(proc)
+    # An evaluation batch no host holds (data.pack_length no longer is such a lever: the plan budgets the
+    # fullest packed micro-step of the data, whatever the row limit).
+    common = [f"data.train_file={SAMPLES}", f"data.val_file={SAMPLES.with_name('val.jsonl')}", "probe.enabled=false",
+              "train.max_steps=1", f"hydra.run.dir={run_dir}"]
+    proc = glmtune_in_process(*common, "train.eval_batch_size=100000000")
+    assert proc.returncode == 3 and "lower train.eval_batch_size (now 100000000)" in error_line(proc)
     assert (run_dir / "plan.json").is_file()  # the plan that did not fit, kept to read
     proc = glmtune_in_process(*common)  # the value fixed, the same run dir: no "not a glmtune run" refusal
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -120,14 +120,18 @@ def remove_empty_dirs(run_dir: Path, *names: str) -> None:
 
 
 def own_new_logs(run_dir: Path) -> list[Path]:
-    """This process's log files in `run_dir` that are still empty, i.e. made by this launch: Hydra appends to
-    an earlier run's log, which is never in this list."""
+    """This process's log files in `run_dir` that are still empty or not yet created (the rank log's handler
+    opens its file at the first record: conf/config.yaml `delay: true`), i.e. made by this launch: Hydra appends
+    to an earlier run's log, which is never in this list."""
     found = []
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == run_dir.resolve():
+            path = Path(handler.baseFilename)
             try:
-                if Path(handler.baseFilename).stat().st_size == 0:
-                    found.append(Path(handler.baseFilename))
+                if path.stat().st_size == 0:
+                    found.append(path)
+            except FileNotFoundError:
+                found.append(path)
             except OSError:
                 pass
     return found
