@@ -54,6 +54,9 @@ class DistConfig:
     nnodes: int = 1
     nproc_per_node: int = 1
     deepspeed_config: Optional[str] = None  # your DeepSpeed JSON; the plan fills its "auto" values (train/ds_json.py)
+    # Processes that share each row (Ulysses, train/sequence.py): 1 = off; N must divide the processes and the
+    # query heads, and be a multiple or divisor of the KV groups. The rest of the world is data parallel.
+    sequence_parallel: int = 1
 
 
 @dataclass

@@ -45,7 +45,7 @@ _CHOICES = {
 }
 TRACKERS = ("tensorboard", "wandb", "mlflow", "swanlab")
 _POSITIVE = ("data.max_length", "lora.r", "lora.alpha", "dist.nnodes", "dist.nproc_per_node",
-             "train.per_device_batch_size", "train.grad_accum",
+             "dist.sequence_parallel", "train.per_device_batch_size", "train.grad_accum",
              "train.eval_batch_size", "train.logging_steps", "hw.gpus_per_node", "probe.steps",
              "infer.max_new_tokens", "eval.max_new_tokens", "infer.temperature", "infer.top_p",
              "infer.repetition_penalty", "train.keep_checkpoints", "serve.max_batch")
@@ -228,6 +228,9 @@ def _check_values(cfg: RunConfig) -> list[str]:
     if cfg.model.quantize != "none" and (cfg.dist.strategy == "zero3" or cfg.model.trust_remote_code):
         problems.append(f"model.quantize={cfg.model.quantize} needs glmtune's own model without ZeRO-3 (bitsandbytes "
                         "weights cannot be sharded): use dist.strategy=auto|ddp and model.trust_remote_code=false")
+    if cfg.dist.sequence_parallel > 1 and cfg.train.loss_normalization != "tokens":
+        problems.append("dist.sequence_parallel needs train.loss_normalization=tokens (a shard's mean is not the "
+                        "row's): leave train.loss_normalization at its default")
     if cfg.infer.gpus < 0:
         problems.append(f"infer.gpus must be >= 0, got {cfg.infer.gpus}")
     if cfg.train.max_steps < 0:

@@ -222,27 +222,32 @@ class ChatGLMForConditionalGeneration(GLMPreTrainedModel):
         if return_last_logit:
             hidden = hidden[:, -1:]
         loss = logits = None
+        # Under sequence parallelism each rank holds a shard of the row: the caller shifted the labels on the whole
+        # row before cutting it (train/sequence.py), so position t's label is already its target.
+        shift = self.transformer.sequence_group is None
         if labels is not None and self.loss_chunk_tokens > 0:
-            loss = self._chunked_loss(hidden, labels)
+            loss = self._chunked_loss(hidden, labels, shift)
             loss = loss if self.loss_reduction == "sum" else loss.to(hidden.dtype)
         else:
             logits = self.transformer.output_layer(hidden)
             if labels is not None:
                 # The reference: fp32 logits, shift inside the model, mean over labelled tokens.
                 logits = logits.to(torch.float32)
-                shifted = logits[..., :-1, :].contiguous()
-                loss = F.cross_entropy(shifted.view(-1, shifted.size(-1)), labels[..., 1:].reshape(-1),
+                shifted = logits[..., :-1, :].contiguous() if shift else logits
+                targets = labels[..., 1:] if shift else labels
+                loss = F.cross_entropy(shifted.view(-1, shifted.size(-1)), targets.reshape(-1).to(shifted.device),
                                        ignore_index=-100, reduction=self.loss_reduction)
                 logits = logits.to(hidden.dtype)
                 loss = loss if self.loss_reduction == "sum" else loss.to(hidden.dtype)
         return CausalLMOutputWithPast(loss=loss, logits=logits,
                                       past_key_values=tuple(presents) if presents is not None else None)
 
-    def _chunked_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _chunked_loss(self, hidden: torch.Tensor, labels: torch.Tensor, shift: bool = True) -> torch.Tensor:
         """Same value as the reference loss, but fp32 logits exist for one chunk of tokens at a time:
-        each chunk's logits are recomputed in backward instead of being kept (peak ~chunk x vocab x 4 B x 3)."""
-        h = hidden[:, :-1].reshape(-1, hidden.size(-1))
-        y = labels[:, 1:].reshape(-1).to(h.device)
+        each chunk's logits are recomputed in backward instead of being kept (peak ~chunk x vocab x 4 B x 3).
+        shift=False: labels are already each position's target (a sequence-parallel shard)."""
+        h = (hidden[:, :-1] if shift else hidden).reshape(-1, hidden.size(-1))
+        y = (labels[:, 1:] if shift else labels).reshape(-1).to(h.device)
         head = self.transformer.output_layer
         ckpt = self.transformer.encoder._gradient_checkpointing_func
         if ckpt is checkpoint:  # not configured by gradient_checkpointing_enable()

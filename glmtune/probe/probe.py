@@ -124,11 +124,13 @@ def _attempt(run: RunConfig, choices: Choices, model_dir: Path, examples: list[d
     try:
         model = build_model(model_dir, run, choices)
         trainer = make_trainer(args, model, examples, eval_examples or None, collator,
-                               normalization=run.train.loss_normalization, packer=packer)
+                               normalization=run.train.loss_normalization, packer=packer,
+                               sequence_parallel=run.dist.sequence_parallel)
         try:
             trainer.train()
         finally:
             trainer.phases.close()
+            trainer.glm.transformer.set_sequence_group(None)
         peaks = trainer.phases.peaks()
         detail = {"phase_peak_bytes": peaks, "first_training_peak_bytes": trainer.phases.first_training_peak()}
         worst = max(trainer.phases.details, key=lambda p: peaks.get(p, 0), default=None)

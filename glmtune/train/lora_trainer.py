@@ -16,19 +16,22 @@ from .optim import OPTIMIZERS, make_optimizer
 from .phases import PhaseMeter
 from .portable import load_states, save_portable_zero3
 from .progress import StepLines
+from .sequence import sequence_group, shard_batch
 from .steps import ExampleLog, StepCollator, StepExamples, StepSampler, step_loss, target_counts
 
 
 def make_trainer(args: TrainingArguments, model, train_set, val_set, collator, callbacks=(),
                  generation_eval: GenerationEval | None = None, best: BestTracker | None = None,
-                 normalization: str = "tokens", packer=None) -> Trainer:
+                 normalization: str = "tokens", packer=None, sequence_parallel: int = 1) -> Trainer:
     """The Trainer for the run and for the probe; args carries train.learning_rate and train.weight_decay;
     `normalization` is train.loss_normalization; `packer` (data.packing.RowPacker) packs each training
-    micro-batch's examples into rows (data.packing=on), the step's examples staying those of the unpacked run."""
+    micro-batch's examples into rows (data.packing=on), the step's examples staying those of the unpacked run;
+    `sequence_parallel` (dist.sequence_parallel) ranks share each micro-batch's rows (train/sequence.py)."""
     steps = None
     if train_set is not None:  # train/steps.py: each step's examples, whatever the split
         steps = StepSampler(target_counts(train_set), args.per_device_train_batch_size *
-                            args.gradient_accumulation_steps * args.world_size, args.seed)
+                            args.gradient_accumulation_steps * args.world_size // sequence_parallel, args.seed,
+                            args.per_device_train_batch_size, sequence_parallel)
         train_set, collator = StepExamples(train_set, steps), StepCollator(collator, packer)
     # The meter first, so each training step's peak is read before any other callback's own reset (timeline.py).
     meter = PhaseMeter(model)
@@ -39,6 +42,7 @@ def make_trainer(args: TrainingArguments, model, train_set, val_set, collator, c
     trainer.normalization = normalization
     trainer.loss_carry = LossCarry()  # the running loss sums, saved with each checkpoint (train/losscarry.py)
     trainer.glm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    trainer.sequence = sequence_group(sequence_parallel)
     trainer.generation_eval, trainer.best = generation_eval, best
     if args.logging_strategy == "no":  # the probe: its closing {'train_loss': ..., 'epoch': 1.0} reads like a result
         trainer.remove_callback(PrinterCallback)
@@ -58,6 +62,7 @@ class LoraTrainer(Trainer):
 
     guard: Guard | None = None
     step_sampler: StepSampler | None = None
+    sequence = None  # this rank's sequence-parallel group (models/ulysses.SequenceGroup), None without
     normalization = "tokens"  # train.loss_normalization
     example_log: ExampleLog | None = None
     glm = None  # the GLM model under PEFT (and the engine): its loss_reduction is switched per micro-batch
@@ -92,6 +97,10 @@ class LoraTrainer(Trainer):
         if tokens is None or demo or not hasattr(self.glm, "loss_reduction"):
             return super().compute_loss(model, inputs, return_outputs)
         self.glm.loss_reduction = "sum"
+        if self.sequence is not None:  # this rank's shard of every row, labels shifted first (train/sequence.py)
+            inputs = shard_batch(inputs, self.sequence)
+            # Left on through backward: checkpointed blocks recompute their attention, exchanges included.
+            self.glm.transformer.set_sequence_group(self.sequence)
         try:
             outputs = model(**inputs)
         finally:
@@ -142,6 +151,7 @@ class LoraTrainer(Trainer):
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
         """The Trainer's loss evaluation, then perplexity and (eval.generate) the generation metrics, logged as
         a second line of the same step (TensorBoard eval/*, metrics.jsonl); the best-checkpoint bookkeeping."""
+        self.glm.transformer.set_sequence_group(None)  # evaluation and generation see whole rows (train/sequence.py)
         with self.phases.phase("eval"):
             metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
             extra = {"eval_perplexity": perplexity(metrics["eval_loss"])}

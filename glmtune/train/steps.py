@@ -48,10 +48,15 @@ def target_counts(dataset) -> np.ndarray:
 
 
 class StepSampler(torch.utils.data.Sampler):
-    """Yields (example index or NULL, the step's target tokens) in step order; see the module docstring."""
+    """Yields (example index or NULL, the step's target tokens) in step order; see the module docstring.
 
-    def __init__(self, counts: np.ndarray, global_batch: int, seed: int) -> None:
+    repeat (dist.sequence_parallel = N): each micro-batch of `micro_batch` examples is yielded N times in a row,
+    so the N ranks of a sequence-parallel group receive the same one (train/sequence.py)."""
+
+    def __init__(self, counts: np.ndarray, global_batch: int, seed: int, micro_batch: int = 1,
+                 repeat: int = 1) -> None:
         self.counts, self.global_batch, self.seed, self.epoch = counts, global_batch, seed, 0
+        self.micro_batch, self.repeat = micro_batch, repeat
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
@@ -60,7 +65,7 @@ class StepSampler(torch.utils.data.Sampler):
         return math.ceil(len(self.counts) / self.global_batch)
 
     def __len__(self) -> int:
-        return self.steps_per_epoch() * self.global_batch
+        return self.steps_per_epoch() * self.global_batch * self.repeat
 
     def order(self, epoch: int) -> np.ndarray:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
@@ -72,8 +77,10 @@ class StepSampler(torch.utils.data.Sampler):
         for start in range(0, len(order), self.global_batch):
             block = order[start:start + self.global_batch]
             tokens = int(self.counts[block[block != NULL]].sum())
-            for index in block:
-                yield int(index), tokens
+            for first in range(0, len(block), self.micro_batch):
+                for _ in range(self.repeat):
+                    for index in block[first:first + self.micro_batch]:
+                        yield int(index), tokens
 
 
 class StepExamples(torch.utils.data.Dataset):

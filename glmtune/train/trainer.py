@@ -187,7 +187,8 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
                                       CompleteMarker(output_dir, run.train.keep_checkpoints), guard,
                                       *swanlab_callback(run.train.report_to)],
                            generation_eval=generation_eval, best=best,
-                           normalization=run.train.loss_normalization, packer=packer)
+                           normalization=run.train.loss_normalization, packer=packer,
+                           sequence_parallel=run.dist.sequence_parallel)
     trainer.guard, trainer.memory = guard, timeline
     trackers = TrackerRuns(run.train.report_to, run_dir, launch_params(run, choices, planned_bytes, budget_bytes,
                                                                       probe_bytes, run_dir), args.process_index == 0)
@@ -200,6 +201,7 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
             trainer.loss_carry.restore(resume_from, resumed_at)
         try:
             result = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+            trainer.glm.transformer.set_sequence_group(None)  # what uses the model next sees whole rows
         except Exception as err:  # where it failed, for the one line modes.train_mode prints
             meter = trainer.phases
             err.glmtune_where = (f"step {meter.step}" if meter.current in (None, "train") else
