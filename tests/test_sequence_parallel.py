@@ -142,3 +142,20 @@ def test_shard_batch_shifts_before_cutting_and_pads_to_a_multiple():
     # position 2 (token 12) predicts token 13, the first token of the other shard
     assert first["labels"].tolist() == [[11, 12, 13]] and second["labels"].tolist() == [[14, -100, -100]]
     assert second["attention_mask"].tolist() == [[1, 1, 0]]
+
+
+def test_the_plan_counts_groups_and_keeps_the_global_batch(tmp_path):
+    """4 processes sharing rows in pairs: the plan's width is 2 groups (global batch micro x accum x 2), said
+    in the header; a degree that does not divide the processes is one line, exit 2."""
+    run = tmp_path / "plan"
+    out = subprocess.run([sys.executable, "-m", "glmtune", "mode=plan", "model=glm4_9b_chat", "+hw=a100_80g",
+                          "dist.nproc_per_node=4", "dist.sequence_parallel=2", "train.per_device_batch_size=2",
+                          f"hydra.run.dir={run}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    choices = json.loads((run / "plan.json").read_text())["choices"]
+    assert choices["world_size"] == 2
+    assert "x 2 group(s) of 2 GPUs sharing each row (dist.sequence_parallel) = global batch " in " ".join(
+        out.stdout.split())
+    bad = subprocess.run([sys.executable, "-m", "glmtune", "mode=plan", "dist.nproc_per_node=3",
+                          "dist.sequence_parallel=2"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "must divide the 3 processes" in bad.stderr
