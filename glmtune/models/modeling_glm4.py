@@ -113,6 +113,8 @@ class ChatGLMModel(GLMPreTrainedModel):
         """Share each sequence over the ranks of `sp` (models/ulysses.py): from then on forward takes this rank's
         contiguous 1/N of every row (ids, position ids, seq ids, mask), and returns the hidden states of those
         tokens. None: this process holds whole sequences again."""
+        if sp is self.sequence_group:  # set before every training micro-step: nothing to walk through again
+            return
         if sp is not None:
             why = sp.check_heads(self.config.num_attention_heads, self.config.kv_groups)
             if why:

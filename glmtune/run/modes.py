@@ -71,7 +71,9 @@ def prepare(cfg: DictConfig, overrides: list[str]) -> Prepared:
         if run.mode in ("train", "probe"):
             # Every line of every file is checked when its cache entry is built, before any weights load.
             data = build_datasets(run.data, prep.tokenizer, prep.arch.vision_config, seed=run.train.seed)
-            prep.inputs = input_fingerprints(cache_entries(data), prep.model_dir)
+            # Read by rank 0 only (recorded at a first launch, compared at a resume): the weight files' sampled
+            # content is hashed once per launch, not by every rank against the same disk.
+            prep.inputs = input_fingerprints(cache_entries(data), prep.model_dir) if rank() == 0 else None
             prep.data = data  # packing never changes which examples a step trains: only how the collator lays them
             prep.packing = decide_packing(run.data, data.train, image_extra_tokens(prep.arch),
                                           run.train.per_device_batch_size, on_gpu=torch.cuda.is_available())

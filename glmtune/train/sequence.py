@@ -33,8 +33,7 @@ def sequence_group(size: int) -> SequenceGroup | None:
     if size <= 1:
         return None
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world % size:
-        raise ValueError(f"dist.sequence_parallel={size} does not divide the {world} processes of this launch")
+    data_parallel_width(world, size)  # the plan checked it for the command; here for any other caller
     mine = None
     for first in range(0, world, size):
         group = dist.new_group(list(range(first, first + size)))

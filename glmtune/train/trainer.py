@@ -175,8 +175,8 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
     model = build_model(model_dir, run, choices)
     generation_eval = None
     if val_set and run.eval.generate and tokenizer is not None:
-        # data.val_size: the held-out examples' lines in the train files (a packed split wraps the selection)
-        val_source = run.data.val_file or getattr(val_set, "split", val_set).sources()
+        # data.val_size: the held-out examples' lines in the train files (data/mixing.py Selection)
+        val_source = run.data.val_file or val_set.sources()
         generation_eval = GenerationEval(run.eval, val_source, tokenizer, choices.eval_batch_size,
                                          run_dir / "eval", synced_gpus=choices.zero_stage == 3, fmt=run.data.format)
     best = BestTracker(run.eval) if val_set else None
