@@ -59,6 +59,19 @@ def test_a_launcher_that_cannot_be_found_is_one_line(tmp_path):
         f"glmtune: error: launcher 'no-such-launcher' not found on PATH ({BARE_PATH})"]
 
 
+@pytest.mark.parametrize("path", ["torch/distributed", ".venv/lib/python3.11/site-packages/torch/distributed",
+                                  "/opt/conda/lib/python3.11/site-packages/torch/distributed"])
+def test_torchrun_agent_lines_after_a_rank_line_are_dropped_whatever_the_path(tmp_path, path):
+    """torch prints its agent's path shortened against sys.path: with a venv inside the repo and the repo on
+    PYTHONPATH it starts ".venv/lib/..." (what CI printed). After a rank's own line each form is dropped."""
+    agent = f"W1126 10:38:31.733000 17130 {path}/elastic/multiprocessing/api.py:1028] Sending process 1 closing signal"
+    launcher = f"echo 'glmtune: error: bad' >&2; echo '{agent}' >&2; echo 'glmtune: error: bad' >&2; exit 1"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "glmtune.supervise", "sh", "-c", launcher], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert console(proc) == ["glmtune: error: bad"]
+
+
 def test_help_shows_the_launch_script_and_what_plain_torchrun_does():
     from glmtune.config.cli import wants_info
 

@@ -47,8 +47,10 @@ STOPPED = re.compile(r"glmtune: (?:error: )?stopped by (SIG\w+)")
 EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")  # torchrun's failure report, one per failed rank
 # torchrun's first line about a failure: the first failed rank's code; all it prints after is its report.
 FIRST_FAILURE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank")
-# torchrun's agent log lines ("W1126 07:38:04.143000 5271 torch/distributed/elastic/...] Sending process ...").
-AGENT_LOG = re.compile(r"^[IWE]\d{4} [\d:.]+ \d+ torch/distributed/")
+# torchrun's agent log lines ("W1126 07:38:04.143000 5271 torch/distributed/elastic/...] Sending process ...");
+# torch shortens the path against sys.path, so with the repo on PYTHONPATH and the venv inside it the path reads
+# ".venv/lib/python3.11/site-packages/torch/distributed/...": any path that ends in torch/distributed/.
+AGENT_LOG = re.compile(r"^[IWE]\d{4} [\d:.]+ \d+ \S*\btorch/distributed/")
 # The launchers by module, with the package that brings each (pip name) for the line when it is missing.
 LAUNCHERS = {"torchrun": ("torch.distributed.run", "torch"), "deepspeed": ("deepspeed.launcher.runner", "deepspeed")}
 
