@@ -146,6 +146,11 @@ class LoraTrainer(Trainer):
     loss_carry: LossCarry | None = None
 
     def _maybe_log_save_evaluate(self, tr_loss, *args, **kwargs):
+        if self.sequence is not None and not self.control.should_log and self.state.global_step >= self.state.max_steps:
+            # The loop adds the steps since the last log to train_loss as this rank's own sum, which under sequence
+            # parallelism is one shard's share: the mean over the ranks instead, as a log takes it (every rank
+            # reaches max_steps at the same step, so all of them gather).
+            tr_loss.copy_(self._nested_gather(tr_loss).mean())
         if self.loss_carry is not None:  # its loop-local loss sum, for the checkpoint; a resume's sums put back
             self.loss_carry.see(self, tr_loss)
         return super()._maybe_log_save_evaluate(tr_loss, *args, **kwargs)
