@@ -7,9 +7,9 @@ and gradient norm within rtol 1e-5, the adapter after 5 steps within 1e-4 of eac
 the final evaluation's loss within rtol 1e-5. GLM-4V's micro-batches carry images (merged before the rows are
 cut); its 7 examples make 2 steps an epoch, so the 5 steps also cross epochs.
 
-Evaluation: the Trainer's eval loss (the mean of per-batch mean token losses, train/evaluation.py) under SP 2 is
-one process's; under DP 2 x SP 2 it is a 2-process data-parallel run's. An eval batch of 3 over the 8 val
-examples leaves a short last batch, so the loader's remainder bookkeeping is part of what is compared.
+Evaluation: the Trainer's eval loss (the mean of per-batch mean token losses, train/evaluation.py) under SP 2
+(DDP or ZeRO-3) is one process's; under DP 2 x SP 2 it is a 2-process data-parallel run's. An eval batch of 3
+over the 8 val examples leaves a short last batch, so the loader's remainder bookkeeping is compared too.
 """
 from __future__ import annotations
 
@@ -87,12 +87,14 @@ def test_the_eval_loss_under_sp_is_the_one_without(tmp_path):
             "train.per_device_batch_size=2", "train.logging_steps=3"]
     runs = {}
     for name, nproc, extra in [("one", 1, ["train.grad_accum=2"]), ("sp2", 2, ["dist.sequence_parallel=2",
-                               "train.grad_accum=2"]), ("dp2", 2, []), ("dp2xsp2", 4, ["dist.sequence_parallel=2"])]:
+                               "train.grad_accum=2"]), ("dp2", 2, []), ("dp2xsp2", 4, ["dist.sequence_parallel=2"]),
+                              ("zero3sp2", 2, ["dist=zero3", "dist.sequence_parallel=2", "train.grad_accum=2"])]:
         runs[name] = tmp_path / name
         launch(runs[name], nproc, *args, *extra)
     one, dp2 = logged(runs["one"], "eval_loss"), logged(runs["dp2"], "eval_loss")
     assert len(one) == 2 and len(dp2) == 2
     assert logged(runs["sp2"], "eval_loss") == pytest.approx(one, rel=1e-5)
+    assert logged(runs["zero3sp2"], "eval_loss") == pytest.approx(one, rel=1e-5)
     assert logged(runs["dp2xsp2"], "eval_loss") == pytest.approx(dp2, rel=1e-5)
     # the same training in all four: the evaluations score the same adapter
     assert logged(runs["dp2xsp2"]) == pytest.approx(logged(runs["one"]), rel=1e-5)
