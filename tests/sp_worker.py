@@ -1,7 +1,8 @@
 """One rank of tests/test_ulysses.py, under `torchrun --nproc_per_node 4` on gloo (CPU).
 
 Every rank builds the same tiny fp32 model and batch, computes the reference on the whole rows alone, then
-the same rows under sequence parallelism over 2 ranks (two groups of 2) and over 4. It writes, per case, the
+the same rows under sequence parallelism over 2 ranks (two groups of 2) and over 4; GLM-4V through the whole
+forward with images (merged, then cut). It writes, per case, the
 largest differences in the logits of its tokens, the summed token loss and every parameter's gradient
 (summed over the sequence group: each rank's gradient covers its own tokens) into OUT/rank<N>.json.
 """
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from glmtune.models.configuration import GLMConfig
 from glmtune.models.loading import _FAMILY, TINY_ARCH
 from glmtune.models.modeling_glm4 import ChatGLMForConditionalGeneration
-from glmtune.models.ulysses import SequenceGroup, shard
+from glmtune.models.ulysses import SequenceGroup, pad_and_shard, shard
 
 B, S, VOCAB = 2, 24, 128
 
@@ -71,6 +72,72 @@ def run_case(model, data, sp: SequenceGroup | None) -> tuple[torch.Tensor, torch
     return loss.detach(), logits.detach(), grads
 
 
+BOI, EOI = 120, 121  # the tiny GLM-4V's image placeholder ids here: boi <X> eoi becomes boi + 4 patches + eoi
+IMAGES = [(0, 5), (1, 2), (1, 12)]  # (row, boi position): row 1 holds two images, in two of its packed documents
+
+
+def vision_batch(packed: bool) -> dict[str, torch.Tensor]:
+    """batch(packed) with image placeholders (prompt positions: no target) and one 56 px image for each."""
+    data = batch(packed)
+    data["input_ids"][data["input_ids"] >= BOI] = 1  # placeholders only where an image goes
+    for row, at in IMAGES:
+        data["input_ids"][row, at:at + 3] = torch.tensor([BOI, 0, EOI])
+        data["labels"][row, at:at + 3] = -100
+    data["images"] = torch.randn(len(IMAGES), 3, 56, 56, generator=torch.Generator().manual_seed(3))
+    data["image_rows"] = torch.tensor([row for row, _ in IMAGES])
+    return data
+
+
+def run_vision_case(model, data, sp: SequenceGroup | None):
+    """The whole CausalLM forward with images (the merge inside): summed token loss, this rank's logits, grads."""
+    model.zero_grad(set_to_none=True)
+    model.transformer.set_sequence_group(sp)
+    model.loss_reduction = "sum"
+    out = model(**data)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    loss = out.loss.detach().clone()
+    if sp is not None:
+        dist.all_reduce(loss, group=sp.group)
+        for g in grads.values():
+            dist.all_reduce(g, group=sp.group)
+    model.transformer.set_sequence_group(None)
+    return loss, out.logits.detach(), grads
+
+
+def merged_mask(model, data, shape) -> torch.Tensor:
+    """1 where the merged rows hold a token (text or patch), 0 on the pads the merge adds to shorter rows."""
+    with torch.no_grad():
+        mask = model.transformer.merge_images(data["input_ids"], None, data.get("position_ids"), None, None,
+                                              data["images"], data["image_rows"], data.get("seq_ids"))[2]
+    return mask if mask is not None else torch.ones(shape, dtype=torch.long)
+
+
+def vision_results(rank: int, pairs) -> dict[str, dict]:
+    """GLM-4V: every rank merges the images into the whole rows, then keeps its shard (padded: 30 positions
+    over 4 ranks); the patches' shared position ids come from the merge, not from the shard's offset."""
+    results = {}
+    torch.manual_seed(0)
+    config = GLMConfig(**{**TINY_ARCH, **_FAMILY["glm4v"]}, padded_vocab_size=VOCAB, torch_dtype="float32",
+                       boi_token_id=BOI, eoi_token_id=EOI)
+    model = ChatGLMForConditionalGeneration(config).float()
+    for packed in (False, True):
+        data = vision_batch(packed)
+        ref_loss, ref_logits, ref_grads = run_vision_case(model, data, None)
+        for size in (2, 4):
+            sp = SequenceGroup.of(pairs[rank // 2] if size == 2 else None)
+            loss, logits, grads = run_vision_case(model, data, sp)
+            ref_local = pad_and_shard(ref_logits, 0.0, sp)[:, :logits.shape[1]]
+            # Compared where a token is: a pad's query row attends to every key (modeling_glm4.build_attention_mask),
+            # the sequence-parallel pads included; no loss ever reads it.
+            real = pad_and_shard(merged_mask(model, data, ref_logits.shape[:2]), 0, sp).bool()
+            results[f"glm4v packed={packed} sp={size}"] = dict(
+                loss=rel(loss, ref_loss), logits=rel(logits[real], ref_local[real]),
+                grads=max(rel(grads[n], ref_grads[n]) for n in ref_grads),
+                missing=sorted(set(ref_grads) - set(grads)))
+    return results
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
 
@@ -111,6 +178,7 @@ def main(out_dir: str) -> None:
                     grads=max(rel(grads[n], ref_grads[n]) for n in ref_grads),
                     missing=sorted(set(ref_grads) - set(grads)))
                 model.gradient_checkpointing_disable()
+    results.update(vision_results(rank, pairs))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(dict(world=world, results=results), f, indent=1)
     dist.destroy_process_group()

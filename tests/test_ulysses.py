@@ -3,7 +3,8 @@ and 4 processes give the logits, token loss and gradients of one process holding
 
 tests/sp_worker.py runs under torchrun (4 ranks, gloo on CPU): GLM-4 and ChatGLM3 tiny models in fp32, with 4
 query heads (one per rank at SP 4: the 2 KV groups are replicated) and 8; plain rows and packed rows whose
-documents cross every shard boundary; with reentrant and non-reentrant checkpointing.
+documents cross every shard boundary; with reentrant and non-reentrant checkpointing; GLM-4V with three images
+merged into the whole rows before they are cut (plain and packed rows).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def test_sequence_parallel_matches_one_process(tmp_path, repo):
     assert out.returncode == 0, out.stderr[-3000:]
     for rank in range(4):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())["results"]
-        assert len(results) == 24
+        assert len(results) == 28
         for case, diff in results.items():
             assert diff["missing"] == [], case
             assert diff["logits"] <= 1e-5 and diff["loss"] <= 1e-5 and diff["grads"] <= 1e-5, (rank, case, diff)

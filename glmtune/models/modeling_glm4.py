@@ -26,7 +26,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration import GLMConfig
 from .layers import Embedding, GLMBlock, GLMTransformer, RMSNorm, RotaryEmbedding, SelfAttention, no_early_stop
-from .ulysses import SequenceGroup, gather_sequence
+from .ulysses import NO_TARGET, SequenceGroup, gather_sequence, pad_and_shard, shift_labels
 from .vision import EVA2CLIPModel, splice_images
 
 
@@ -112,7 +112,8 @@ class ChatGLMModel(GLMPreTrainedModel):
     def set_sequence_group(self, sp: SequenceGroup | None) -> None:
         """Share each sequence over the ranks of `sp` (models/ulysses.py): from then on forward takes this rank's
         contiguous 1/N of every row (ids, position ids, seq ids, mask), and returns the hidden states of those
-        tokens. None: this process holds whole sequences again."""
+        tokens; rows with images come whole and are cut after the merge (merge_images). None: this process holds
+        whole sequences again."""
         if sp is self.sequence_group:  # set before every training micro-step: nothing to walk through again
             return
         if sp is not None:
@@ -133,7 +134,12 @@ class ChatGLMModel(GLMPreTrainedModel):
     def merge_images(self, input_ids, inputs_embeds, position_ids, attention_mask, labels, images, image_rows,
                      seq_ids=None):
         """Run the vision tower on `images` (one per entry of `image_rows`; one per row when None) and splice
-        its output into the embeddings. Returns (inputs_embeds, position_ids, attention_mask, labels, seq_ids)."""
+        its output into the embeddings. Returns (inputs_embeds, position_ids, attention_mask, labels, seq_ids).
+
+        Under a sequence group every rank got the whole rows (train/sequence.py leaves image batches whole): each
+        runs the frozen tower and the merge on them, then keeps its 1/N of the merged rows, labels shifted first
+        (as shard_batch does for text). The merged position ids travel with the tokens: the patches keep their
+        one shared position, which counting from the shard's offset would lose."""
         if inputs_embeds is None:
             inputs_embeds = self.embedding(input_ids)
         b, s = input_ids.shape
@@ -145,8 +151,16 @@ class ChatGLMModel(GLMPreTrainedModel):
         features = self.vision(images.to(self.vision.conv.weight.device, tower_dtype))
         # A batch whose every row ends on a real token is left-padded (generation): pad text rows on the left.
         pad_left = attention_mask is None or bool(attention_mask[:, -1].all())
-        return splice_images(inputs_embeds, input_ids, position_ids, attention_mask, labels, features, image_rows,
-                             self.config.boi_token_id, self.config.eoi_token_id, pad_left, seq_ids)
+        merged = splice_images(inputs_embeds, input_ids, position_ids, attention_mask, labels, features, image_rows,
+                               self.config.boi_token_id, self.config.eoi_token_id, pad_left, seq_ids)
+        sp = self.sequence_group
+        if sp is None:
+            return merged
+        embeds, position_ids, attention_mask, labels, seq_ids = merged
+        labels = shift_labels(labels) if labels is not None else None
+        # Pads: no target, mask 0, seq id -1 (data/packing.py's pad), position 0 as the collator pads.
+        return tuple(pad_and_shard(x, fill, sp) if x is not None else None for x, fill in
+                     ((embeds, 0), (position_ids, 0), (attention_mask, 0), (labels, NO_TARGET), (seq_ids, -1)))
 
     def forward(self, input_ids=None, position_ids=None, attention_mask=None, past_key_values=None,
                 inputs_embeds=None, use_cache=False, images=None, image_rows=None, seq_ids=None):
@@ -154,8 +168,6 @@ class ChatGLMModel(GLMPreTrainedModel):
         attention then stays inside each example and attention_mask is not needed."""
         sp = self.sequence_group
         if images is not None and self.vision is not None and not past_key_values and len(images):
-            if sp is not None:
-                raise ValueError("sequence parallelism takes the rows after the image merge (inputs_embeds)")
             inputs_embeds, position_ids, attention_mask, _, seq_ids = self.merge_images(
                 input_ids, inputs_embeds, position_ids, attention_mask, None, images, image_rows, seq_ids)
         if inputs_embeds is None:
@@ -225,7 +237,8 @@ class ChatGLMForConditionalGeneration(GLMPreTrainedModel):
             hidden = hidden[:, -1:]
         loss = logits = None
         # Under sequence parallelism each rank holds a shard of the row: the caller shifted the labels on the whole
-        # row before cutting it (train/sequence.py), so position t's label is already its target.
+        # row before cutting it (train/sequence.py; merge_images for rows with images), so position t's label is
+        # already its target.
         shift = self.transformer.sequence_group is None
         if labels is not None and self.loss_chunk_tokens > 0:
             loss = self._chunked_loss(hidden, labels, shift)

@@ -106,6 +106,24 @@ def gather_sequence(x: torch.Tensor, sp: SequenceGroup) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
+NO_TARGET = -100  # the label of a position the loss skips (data.pipeline.IGNORE_INDEX; models sit below data)
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """[B, S] labels -> each position's target (the next token's label), taken on the whole row so that the last
+    token of a shard keeps the first token of the next shard as its target; the last position has none."""
+    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), NO_TARGET)], dim=1)
+
+
+def pad_and_shard(x: torch.Tensor, fill: float, sp: SequenceGroup) -> torch.Tensor:
+    """This rank's 1/N of dim 1 of x [B, S, ...], after right-padding S to a multiple of N with `fill` (right
+    padding: under causal attention no real token sees it)."""
+    pad = -x.shape[1] % sp.size
+    if pad:
+        x = torch.cat([x, x.new_full((x.shape[0], pad, *x.shape[2:]), fill)], dim=1)
+    return shard(x, sp)
+
+
 def shard(x: torch.Tensor, sp: SequenceGroup, dim: int = 1) -> torch.Tensor:
     """This rank's contiguous 1/N of dim `dim` (its length must be a multiple of N)."""
     if x.shape[dim] % sp.size:

@@ -134,7 +134,7 @@ def planned(prep: Prepared, run_dir: Path, plan_scratch: bool):
     """The plan (exit 3 when nothing fits), the resume decision, the run files and the header."""
     run, arch, data = prep.run, prep.arch, prep.data
     world = world_size() if run.mode != "plan" else run.dist.nnodes * run.dist.nproc_per_node
-    world = data_parallel_width(world, run.dist.sequence_parallel, bool(arch.vision_config))  # train/sequence.py
+    world = data_parallel_width(world, run.dist.sequence_parallel)  # train/sequence.py
     length_set = run.data.max_length != 500 or typed(prep.overrides, "data.max_length")
     packed = prep.packing.shape() if prep.packing else planned_packing(run.data, image_extra_tokens(arch))
     plan = make_plan(run, arch, world, length_set, data_max_tokens=longest_length(data.stats) if data else None,

@@ -1,7 +1,8 @@
 """What an evaluation reports besides the Trainer's eval loss, and what the run does with it.
 
 - perplexity: exp(eval loss). The eval loss is the Trainer's mean of per-batch mean token losses, so this is
-  the perplexity of that mean (batches with fewer answer tokens weigh a little more than per token).
+  the perplexity of that mean (batches with fewer answer tokens weigh a little more than per token). Under
+  dist.sequence_parallel the same loss, scored from the shards of each batch (train/sequence.py).
 - with eval.generate: a greedy reply to each validation example, scored as the official GLM-4 demo scores
   it (metrics.py). Like the demo's eval set, every assistant turn of a conversation is one example: the
   prompt is everything before it, the reference its text (a tool call: `name\\n{arguments}`).

@@ -2,6 +2,7 @@
 the adapter only (train/steps.py, train/portable.py, train/optim.py say why)."""
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ from .optim import OPTIMIZERS, make_optimizer
 from .phases import PhaseMeter
 from .portable import load_states, save_portable_zero3
 from .progress import StepLines
-from .sequence import sequence_group, shard_batch
+from .sequence import gather_groups, group_eval_loader, group_mean_loss, sequence_group, shard_batch
 from .steps import ExampleLog, StepCollator, StepExamples, StepSampler, step_loss, target_counts
 
 
@@ -94,6 +95,8 @@ class LoraTrainer(Trainer):
         # The demo's mean, except for a micro-batch of null slots only (an epoch's padded last step): its mean
         # would be 0/0; its sum is 0 and it still runs the forward every rank's collectives expect.
         demo = self.normalization == "micro_batch" and bool((inputs["labels"][:, 1:] != -100).any())
+        if tokens is None and self.sequence is not None and hasattr(self.glm, "loss_reduction"):
+            return self._sharded_eval_loss(model, inputs, return_outputs)
         if tokens is None or demo or not hasattr(self.glm, "loss_reduction"):
             return super().compute_loss(model, inputs, return_outputs)
         self.glm.loss_reduction = "sum"
@@ -109,6 +112,30 @@ class LoraTrainer(Trainer):
             step_loss(outputs.loss, tokens, self.args.gradient_accumulation_steps, self.args.world_size)
         return (loss, outputs) if return_outputs else loss
 
+    def _sharded_eval_loss(self, model, inputs, return_outputs=False):
+        """An evaluation batch under the sequence group: the mean token loss over the whole batch, as the model
+        gives it on whole rows (train/sequence.py), in the dtype the model's own mean comes back in."""
+        labels = inputs["labels"]
+        self.glm.loss_reduction = "sum"
+        self.glm.transformer.set_sequence_group(self.sequence)
+        try:
+            outputs = model(**shard_batch(inputs, self.sequence))
+        finally:
+            self.glm.loss_reduction = "mean"
+        loss = group_mean_loss(outputs.loss, labels, self.sequence).to(self.glm.dtype)
+        return (loss, outputs) if return_outputs else loss
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        if self.sequence is None:
+            return super().get_eval_dataloader(eval_dataset)
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        return group_eval_loader(dataset, self.data_collator, self.args, self.accelerator, self.sequence.size)
+
+    def evaluation_loop(self, *args, **kwargs):
+        if self.sequence is not None:  # the Trainer puts gather_for_metrics back at the loop's end
+            self.gather_function = partial(gather_groups, self.accelerator, self.sequence.size)
+        return super().evaluation_loop(*args, **kwargs)
+
     def _load_optimizer_and_scheduler(self, checkpoint):
         """Any world size: a DDP checkpoint's states read onto the CPU first; a ZeRO-3 checkpoint's gathered
         states (train/portable.py) when this run is not ZeRO-3. A ZeRO-3 run reads its own engine's files."""
@@ -119,6 +146,11 @@ class LoraTrainer(Trainer):
     loss_carry: LossCarry | None = None
 
     def _maybe_log_save_evaluate(self, tr_loss, *args, **kwargs):
+        if self.sequence is not None and not self.control.should_log and self.state.global_step >= self.state.max_steps:
+            # The loop adds the steps since the last log to train_loss as this rank's own sum, which under sequence
+            # parallelism is one shard's share: the mean over the ranks instead, as a log takes it (every rank
+            # reaches max_steps at the same step, so all of them gather).
+            tr_loss.copy_(self._nested_gather(tr_loss).mean())
         if self.loss_carry is not None:  # its loop-local loss sum, for the checkpoint; a resume's sums put back
             self.loss_carry.see(self, tr_loss)
         return super()._maybe_log_save_evaluate(tr_loss, *args, **kwargs)
@@ -151,10 +183,10 @@ class LoraTrainer(Trainer):
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
         """The Trainer's loss evaluation, then perplexity and (eval.generate) the generation metrics, logged as
         a second line of the same step (TensorBoard eval/*, metrics.jsonl); the best-checkpoint bookkeeping."""
-        self.glm.transformer.set_sequence_group(None)  # evaluation and generation see whole rows (train/sequence.py)
         with self.phases.phase("eval"):
-            metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+            metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)  # sharded (train/sequence.py)
             extra = {"eval_perplexity": perplexity(metrics["eval_loss"])}
+            self.glm.transformer.set_sequence_group(None)  # generation decodes whole rows on every rank
             if self.generation_eval is not None:
                 extra.update(self.generation_eval(self.model, self.state.global_step, self.is_world_process_zero()))
         self.log(extra)

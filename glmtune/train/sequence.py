@@ -14,17 +14,29 @@ Nothing else about a step changes (train/steps.py):
   the first token of the next shard as its target; rows are padded to a multiple of N with positions that have
   no target (right padding: under causal attention no real token sees them).
 
-Evaluation runs without sequence parallelism (each rank scores whole rows of its own share of the eval set,
-as without it); the plan budgets evaluation at the whole row length.
+GLM-4V: a micro-batch with images reaches the model whole on every rank of the group; each rank runs the (frozen,
+adapter-free) vision tower and the image merge on the whole rows and only then keeps its 1/N of the merged rows,
+cut the same way (models/modeling_glm4.py merge_images). The patches' shared position id travels with them.
+
+Evaluation's loss runs under the same layout, so a length that trains also evaluates. Each group is one data-
+parallel rank of the evaluation loader (group_eval_loader: the group's N ranks score the same batches, the
+groups share the eval set as W / N processes would); each rank sums its shard's token losses, the group adds
+them up and divides by the batch's target tokens (group_mean_loss): the model's own mean over the whole batch.
+The Trainer then averages those batch means as it does without sequence parallelism, counting each group once
+(gather_groups): the eval loss is the one W / N processes without it report. eval.generate decodes whole rows
+(a KV cache grows one token at a time on every rank; it cannot be cut along the sequence): every rank generates
+for the whole prompts, and the plan budgets that cache at the whole row length.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from accelerate.data_loader import prepare_data_loader
+from torch.utils.data import DataLoader, SequentialSampler
 
 from ..config import ConfigError
 from ..data.pipeline import IGNORE_INDEX
-from ..models.ulysses import SequenceGroup, shard
+from ..models.ulysses import SequenceGroup, pad_and_shard, shift_labels
 
 
 def sequence_group(size: int) -> SequenceGroup | None:
@@ -42,14 +54,10 @@ def sequence_group(size: int) -> SequenceGroup | None:
     return SequenceGroup.of(mine)
 
 
-def data_parallel_width(world: int, size: int, vision: bool = False) -> int:
+def data_parallel_width(world: int, size: int) -> int:
     """The plan's width: each group of `size` ranks trains its own micro-batches, so the global batch is
     micro x accumulation x world / size. Until the estimator counts sequence-parallel terms, the plan budgets
-    every rank as if it held whole rows: more than a shard needs, never less. `vision`: the model has an image
-    tower (GLM-4V), whose rows are only whole after the image merge: not sharded yet."""
-    if size > 1 and vision:
-        raise ConfigError(f"dist.sequence_parallel={size} is not available for GLM-4V yet (its rows are cut after "
-                          "the image merge): use dist.sequence_parallel=1")
+    every rank as if it held whole rows: more than a shard needs, never less."""
     if world % size:
         raise ConfigError(f"dist.sequence_parallel={size} must divide the {world} processes of the launch — use a "
                           f"divisor of {world}, or launch a multiple of {size} processes")
@@ -63,19 +71,51 @@ SEQUENCE_KEYS = {"input_ids": 0, "attention_mask": 0, "position_ids": 0, "seq_id
 def shard_batch(inputs: dict[str, torch.Tensor], sp: SequenceGroup) -> dict[str, torch.Tensor]:
     """This rank's contiguous 1/N of every row: labels shifted to the token each position predicts first, then
     every [B, S] tensor right-padded to a multiple of N and cut. The model then takes the labels as given
-    (ChatGLMForConditionalGeneration: no shift under a sequence group)."""
-    labels = inputs["labels"]
-    b, s = labels.shape
-    shifted = torch.cat([labels[:, 1:], labels.new_full((b, 1), IGNORE_INDEX)], dim=1)
-    pad = -s % sp.size
+    (ChatGLMForConditionalGeneration: no shift under a sequence group).
+
+    A GLM-4V batch with images is returned whole: its rows only take their final length when the model splices
+    the image patches in, so the model cuts them itself after the merge (ChatGLMModel.merge_images), the same way."""
+    images = inputs.get("images")
+    if images is not None and len(images):
+        return inputs
+    s = inputs["labels"].shape[1]
     out = dict(inputs)
-    out["labels"] = shifted
+    out["labels"] = shift_labels(inputs["labels"])
     for key in ["labels", *SEQUENCE_KEYS]:
         value = out.get(key)
         if value is None or value.dim() != 2 or value.shape[1] != s:
             continue
-        if pad:
-            fill = IGNORE_INDEX if key == "labels" else SEQUENCE_KEYS[key]
-            value = torch.cat([value, value.new_full((b, pad), fill)], dim=1)
-        out[key] = shard(value, sp)
+        out[key] = pad_and_shard(value, IGNORE_INDEX if key == "labels" else SEQUENCE_KEYS[key], sp)
     return out
+
+
+def group_mean_loss(summed: torch.Tensor, labels: torch.Tensor, sp: SequenceGroup) -> torch.Tensor:
+    """The mean token loss of a whole evaluation batch from this rank's summed loss over its shard: the group's
+    sums added up, over the batch's target tokens (labels [B, S] before the shift and the cut: labels[1:] not
+    masked, as the model's own mean and the training step counts count them; an image's patches add none)."""
+    total = summed.detach().float().clone()
+    dist.all_reduce(total, group=sp.group)
+    return total / (labels[:, 1:] != IGNORE_INDEX).sum().to(total.device)
+
+
+def group_eval_loader(dataset, collator, args, accelerator, size: int) -> DataLoader:
+    """The Trainer's evaluation loader (eval batch, in order), sharded over the W / size groups instead of the W
+    ranks: group g's ranks all get the batches that rank g of W / size processes would."""
+    loader = DataLoader(dataset, batch_size=args.eval_batch_size, sampler=SequentialSampler(dataset),
+                        collate_fn=collator, num_workers=args.dataloader_num_workers,
+                        pin_memory=args.dataloader_pin_memory, drop_last=args.dataloader_drop_last)
+    return prepare_data_loader(loader, accelerator.device, num_processes=accelerator.num_processes // size,
+                               process_index=accelerator.process_index // size,
+                               put_on_device=accelerator.device_placement, even_batches=accelerator.even_batches)
+
+
+def gather_groups(accelerator, size: int, tensor: torch.Tensor) -> torch.Tensor:
+    """accelerate's gather_for_metrics for group_eval_loader: the values of every rank in rank order, one rank
+    per group kept (its N ranks hold the same batch means), then the last round's filler cut off as
+    gather_for_metrics cuts it (the loader's remainder is counted over the groups)."""
+    data = accelerator.gather(tensor)
+    data = data.view(accelerator.num_processes, -1, *tensor.shape[1:])[::size].flatten(0, 1)
+    state = accelerator.gradient_state
+    if state.end_of_dataloader and state.remainder > 0:
+        data = data[:state.remainder]
+    return data

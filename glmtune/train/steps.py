@@ -70,7 +70,9 @@ class StepSampler(torch.utils.data.Sampler):
     def order(self, epoch: int) -> np.ndarray:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         order = torch.randperm(len(self.counts), generator=generator).numpy()
-        return np.concatenate([order, np.full(len(self) - len(order), NULL)])
+        # The epoch's blocks, padded to whole steps; not len(self), which counts each micro-batch `repeat` times
+        # (a longer order would add steps of null slots after every epoch under sequence parallelism).
+        return np.concatenate([order, np.full(self.steps_per_epoch() * self.global_batch - len(order), NULL)])
 
     def __iter__(self):
         order = self.order(self.epoch)
