@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 
 from ..models import GLMConfig
+from .longctx import local_tokens
 
 RESERVE_FLOOR = 256 << 20
 RESERVE_PER_LARGEST = 0.55
@@ -60,7 +61,7 @@ def largest_transients(arch: GLMConfig, shape, e: int) -> dict[str, int]:
         chunk = shape.loss_chunk_tokens or tokens
         return max(4 * min(tokens, chunk) * v, e * tokens * two_f)
 
-    tokens = shape.micro_batch * shape.seq_len
+    tokens = local_tokens(shape)  # this rank's shard under sequence parallelism; evaluation sees whole rows
     out = {"loss": step(tokens), "backward": step(tokens)}
     if arch.vision_config:  # the ViT's QKV [T, 3w] or fc1 output [T, i], T = patches + CLS of every image
         vc = arch.vision_config

@@ -125,7 +125,7 @@ def _attempt(run: RunConfig, choices: Choices, model_dir: Path, examples: list[d
         model = build_model(model_dir, run, choices)
         trainer = make_trainer(args, model, examples, eval_examples or None, collator,
                                normalization=run.train.loss_normalization, packer=packer,
-                               sequence_parallel=run.dist.sequence_parallel)
+                               sequence_parallel=choices.sequence_parallel)
         try:
             trainer.train()
         finally:

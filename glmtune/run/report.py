@@ -39,7 +39,7 @@ def _card(run: RunConfig, plan: Plan) -> str:
     return f"{run.hw.name}: {size} x margin {run.hw.margin} = {plan.budget_bytes / GIB:.1f} GiB budget per GPU"
 
 
-def _decisions(c: Choices, sequence_parallel: int = 1) -> str:
+def _decisions(c: Choices) -> str:
     parts = [c.dtype, f"checkpointing {'on' if c.gradient_checkpointing else 'off'}",
              "ZeRO-3" if c.zero_stage == 3 else "no ZeRO"]
     if c.offload_params:
@@ -47,8 +47,9 @@ def _decisions(c: Choices, sequence_parallel: int = 1) -> str:
     if c.loss_chunk_tokens:
         parts.append(f"chunked loss ({c.loss_chunk_tokens} tokens)")
     # Under sequence parallelism the plan's width is the number of groups, each sharing its rows over N GPUs.
-    width = (f"{c.world_size} GPU(s)" if sequence_parallel == 1 else
-             f"{c.world_size} group(s) of {sequence_parallel} GPUs sharing each row (dist.sequence_parallel)")
+    sp = c.sequence_parallel
+    width = (f"{c.world_size} GPU(s)" if sp == 1 else
+             f"{c.world_size} group(s) of {sp} GPUs sharing each row (dist.sequence_parallel)")
     parts.append(f"micro-batch {c.micro_batch_size} x accum {c.grad_accum} x {width} = global batch "
                  f"{c.micro_batch_size * c.grad_accum * c.world_size}")
     return ", ".join(parts)
@@ -72,7 +73,7 @@ def header(run: RunConfig, plan: Plan, run_dir: Path | None, train_examples: int
              f"  model  {model}",
              f"  data   {data}, max_length {plan.choices.max_length}",
              f"  card   {_card(run, plan)}",
-             f"  plan   {_decisions(plan.choices, run.dist.sequence_parallel)}; "
+             f"  plan   {_decisions(plan.choices)}; "
              f"estimated peak {plan.peak_bytes / GIB:.2f} GiB"
              + ("" if plan.fits else "  DOES NOT FIT")]
     if plan.budget_bytes is not None and "allocator" in plan.reasons:  # a GPU plan: the reserve it assumes
