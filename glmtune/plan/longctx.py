@@ -7,7 +7,9 @@ heads: q, the GQA-expanded K and V, the output and the log-sum-exp are [heads / 
 [heads, seq / N], so block_saved's attention terms hold at the local count too. What SP adds is the exchange: each
 of q, k, v goes through one all-to-all (a contiguous send buffer and a receive buffer, then the reshaped result
 the attention keeps), and the output and every gradient come back through another. With N > KV groups (GLM: 2)
-each KV group is replicated before the exchange (N / groups copies), so k and v travel as N rows, not 2.
+each KV group is replicated before the exchange (N / groups copies), so k and v travel as N rows, not 2. The
+exchange buffers are transient; what attention's backward adds on top of the MLP-bound working set is
+attention_working (measured on CPU; bench/length_table.py uses exchange_bytes for the time they take).
 
 Host memory per node (hw.host_memory_gib, the plan's second budget): the checkpointed block inputs offloaded to
 pinned memory (torch's caching host allocator rounds each block up to a power of two), ZeRO-3's parameter and
@@ -59,15 +61,15 @@ def exchange_bytes(arch: GLMConfig, shape, tokens: int) -> int:
 
 
 def attention_working(arch: GLMConfig, shape, tokens: int) -> int:
-    """Transient bytes of one attention backward under SP: dq and the expanded dK, dV (heads / N over the row),
-    the replicated groups' gradients before they are summed, and the exchange buffers that send them back.
-    Without SP the MLP's working set (estimate.block_working) is always larger: 0 here."""
-    n = degree(shape)
-    if n == 1:
+    """Transient bytes of one attention backward under SP: the output's gradient exchanged into heads, then
+    SDPA's dq, dK and dV over the expanded heads: 4 x e x tokens x heads x head size (heads / N over the row).
+    Measured on CPU (2 gloo ranks, tests/test_longctx.py): an attention-bound model (f = 128, 12 heads x 64)
+    peaked 3.9-4.0 MiB above the MLP-bound estimate at 1,024 local fp32 tokens, 3.8 such [tokens, heads x d]
+    tensors over the MLP's 2.5; the exchange buffers (exchange_bytes) are freed before that peak. Without SP the
+    MLP's working set (estimate.block_working) is the larger on every GLM: 0 here."""
+    if degree(shape) == 1:
         return 0
-    e, d = BYTES[shape.dtype], arch.kv_channels
-    return 3 * e * tokens * arch.num_attention_heads * d + 2 * e * tokens * kv_rows(arch, n) * d \
-        + exchange_bytes(arch, shape, tokens)
+    return 4 * BYTES[shape.dtype] * tokens * arch.num_attention_heads * arch.kv_channels
 
 
 def _pow2(x: int) -> int:

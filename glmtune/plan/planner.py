@@ -161,9 +161,9 @@ def step_down(plan_or_choices: Plan | Choices, run: RunConfig, arch, world_size:
         return replace(c, loss_chunk_tokens=LOSS_CHUNK_SMALL)
     if c.gradient_checkpointing and not c.offload_checkpoints:
         return replace(c, offload_checkpoints=True)
-    if c.zero_stage == 0 and processes > 1 and allows_zero3(run):
+    if c.zero_stage == 0 and max(world_size, processes) > 1 and allows_zero3(run):
         return replace(c, zero_stage=3)
-    return sequence.next_degree(c, run, arch)
+    return sequence.next_degree(c, run, arch, processes)
 
 
 def _budget(run: RunConfig, margin: float) -> int | None:
@@ -220,7 +220,7 @@ def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
             if evaluating and c.eval_batch_size > 1:
                 c = replace(c, eval_batch_size=c.eval_batch_size // 2)
                 continue
-            nxt = step_down(c, run, arch, world_size)
+            nxt = step_down(c, run, arch, c.world_size)
             if nxt is None:
                 break
             c = nxt
@@ -303,6 +303,13 @@ def format_plan(plan: Plan):
     table.add_row("[bold]estimated peak", f"[bold]{plan.peak_bytes / GIB:.2f} GiB")
     budget = "none (no GPU)" if plan.budget_bytes is None else f"{plan.budget_bytes / GIB:.2f} GiB"
     table.add_row("[bold]budget", budget)
+    if plan.host:  # one node's RAM, the second budget (plan/sequence.py)
+        for name, value in plan.host["breakdown"].items():
+            table.add_row(f"host: {name}", f"{value / GIB:.2f} GiB", "per node")
+        hb = plan.host["budget_bytes"]
+        table.add_row("[bold]host RAM per node", f"[bold]{plan.host['bytes'] / GIB:.2f} GiB",
+                      f"budget {'unknown' if hb is None else f'{hb / GIB:.1f} GiB'}: {plan.host['budget_source']}"
+                      + ("" if plan.host["fits"] else " — DOES NOT FIT"))
     for key, value in plan.choices.to_dict().items():
         table.add_row(key, str(value), plan.reasons.get(key, ""))
     if plan.packing:

@@ -57,13 +57,12 @@ def first_degree(run: RunConfig, arch, processes: int) -> int:
     return sp
 
 
-def next_degree(c, run: RunConfig, arch):
+def next_degree(c, run: RunConfig, arch, processes: int):
     """The Choices one sequence-parallel rung down (global batch kept), or None."""
-    processes = c.world_size * c.sequence_parallel
     for n in degrees(run, arch, processes):
         if n > c.sequence_parallel and n % c.sequence_parallel == 0:
             k = n // c.sequence_parallel
-            return replace(c, sequence_parallel=n, world_size=c.world_size // k, grad_accum=c.grad_accum * k)
+            return replace(c, sequence_parallel=n, world_size=processes // n, grad_accum=c.grad_accum * k)
     return None
 
 

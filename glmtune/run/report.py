@@ -76,6 +76,8 @@ def header(run: RunConfig, plan: Plan, run_dir: Path | None, train_examples: int
              f"  plan   {_decisions(plan.choices)}; "
              f"estimated peak {plan.peak_bytes / GIB:.2f} GiB"
              + ("" if plan.fits else "  DOES NOT FIT")]
+    if plan.budget_bytes is not None and "host" in plan.reasons:  # a GPU plan: one node's RAM, the second budget
+        lines.append(f"  host   {plan.reasons['host']}")
     if plan.budget_bytes is not None and "allocator" in plan.reasons:  # a GPU plan: the reserve it assumes
         lines.append(f"  alloc  {plan.reasons['allocator']}")
     if train_examples is not None and run.mode == "train":
@@ -143,7 +145,12 @@ def disk_full_line(err: BaseException, run_dir: Path) -> str:
 def no_fit_line(plan) -> str:
     """Exit 3's line: the best option's overrides where the line stays within a 120-column log (a sweep's record
     and a grep of the log keep them); the options themselves are the numbered list under the plan table."""
-    line = f"the plan does not fit: {plan.peak_bytes / GIB:.1f} GiB > {plan.budget_bytes / GIB:.1f} GiB budget; "
+    host = getattr(plan, "host", None) or {}
+    if plan.peak_bytes <= plan.budget_bytes and not host.get("fits", True):  # the card fits; one node's RAM does not
+        line = (f"the plan's host memory does not fit: {host['bytes'] / GIB:.1f} GiB per node > "
+                f"{host['budget_bytes'] / GIB:.1f} GiB budget; ")
+    else:
+        line = f"the plan does not fit: {plan.peak_bytes / GIB:.1f} GiB > {plan.budget_bytes / GIB:.1f} GiB budget; "
     if not plan.advice:
         return line + "no option fits: lower lora.r or lora.target_modules"
     best = f"best: {plan.advice[0].split(': ', 1)[0]} ({len(plan.advice)} options listed above)"
