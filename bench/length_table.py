@@ -5,9 +5,11 @@
 
 No GPU and no weights: every cell is `plan.planner.make_plan` called in-process, exactly as `mode=plan` plans
 (LoRA r 8 on query_key_value, micro-batch 1, no evaluation set, the preset's hw.margin and host RAM), with a
-binary search over data.max_length in multiples of 1,024 up to 1M tokens. dist.sequence_parallel is auto, so a
-cell names the smallest sequence-parallel degree that fits. A length that fits is what the estimator promises;
-the probe measures it before a real run.
+binary search over data.max_length in multiples of 1,024 up to 1M tokens (">= 1024K": the search's top). GPUs
+beyond hw.gpus_per_node are whole nodes (8 RTX 4090s: 2 nodes of 4); host RAM is per node. dist.sequence_parallel
+is auto, so a cell names the smallest sequence-parallel degree that fits. A length that fits is what the
+estimator promises; the probe measures it before a real run. Evaluation is left out: it scores whole rows
+without sequence parallelism (train/sequence.py), so a run with a val set needs its own `mode=plan`.
 
 Estimated tokens/s (whole job) is a model, not a measurement. It rests on the H100 rows of bench/RESULTS.md §0
 (glm-4-9b-chat, checkpointing, chunked loss, batch 1): 6,363 tokens/s at 8K and 4,486 at 32K, fitted as
@@ -48,8 +50,11 @@ GLM4_PARAMS = frozen_params(released_config("glm4_9b_chat"))
 
 
 def plan_at(name: str, base: str, gpus: int, card: str, length: int):
-    run = RunConfig(model=ModelConfig(name=name, quantize=base), hw=hw_presets()[card],
-                    data=DataConfig(max_length=length, val_file=None), dist=DistConfig(nproc_per_node=gpus))
+    hw = hw_presets()[card]
+    nodes = -(-gpus // hw.gpus_per_node)  # 8 RTX 4090s are 2 nodes of 4: each node's RAM holds its own ranks
+    run = RunConfig(model=ModelConfig(name=name, quantize=base), hw=hw,
+                    data=DataConfig(max_length=length, val_file=None),
+                    dist=DistConfig(nnodes=nodes, nproc_per_node=gpus // nodes))
     return make_plan(run, released_config(name), gpus, True, advice=False)
 
 
@@ -68,7 +73,8 @@ def longest(name: str, base: str, gpus: int, card: str):
 
 def rungs(c) -> str:
     on = [("ckpt", c.gradient_checkpointing), (f"chunk {c.loss_chunk_tokens}", c.loss_chunk_tokens),
-          ("offload", c.offload_checkpoints), ("ZeRO-3", c.zero_stage == 3)]
+          ("offload", c.offload_checkpoints), ("ZeRO-3", c.zero_stage == 3),
+          ("tiled MLP", getattr(c, "mlp_tile_tokens", 0))]  # branch tiledmlp's rung, where merged
     return ", ".join(n for n, v in on if v) or "none"
 
 
@@ -99,7 +105,7 @@ def cell(name: str, base: str, gpus: int, card: str) -> dict:
 
 
 def short(n: int) -> str:
-    return "-" if n == 0 else f"{n // 1024}K"
+    return "-" if n == 0 else f"{'>= ' if n >= TOP * STEP else ''}{n // 1024}K"
 
 
 def main() -> None:

@@ -110,9 +110,11 @@ def test_host_budget_of_the_preset_or_this_machine():
     p = plan("a100_80g", 1, 4096)
     assert p.host["budget_bytes"] == int(1024 * 2**30 * 0.9) and "hw.host_memory_gib=1024" in p.host["budget_source"]
     run = RunConfig(model=ModelConfig(name="glm4_9b_chat"), data=DataConfig(val_file=None))
-    run.hw.memory_gib = 80.0  # a card budget, no host figure: this machine's MemAvailable
-    mine = make_plan(run, GLM4, 1, False)
+    mine = make_plan(run, GLM4, 1, False)  # this machine's device (a CPU here): its MemAvailable
     assert "MemAvailable" in mine.host["budget_source"] and mine.host["budget_bytes"] > 0
+    run.hw.memory_gib = 80.0  # another machine's card, its RAM unknown: not checked, and the plan says so
+    other = make_plan(run, GLM4, 1, False)
+    assert other.host["budget_bytes"] is None and other.host["fits"] and "not checked" in other.host["budget_source"]
 
 
 def test_bad_degrees_are_one_line():

@@ -100,7 +100,8 @@ class HwConfig:
     gpus_per_node: int = 1
     margin: float = 0.9  # fraction of memory_gib the plan may use; the rest absorbs estimator error
     # RAM of one node in GiB, the plan's second budget (pinned checkpoint offload, ZeRO offload, data, processes);
-    # None = MemAvailable of the machine that plans (/proc/meminfo). Presets carry a typical node's figure.
+    # None = this machine's MemAvailable when planning for its own device, unchecked when hw.memory_gib names
+    # another machine's card. Presets carry a typical node's figure.
     host_memory_gib: Optional[float] = None
 
 

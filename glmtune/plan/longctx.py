@@ -107,10 +107,14 @@ def available_ram() -> int | None:
     return pages * os.sysconf("SC_PAGE_SIZE") if pages > 0 else None
 
 
-def host_budget(host_memory_gib: float | None) -> tuple[int | None, str]:
-    """The node's RAM budget in bytes and where it came from."""
+def host_budget(host_memory_gib: float | None, this_machine: bool) -> tuple[int | None, str]:
+    """The node's RAM budget in bytes and where it came from. Unset, it is this machine's MemAvailable when the
+    plan is for this machine's own device (no hw.memory_gib); a plan for a card named by hw.memory_gib alone is
+    for some other node, whose RAM nothing here knows: unchecked (None)."""
     if host_memory_gib is not None:
         return int(host_memory_gib * 2**30 * HOST_MARGIN), f"hw.host_memory_gib={host_memory_gib:g} x {HOST_MARGIN}"
+    if not this_machine:
+        return None, "not checked: hw.memory_gib names another machine's card; set hw.host_memory_gib for its RAM"
     ram = available_ram()
     if ram is None:
         return None, "unknown (no /proc/meminfo): set hw.host_memory_gib"

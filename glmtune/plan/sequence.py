@@ -68,7 +68,7 @@ def next_degree(c, run: RunConfig, arch, processes: int):
 
 def host_figures(est, run: RunConfig, gpu_plan: bool) -> dict:
     """plan.json's host block: one node's bytes, its budget, whether it fits, and the terms."""
-    budget, source = host_budget(run.hw.host_memory_gib)
+    budget, source = host_budget(run.hw.host_memory_gib, run.hw.memory_gib is None)
     used = sum(est.host.values())
     checked = gpu_plan and budget is not None  # a CPU run's RAM is its card budget (train/preflight.py)
     return {"bytes": used, "budget_bytes": budget, "budget_source": source,

@@ -44,8 +44,7 @@ def sequence_group(size: int) -> SequenceGroup | None:
 
 def data_parallel_width(world: int, size: int, vision: bool = False) -> int:
     """The plan's width: each group of `size` ranks trains its own micro-batches, so the global batch is
-    micro x accumulation x world / size. Until the estimator counts sequence-parallel terms, the plan budgets
-    every rank as if it held whole rows: more than a shard needs, never less. `vision`: the model has an image
+    micro x accumulation x world / size (the planner's own check: plan/sequence.py). `vision`: the model has an image
     tower (GLM-4V), whose rows are only whole after the image merge: not sharded yet."""
     if size > 1 and vision:
         raise ConfigError(f"dist.sequence_parallel={size} is not available for GLM-4V yet (its rows are cut after "
