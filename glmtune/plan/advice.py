@@ -145,6 +145,8 @@ def _gpus(run: RunConfig, base: RunConfig, world_size: int, replan) -> list[Opti
         launch = (f"scripts/torchrun.sh {procs}" if nodes == 1 else
                   f"NNODES={nodes} NPROC={procs} scripts/torchrun_multinode.sh on each node")
         zero = "ZeRO-3" if plan.choices.zero_stage == 3 else "data parallel"
+        if plan.choices.sequence_parallel > 1:  # the planner's SP rung (plan/sequence.py)
+            zero += f", {plan.choices.sequence_parallel} GPUs sharing each row"
         return [_option(overrides, f"{n} GPUs with {zero} (mode=plan reads these keys; train with {launch})", plan)]
     return []
 
