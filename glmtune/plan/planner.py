@@ -237,7 +237,7 @@ def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
                 unmeasured_risk=derived_near_budget(est.breakdown, sources, est.peak_bytes, budget) if ok else "",
                 packing=packing_figures(run, arch, c, data_max_tokens, packed), host=host)
     if not ok and advice:
-        plan.advice = _advice(run, arch, processes, c.max_length, data_max_tokens, margin, packed)
+        plan.advice = _advice(run, arch, processes, c.max_length, data_max_tokens, margin, packed, data_tokens)
     return plan
 
 
@@ -279,10 +279,10 @@ def _reasons(run, start: Choices, c: Choices, budget, weights: int, world_size: 
 
 
 def _advice(run, arch, world_size: int, max_length: int, data_max_tokens, margin,
-            packed: tuple[int, int] | None = None) -> list[str]:
+            packed: tuple[int, int] | None = None, data_tokens: int = 0) -> list[str]:
     """The overrides that would fit, each one planned again (plan/advice.py); empty when none does."""
     def replan(changed: RunConfig, world: int) -> Plan:
-        return make_plan(changed, arch, world, True, data_max_tokens, margin, packed, advice=False)
+        return make_plan(changed, arch, world, True, data_max_tokens, margin, packed, False, data_tokens)
 
     return advise(run, world_size, max_length, replan)
 
@@ -303,13 +303,8 @@ def format_plan(plan: Plan):
     table.add_row("[bold]estimated peak", f"[bold]{plan.peak_bytes / GIB:.2f} GiB")
     budget = "none (no GPU)" if plan.budget_bytes is None else f"{plan.budget_bytes / GIB:.2f} GiB"
     table.add_row("[bold]budget", budget)
-    if plan.host:  # one node's RAM, the second budget (plan/sequence.py)
-        for name, value in plan.host["breakdown"].items():
-            table.add_row(f"host: {name}", f"{value / GIB:.2f} GiB", "per node")
-        hb = plan.host["budget_bytes"]
-        table.add_row("[bold]host RAM per node", f"[bold]{plan.host['bytes'] / GIB:.2f} GiB",
-                      f"budget {'unknown' if hb is None else f'{hb / GIB:.1f} GiB'}: {plan.host['budget_source']}"
-                      + ("" if plan.host["fits"] else " — DOES NOT FIT"))
+    for row in sequence.host_rows(plan.host):  # one node's RAM, the second budget
+        table.add_row(*row)
     for key, value in plan.choices.to_dict().items():
         table.add_row(key, str(value), plan.reasons.get(key, ""))
     if plan.packing:

@@ -101,3 +101,15 @@ def reason(run: RunConfig, arch, c, processes: int) -> str:
 def set_tokens(stats) -> int:
     """Tokens of the tokenized train and val splits (data/stats.DataStats), for the host budget."""
     return stats.train.tokens + (stats.val.tokens if stats.val is not None else 0)
+
+
+def host_rows(host: dict) -> list[tuple[str, str, str]]:
+    """The plan table's host rows: each term per node, then the total against its budget."""
+    if not host:
+        return []
+    gib, hb = 2**30, host["budget_bytes"]
+    rows = [(f"host: {name}", f"{value / gib:.2f} GiB", "per node") for name, value in host["breakdown"].items()]
+    rows.append(("[bold]host RAM per node", f"[bold]{host['bytes'] / gib:.2f} GiB",
+                 f"budget {'unknown' if hb is None else f'{hb / gib:.1f} GiB'}: {host['budget_source']}"
+                 + ("" if host["fits"] else " — DOES NOT FIT")))
+    return rows
