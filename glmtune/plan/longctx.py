@@ -81,7 +81,9 @@ def host_breakdown(arch: GLMConfig, shape, frozen: int, p_lora: int, ranks: int,
     e = BYTES[shape.dtype]
     out: dict[str, int] = {}
     if shape.gradient_checkpointing and shape.offload_checkpoints:
-        block = _pow2(e * local_tokens(shape) * arch.hidden_size)  # the caching host allocator's rounding
+        # torch's CachingHostAllocator rounds every pinned block up to a power of two (ATen/core/
+        # CachingHostAllocator.h, torch 2.13: PowerOf2Ceil below pinned_max_round_threshold, unlimited by default)
+        block = _pow2(e * local_tokens(shape) * arch.hidden_size)
         out["pinned checkpoint offload"] = arch.num_layers * block * ranks
     n = max(1, shape.world_size) if shape.zero_stage == 3 else 1
     if shape.zero_stage == 3 and shape.offload_params:
