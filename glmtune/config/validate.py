@@ -230,8 +230,7 @@ def _check_values(cfg: RunConfig) -> list[str]:
     if (sp := cfg.dist.sequence_parallel) != "auto" and (type(sp) is not int or sp <= 0):  # auto or processes per row
         problems.append(f"dist.sequence_parallel must be auto or an integer > 0, got {sp!r}")
     elif sp not in (1, "auto") and cfg.train.loss_normalization != "tokens":
-        problems.append("dist.sequence_parallel needs train.loss_normalization=tokens (a shard's mean is not the "
-                        "row's): leave train.loss_normalization at its default")
+        problems.append("dist.sequence_parallel needs train.loss_normalization=tokens (a shard's mean is not the row's)")
     if cfg.infer.gpus < 0:
         problems.append(f"infer.gpus must be >= 0, got {cfg.infer.gpus}")
     if cfg.train.max_steps < 0:

@@ -44,8 +44,7 @@ class Choices:
     eval_batch_size: int
     loss_chunk_tokens: int = 0  # 0 = reference loss; >0 = chunked loss, fp32 logits for this many tokens at a time
     offload_checkpoints: bool = False  # checkpointed block inputs kept in pinned CPU memory instead of on the GPU
-    # Ranks sharing each row (Ulysses, plan/sequence.py); world_size is then the data-parallel width: processes / N.
-    sequence_parallel: int = 1
+    sequence_parallel: int = 1  # ranks sharing each row (plan/sequence.py); world_size is then processes / N
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -121,9 +120,7 @@ def run_shape(run: RunConfig, arch, c: Choices, data_max_tokens: int | None = No
                     gradient_checkpointing=c.gradient_checkpointing, loss_chunk_tokens=c.loss_chunk_tokens,
                     offload_checkpoints=c.offload_checkpoints, autocast=c.dtype != "fp32",
                     zero_stage=c.zero_stage, offload_params=c.offload_params, offload_optimizer=c.offload_optimizer,
-                    world_size=c.world_size * c.sequence_parallel, images_per_sample=images,
-                    sequence_parallel=c.sequence_parallel, data_tokens=data_tokens,
-                    ranks_per_node=max(1, c.world_size * c.sequence_parallel // max(1, run.dist.nnodes)),
+                    images_per_sample=images, **sequence.shape_fields(run, c, data_tokens),
                     eval_batch=c.eval_batch_size if run.data.val_file or run.data.val_size else 0,
                     eval_max_new_tokens=run.eval.max_new_tokens if run.eval.generate else 0,
                     device="cuda" if on_gpu else "cpu", gpu_family=gpu_family(run.hw.name),
@@ -142,14 +139,12 @@ def step_down(plan_or_choices: Plan | Choices, run: RunConfig, arch, world_size:
     step); checkpointing (unless forced off: one extra forward, ~25-30 %); a 256-token loss chunk; checkpointed
     block inputs in pinned CPU memory (40 x tokens x 4096 x 2 B leave the card: 2.5 GiB at 8K; two PCIe copies
     per block and step); ZeRO-3 (world_size > 1, unless dist.strategy=ddp: weights gathered every step,
-    6x slower than plain LoRA on one H100 even without a second GPU to talk to); last, under
-    dist.sequence_parallel=auto, the next sequence-parallel degree (plan/sequence.py: 1/N of the activations for
-    two all-to-alls per attention, accumulation x N to keep the global batch). The optimizer is never
+    6x slower than plain LoRA on one H100 even without a second GPU to talk to); last, under sequence_parallel=auto,
+    the next degree (plan/sequence.py: 1/N of the activations, accumulation x N). The optimizer is never
     offloaded: LoRA's Adam states are megabytes. Nor are the parameters: measured on an H100, DeepSpeed
     0.19.8's parameter offload still held the whole model on the card (bench/RESULTS.md), so it fits
     nothing that ZeRO-3 without it does not."""
     c = plan_or_choices.choices if isinstance(plan_or_choices, Plan) else plan_or_choices
-    processes = c.world_size * c.sequence_parallel  # ZeRO-3 shards over every process, SP groups included
     ckpt_allowed = run.train.gradient_checkpointing != "off"
     if c.micro_batch_size > 1:
         return replace(c, micro_batch_size=c.micro_batch_size // 2, grad_accum=c.grad_accum * 2)
@@ -161,9 +156,9 @@ def step_down(plan_or_choices: Plan | Choices, run: RunConfig, arch, world_size:
         return replace(c, loss_chunk_tokens=LOSS_CHUNK_SMALL)
     if c.gradient_checkpointing and not c.offload_checkpoints:
         return replace(c, offload_checkpoints=True)
-    if c.zero_stage == 0 and max(world_size, processes) > 1 and allows_zero3(run):
+    if c.zero_stage == 0 and max(world_size, c.world_size) * c.sequence_parallel > 1 and allows_zero3(run):
         return replace(c, zero_stage=3)
-    return sequence.next_degree(c, run, arch, processes)
+    return sequence.next_degree(c, run, arch)
 
 
 def _budget(run: RunConfig, margin: float) -> int | None:
@@ -180,8 +175,7 @@ def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
     """world_size: the processes of the launch; the plan's width (Choices.world_size) is that over the
     sequence-parallel degree. data_tokens: the tokenized set's size, for the host budget (0 = unknown)."""
     budget = _budget(run, run.hw.margin if margin is None else margin)
-    processes = world_size
-    sp = sequence.first_degree(run, arch, processes)
+    processes, sp = world_size, sequence.first_degree(run, arch, world_size)
     world_size = processes // sp
     dtype, why_dtype = local_dtype(run)
     max_length = run.data.max_length if user_set_max_length else DEFAULT_MAX_LENGTH
@@ -201,10 +195,8 @@ def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
         return estimate(arch, shape if evaluating else replace(shape, eval_batch=0))
 
     def fits(ch: Choices, evaluating: bool = True) -> bool:
-        if budget is None:
-            return True
-        est = peak(ch, evaluating)
-        return est.peak_bytes <= budget and sequence.host_figures(est, run, True)["fits"]
+        est = None if budget is None else peak(ch, evaluating)  # and one node's RAM: the second budget
+        return est is None or (est.peak_bytes <= budget and sequence.host_figures(est, run, True)["fits"])
 
     # Frozen weights alone exceed one card: only ZeRO-3 over several GPUs shards them.
     weights_only = peak(c).breakdown.get("frozen weights", 0)
@@ -230,8 +222,7 @@ def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
     host = sequence.host_figures(est, run, budget is not None)
     ok = budget is None or (est.peak_bytes <= budget and host["fits"])
     reasons.update(_reasons(run, start, c, budget, weights_only, processes, ok))
-    reasons["sequence_parallel"] = sequence.reason(run, arch, c, processes)
-    reasons["host"] = sequence.host_reason(host, run_shape(run, arch, c).ranks_per_node)
+    reasons.update(sequence.reasons(run, arch, c, processes, host))
     sources = term_sources(est.breakdown, run_shape(run, arch, c, data_max_tokens, packed))
     plan = Plan(ok, budget, est.peak_bytes, est.breakdown, c, reasons, sources=sources,
                 unmeasured_risk=derived_near_budget(est.breakdown, sources, est.peak_bytes, budget) if ok else "",
@@ -263,10 +254,7 @@ def _reasons(run, start: Choices, c: Choices, budget, weights: int, world_size: 
                                 "(two PCIe copies per block and step)" if c.offload_checkpoints else "off")
     r["offload_params"] = ("off: DeepSpeed's parameter offload kept the whole model on the card when measured "
                            "(H100, deepspeed 0.19.8)")
-    groups = (f"{c.world_size} GPUs" if c.sequence_parallel == 1 else
-              f"{c.world_size} group(s) of {c.sequence_parallel} GPUs")
-    r["micro_batch_size"] = (f"{c.micro_batch_size} x grad_accum {c.grad_accum} x {groups} keeps the "
-                             f"global batch {start.micro_batch_size * start.grad_accum * start.world_size}")
+    r["micro_batch_size"] = sequence.batch_reason(start, c)
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
     allocator = allocator_in_force(conf)
     r["allocator"] = (f"{ALLOCATORS[allocator]} (PYTORCH_CUDA_ALLOC_CONF="

@@ -57,8 +57,9 @@ def first_degree(run: RunConfig, arch, processes: int) -> int:
     return sp
 
 
-def next_degree(c, run: RunConfig, arch, processes: int):
+def next_degree(c, run: RunConfig, arch):
     """The Choices one sequence-parallel rung down (global batch kept), or None."""
+    processes = c.world_size * c.sequence_parallel
     for n in degrees(run, arch, processes):
         if n > c.sequence_parallel and n % c.sequence_parallel == 0:
             k = n // c.sequence_parallel
@@ -80,6 +81,26 @@ def host_reason(host: dict, ranks: int) -> str:
     budget = "unknown" if host["budget_bytes"] is None else f"{host['budget_bytes'] / gib:.1f} GiB"
     return (f"{host['bytes'] / gib:.1f} GiB for {ranks} process(es) on a node, budget {budget} "
             f"({host['budget_source']})" + ("" if host["fits"] else ": DOES NOT FIT"))
+
+
+def shape_fields(run: RunConfig, c, data_tokens: int) -> dict:
+    """RunShape's sequence-parallel and host fields: ZeRO-3 shards over every process, SP groups included."""
+    processes = c.world_size * c.sequence_parallel
+    return dict(world_size=processes, sequence_parallel=c.sequence_parallel, data_tokens=data_tokens,
+                ranks_per_node=max(1, processes // max(1, run.dist.nnodes)))
+
+
+def reasons(run: RunConfig, arch, c, processes: int, host: dict) -> dict[str, str]:
+    ranks = shape_fields(run, c, 0)["ranks_per_node"]
+    return {"sequence_parallel": reason(run, arch, c, processes), "host": host_reason(host, ranks)}
+
+
+def batch_reason(start, c) -> str:
+    """The plan's micro-batch line: the global batch the rungs kept (micro x accumulation x data-parallel width)."""
+    groups = (f"{c.world_size} GPUs" if c.sequence_parallel == 1 else
+              f"{c.world_size} group(s) of {c.sequence_parallel} GPUs")
+    return (f"{c.micro_batch_size} x grad_accum {c.grad_accum} x {groups} keeps the global batch "
+            f"{start.micro_batch_size * start.grad_accum * start.world_size}")
 
 
 def reason(run: RunConfig, arch, c, processes: int) -> str:
