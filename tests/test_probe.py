@@ -35,6 +35,9 @@ def test_probe_json_measured_peak_matches_an_independent_measurement(tmp_path, r
                            "per_rank", "attempts", "final", "seconds"}
     assert report["device"] == "cpu" and report["emulated"] is False and len(report["attempts"]) == 1
     assert not (out / "adapter").exists()  # mode=probe does not train
+    # the host's side (issue 30): every rank's peak resident set, here one process with torch loaded (> 200 MiB)
+    rss = report["attempts"][-1]["detail"]["host_rss_per_rank"]
+    assert len(rss) == 1 and 200 * 2**20 < rss[0] < 64 * 2**30
     # Independent measurement: the same model and batch shape, stepped by a plain loop instead of the Trainer.
     arch = load_config(ensure_tiny("glm4"))
     run = RunConfig(train=TrainConfig(per_device_batch_size=2))

@@ -56,7 +56,8 @@ class DistConfig:
     deepspeed_config: Optional[str] = None  # your DeepSpeed JSON; the plan fills its "auto" values (train/ds_json.py)
     # Processes that share each row (Ulysses, train/sequence.py): 1 = off; N must divide the processes and the
     # query heads, and be a multiple or divisor of the KV groups. The rest of the world is data parallel.
-    sequence_parallel: int = 1
+    # auto: the planner's rung, the smallest such N that fits (plan/sequence.py); an int is used as given.
+    sequence_parallel: Any = "auto"
 
 
 @dataclass
@@ -98,6 +99,10 @@ class HwConfig:
     interconnect: str = "pcie"  # pcie | nvlink | none
     gpus_per_node: int = 1
     margin: float = 0.9  # fraction of memory_gib the plan may use; the rest absorbs estimator error
+    # RAM of one node in GiB, the plan's second budget (pinned checkpoint offload, ZeRO offload, data, processes);
+    # None = this machine's MemAvailable when planning for its own device, unchecked when hw.memory_gib names
+    # another machine's card. Presets carry a typical node's figure.
+    host_memory_gib: Optional[float] = None
 
 
 @dataclass

@@ -45,10 +45,9 @@ _CHOICES = {
 }
 TRACKERS = ("tensorboard", "wandb", "mlflow", "swanlab")
 _POSITIVE = ("data.max_length", "lora.r", "lora.alpha", "dist.nnodes", "dist.nproc_per_node",
-             "dist.sequence_parallel", "train.per_device_batch_size", "train.grad_accum",
-             "train.eval_batch_size", "train.logging_steps", "hw.gpus_per_node", "probe.steps",
-             "infer.max_new_tokens", "eval.max_new_tokens", "infer.temperature", "infer.top_p",
-             "infer.repetition_penalty", "train.keep_checkpoints", "serve.max_batch")
+             "train.per_device_batch_size", "train.grad_accum", "train.eval_batch_size", "train.logging_steps",
+             "hw.gpus_per_node", "probe.steps", "infer.max_new_tokens", "eval.max_new_tokens", "infer.temperature",
+             "infer.top_p", "infer.repetition_penalty", "train.keep_checkpoints", "serve.max_batch")
 # Counts and sizes where 0 means "off" or "use the other key", but a negative value means nothing.
 _NON_NEGATIVE = ("train.max_steps", "train.num_epochs", "train.save_steps", "train.save_minutes",
                  "train.eval_steps", "train.warmup_steps", "train.weight_decay", "train.seed", "infer.seed")
@@ -204,8 +203,8 @@ def _check_values(cfg: RunConfig) -> list[str]:
     if cfg.data.pack_length is not None and cfg.data.pack_length < cfg.data.max_length:
         problems.append(f"data.pack_length={cfg.data.pack_length} is shorter than data.max_length="
                         f"{cfg.data.max_length}: a row must hold the longest example — raise it or leave it null")
-    if cfg.hw.memory_gib is not None and cfg.hw.memory_gib <= 0:
-        problems.append(f"hw.memory_gib must be > 0, got {cfg.hw.memory_gib}")
+    problems += [f"{k} must be > 0, got {v}" for k in ("hw.memory_gib", "hw.host_memory_gib")  # null: this machine's
+                 if (v := _get(cfg, k)) is not None and v <= 0]
     if cfg.mode == "infer" and not (cfg.infer.prompts_file or cfg.infer.merge_to or cfg.infer.prompt):
         problems.append("mode=infer needs infer.prompts_file=<jsonl> or infer.prompt=\"...\" "
                         "(and/or infer.merge_to=<folder>)")
@@ -228,9 +227,10 @@ def _check_values(cfg: RunConfig) -> list[str]:
     if cfg.model.quantize != "none" and (cfg.dist.strategy == "zero3" or cfg.model.trust_remote_code):
         problems.append(f"model.quantize={cfg.model.quantize} needs glmtune's own model without ZeRO-3 (bitsandbytes "
                         "weights cannot be sharded): use dist.strategy=auto|ddp and model.trust_remote_code=false")
-    if cfg.dist.sequence_parallel > 1 and cfg.train.loss_normalization != "tokens":
-        problems.append("dist.sequence_parallel needs train.loss_normalization=tokens (a shard's mean is not the "
-                        "row's): leave train.loss_normalization at its default")
+    if (sp := cfg.dist.sequence_parallel) != "auto" and (type(sp) is not int or sp <= 0):  # auto or processes per row
+        problems.append(f"dist.sequence_parallel must be auto or an integer > 0, got {sp!r}")
+    elif sp not in (1, "auto") and cfg.train.loss_normalization != "tokens":
+        problems.append("dist.sequence_parallel needs train.loss_normalization=tokens (a shard's mean is not the row's)")
     if cfg.infer.gpus < 0:
         problems.append(f"infer.gpus must be >= 0, got {cfg.infer.gpus}")
     if cfg.train.max_steps < 0:

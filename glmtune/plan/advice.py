@@ -23,6 +23,7 @@ import yaml
 
 from ..config import CONF_DIR, HwConfig, RunConfig
 from .estimate import GIB
+from .longctx import HOST_MARGIN
 
 MAX_NODES = 8  # the GPU search stops at 8 nodes x hw.gpus_per_node
 LENGTH_STEP = 64  # suggested lengths are multiples of 64 tokens: tidy numbers, at most 63 tokens below the limit
@@ -88,6 +89,7 @@ def advise(run: RunConfig, world_size: int, max_length: int, replan: Callable[[R
                if shorter else [])
     options += _gpus(run, base, world_size, replan)
     options += _quantized(run, base, world_size, max_length, replan, shorter[0] if shorter else 0)
+    options += _host(run, base, world_size, replan)
     options += _cards(run, base, world_size, replan)
     return [o.line() for o in options[:MAX_OPTIONS]]
 
@@ -143,6 +145,8 @@ def _gpus(run: RunConfig, base: RunConfig, world_size: int, replan) -> list[Opti
         launch = (f"scripts/torchrun.sh {procs}" if nodes == 1 else
                   f"NNODES={nodes} NPROC={procs} scripts/torchrun_multinode.sh on each node")
         zero = "ZeRO-3" if plan.choices.zero_stage == 3 else "data parallel"
+        if plan.choices.sequence_parallel > 1:  # the planner's SP rung (plan/sequence.py)
+            zero += f", {plan.choices.sequence_parallel} GPUs sharing each row"
         return [_option(overrides, f"{n} GPUs with {zero} (mode=plan reads these keys; train with {launch})", plan)]
     return []
 
@@ -179,10 +183,32 @@ def _cards(run: RunConfig, base: RunConfig, world_size: int, replan) -> list[Opt
     for name, hw in sorted(hw_presets().items(), key=lambda item: item[1].memory_gib):  # smallest first
         if name == run.hw.name or len(out) == MAX_CARDS:
             continue
-        plan = replan(replace(base, hw=replace(hw, margin=run.hw.margin)), world_size)
+        # Another card in the same node: the node's RAM (hw.host_memory_gib) stays the run's.
+        plan = replan(replace(base, hw=replace(hw, margin=run.hw.margin, host_memory_gib=run.hw.host_memory_gib)),
+                      world_size)
         if comfortable(plan):
             out.append(_option([f"+hw={name}"], f"the {name} preset ({hw.memory_gib} GiB per GPU)", plan))
     return out
+
+
+HOST_SIZES = (64, 128, 256, 512, 1024, 2048)  # GiB of RAM per node offered when the host budget is what fails
+
+
+def _host(run: RunConfig, base: RunConfig, world_size: int, replan) -> list[Option]:
+    """A node with more RAM (hw.host_memory_gib), when the host budget is what the plan misses: the smallest
+    common size that fits."""
+    plan = replan(base, world_size)
+    if not plan.host or plan.host.get("fits", True) or plan.host.get("budget_bytes") is None:
+        return []
+    have = plan.host["budget_bytes"] / GIB
+    for size in HOST_SIZES:
+        if size * HOST_MARGIN <= have:
+            continue
+        trial = replan(replace(base, hw=replace(run.hw, host_memory_gib=float(size))), world_size)
+        if comfortable(trial):
+            return [_option([f"hw.host_memory_gib={size}"], f"a node with {size} GiB of RAM (the host needs "
+                            f"{trial.host['bytes'] / GIB:.0f} GiB)", trial)]
+    return []
 
 
 def cards_for_measured(run: RunConfig, measured_peak: int) -> list[str]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..models import GLMConfig
-from . import quantized, variants
+from . import longctx, quantized, variants
 from .reserve import phase_reserves
 from .variants import BYTES, linear_shapes, peft_adapter_dtype  # noqa: F401 (shared with the variants' terms)
 from .archsize import (IMAGE_TOKENS, VISION_LAYER_TOKENS, block_params, frozen_params,  # noqa: F401 (re-exported)
@@ -86,6 +86,9 @@ class RunShape:
     use_dora: bool = False  # DoRA's terms and the 8-bit optimizer's states: plan/variants.py
     document_mask: bool = False  # packed rows under SDPA: a dense block-diagonal mask (estimate() says what it costs)
     optimizer: str = "adamw_torch"  # adamw_torch | adamw_8bit
+    sequence_parallel: int = 1  # ranks sharing each row (Ulysses): per-rank tokens seq/N (plan/longctx.py)
+    ranks_per_node: int = 1  # processes on one node: the host-memory terms are per node
+    data_tokens: int = 0  # tokens of the tokenized data set (0 = not known when planning)
 
 
 @dataclass
@@ -95,6 +98,7 @@ class Estimate:
     phase: str  # which phase sets the peak (its tensors plus its allocator reserve, on a GPU)
     phases: dict[str, int] = field(default_factory=dict)  # tensor bytes per phase
     reserves: dict[str, int] = field(default_factory=dict)  # allocator reserve per phase (GPU only)
+    host: dict[str, int] = field(default_factory=dict)  # bytes in one node's RAM (plan/longctx.py)
 
 
 def lora_params(arch: GLMConfig, shape: RunShape) -> int:
@@ -181,7 +185,7 @@ def estimate(arch: GLMConfig, shape: RunShape) -> Estimate:
     e = BYTES[shape.dtype]
     a = BYTES[shape.adapter_dtype or peft_adapter_dtype(shape.dtype)]
     n = max(1, shape.world_size) if shape.zero_stage == 3 else 1
-    tokens = shape.micro_batch * shape.seq_len
+    tokens = longctx.local_tokens(shape)  # micro_batch x seq_len, or this rank's shard of it under SP
     h, L = arch.hidden_size, arch.num_layers
     b: dict[str, int] = {}
 
@@ -224,7 +228,8 @@ def estimate(arch: GLMConfig, shape: RunShape) -> Estimate:
     final_norm = e * tokens * h + (4 * tokens * h if e != 4 else 0)
     b["activations kept for backward"] = kept + final_norm
     b["recomputed block (checkpointing)"] = recompute
-    working = block_working(arch, shape, tokens)
+    # Under SP, attention's backward (its gradients and the all-to-all buffers) may outgrow the MLP's working set.
+    working = max(block_working(arch, shape, tokens), longctx.attention_working(arch, shape, tokens))
     loss = loss_bytes(arch, shape, tokens) + e * tokens * h  # + the final hidden state held by forward()
     b["logits and loss"] = loss
     b["block backward working set"] = working
@@ -276,4 +281,5 @@ def estimate(arch: GLMConfig, shape: RunShape) -> Estimate:
     b.update(overhead)
     if reserves:
         b["allocator reserve"] = reserves[phase]
-    return Estimate(b, phases[phase] + reserves.get(phase, 0) + sum(overhead.values()), phase, phases, reserves)
+    host = longctx.host_breakdown(arch, shape, frozen, p_lora, shape.ranks_per_node, shape.data_tokens)
+    return Estimate(b, phases[phase] + reserves.get(phase, 0) + sum(overhead.values()), phase, phases, reserves, host)

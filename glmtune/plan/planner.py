@@ -22,6 +22,7 @@ from ..config import userds
 from .provenance import derived_near_budget, term_sources
 from .quantized import allows_zero3
 from .reserve import ALLOCATORS, allocator_in_force
+from . import sequence
 
 DEFAULT_MAX_LENGTH = 500
 LOSS_CHUNK = 1024  # tokens per chunk of the lower-memory loss: 1024 x 151,552 x 12 B = 1.9 GB peak
@@ -43,6 +44,7 @@ class Choices:
     eval_batch_size: int
     loss_chunk_tokens: int = 0  # 0 = reference loss; >0 = chunked loss, fp32 logits for this many tokens at a time
     offload_checkpoints: bool = False  # checkpointed block inputs kept in pinned CPU memory instead of on the GPU
+    sequence_parallel: int = 1  # ranks sharing each row (plan/sequence.py); world_size is then processes / N
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -60,15 +62,17 @@ class Plan:
     sources: dict[str, str] = field(default_factory=dict)  # per breakdown term: measured / CPU-verified / derived
     unmeasured_risk: str = ""  # a near-budget peak that rests on derived terms (plan/provenance.py)
     packing: dict = field(default_factory=dict)  # packed runs: rows per micro-step and step (packing_figures)
+    host: dict = field(default_factory=dict)  # one node's RAM: bytes, budget_bytes, fits, breakdown (plan/sequence.py)
 
     def to_json(self) -> str:
         keys = ("dtype", "gradient_checkpointing", "zero_stage", "offload_params", "offload_optimizer",
                 "micro_batch_size", "grad_accum", "max_length", "world_size", "loss_chunk_tokens",
-                "offload_checkpoints")
+                "offload_checkpoints", "sequence_parallel")
         return json.dumps({"fits": self.fits, "budget_bytes": self.budget_bytes, "peak_bytes": self.peak_bytes,
                            "breakdown": self.breakdown, "choices": {k: getattr(self.choices, k) for k in keys},
                            "reasons": self.reasons, "advice": self.advice, "sources": self.sources,
-                           "unmeasured_risk": self.unmeasured_risk, "packing": self.packing or None}, indent=2)
+                           "unmeasured_risk": self.unmeasured_risk, "packing": self.packing or None,
+                           "host": self.host or None}, indent=2)
 
 
 def local_dtype(run: RunConfig) -> tuple[str, str]:
@@ -92,7 +96,7 @@ def packing_figures(run: RunConfig, arch, c: Choices, data_max_tokens: int | Non
         (image_extra_tokens(arch) if arch.vision_config else 0)
     layout = fullest_micro_step(c.micro_batch_size, seq, packed[0])
     most = most_rows(c.micro_batch_size, seq, packed[0])
-    steps = c.grad_accum * c.world_size  # micro-steps of one optimizer step, over all ranks
+    steps = c.grad_accum * c.world_size  # micro-steps of one optimizer step, over all groups
     return {"pack_length": packed[0], "examples_per_micro_step": c.micro_batch_size,
             "probed_rows_per_micro_step": layout.rows, "probed_row_positions": layout.row_positions,
             "most_rows_per_micro_step": most, "micro_steps_per_step": steps,
@@ -100,7 +104,7 @@ def packing_figures(run: RunConfig, arch, c: Choices, data_max_tokens: int | Non
 
 
 def run_shape(run: RunConfig, arch, c: Choices, data_max_tokens: int | None = None,
-              packed: tuple[int, int] | None = None) -> RunShape:
+              packed: tuple[int, int] | None = None, data_tokens: int = 0) -> RunShape:
     """packed: (positions per row, most images in a row) when the data is packed (data/packing.py)."""
     seq = min(c.max_length, data_max_tokens) if data_max_tokens else c.max_length
     images = 1 if arch.vision_config else 0  # GLM-4V: one image per conversation, sized for the worst case
@@ -116,7 +120,7 @@ def run_shape(run: RunConfig, arch, c: Choices, data_max_tokens: int | None = No
                     gradient_checkpointing=c.gradient_checkpointing, loss_chunk_tokens=c.loss_chunk_tokens,
                     offload_checkpoints=c.offload_checkpoints, autocast=c.dtype != "fp32",
                     zero_stage=c.zero_stage, offload_params=c.offload_params, offload_optimizer=c.offload_optimizer,
-                    world_size=c.world_size, images_per_sample=images,
+                    images_per_sample=images, **sequence.shape_fields(run, c, data_tokens),
                     eval_batch=c.eval_batch_size if run.data.val_file or run.data.val_size else 0,
                     eval_max_new_tokens=run.eval.max_new_tokens if run.eval.generate else 0,
                     device="cuda" if on_gpu else "cpu", gpu_family=gpu_family(run.hw.name),
@@ -135,7 +139,8 @@ def step_down(plan_or_choices: Plan | Choices, run: RunConfig, arch, world_size:
     step); checkpointing (unless forced off: one extra forward, ~25-30 %); a 256-token loss chunk; checkpointed
     block inputs in pinned CPU memory (40 x tokens x 4096 x 2 B leave the card: 2.5 GiB at 8K; two PCIe copies
     per block and step); ZeRO-3 (world_size > 1, unless dist.strategy=ddp: weights gathered every step,
-    6x slower than plain LoRA on one H100 even without a second GPU to talk to). The optimizer is never
+    6x slower than plain LoRA on one H100 even without a second GPU to talk to); last, under sequence_parallel=auto,
+    the next degree (plan/sequence.py: 1/N of the activations, accumulation x N). The optimizer is never
     offloaded: LoRA's Adam states are megabytes. Nor are the parameters: measured on an H100, DeepSpeed
     0.19.8's parameter offload still held the whole model on the card (bench/RESULTS.md), so it fits
     nothing that ZeRO-3 without it does not."""
@@ -151,9 +156,9 @@ def step_down(plan_or_choices: Plan | Choices, run: RunConfig, arch, world_size:
         return replace(c, loss_chunk_tokens=LOSS_CHUNK_SMALL)
     if c.gradient_checkpointing and not c.offload_checkpoints:
         return replace(c, offload_checkpoints=True)
-    if c.zero_stage == 0 and world_size > 1 and allows_zero3(run):
+    if c.zero_stage == 0 and max(world_size, c.world_size) * c.sequence_parallel > 1 and allows_zero3(run):
         return replace(c, zero_stage=3)
-    return None
+    return sequence.next_degree(c, run, arch)
 
 
 def _budget(run: RunConfig, margin: float) -> int | None:
@@ -166,8 +171,12 @@ def _budget(run: RunConfig, margin: float) -> int | None:
 
 def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
               data_max_tokens: int | None = None, margin: float | None = None,
-              packed: tuple[int, int] | None = None, advice: bool = True) -> Plan:
+              packed: tuple[int, int] | None = None, advice: bool = True, data_tokens: int = 0) -> Plan:
+    """world_size: the processes of the launch; the plan's width (Choices.world_size) is that over the
+    sequence-parallel degree. data_tokens: the tokenized set's size, for the host budget (0 = unknown)."""
     budget = _budget(run, run.hw.margin if margin is None else margin)
+    processes, sp = world_size, sequence.first_degree(run, arch, world_size)
+    world_size = processes // sp
     dtype, why_dtype = local_dtype(run)
     max_length = run.data.max_length if user_set_max_length else DEFAULT_MAX_LENGTH
     offload_params, offload_optimizer = userds.offloads(run)  # dist.deepspeed_config's offloads, else none
@@ -175,21 +184,23 @@ def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
                 zero_stage=3 if run.dist.strategy == "zero3" else 0, offload_params=offload_params,
                 offload_optimizer=offload_optimizer,
                 micro_batch_size=run.train.per_device_batch_size, grad_accum=run.train.grad_accum,
-                max_length=max_length, world_size=world_size, eval_batch_size=run.train.eval_batch_size)
+                max_length=max_length, world_size=world_size, eval_batch_size=run.train.eval_batch_size,
+                sequence_parallel=sp)
     reasons = {"dtype": why_dtype,
                "max_length": "set by data.max_length" if user_set_max_length else
                f"default {DEFAULT_MAX_LENGTH} tokens (data.max_length not set)"}
 
     def peak(ch: Choices, evaluating: bool = True):
-        shape = run_shape(run, arch, ch, data_max_tokens, packed)
+        shape = run_shape(run, arch, ch, data_max_tokens, packed, data_tokens)
         return estimate(arch, shape if evaluating else replace(shape, eval_batch=0))
 
     def fits(ch: Choices, evaluating: bool = True) -> bool:
-        return budget is None or peak(ch, evaluating).peak_bytes <= budget
+        est = None if budget is None else peak(ch, evaluating)  # and one node's RAM: the second budget
+        return est is None or (est.peak_bytes <= budget and sequence.host_figures(est, run, True)["fits"])
 
     # Frozen weights alone exceed one card: only ZeRO-3 over several GPUs shards them.
     weights_only = peak(c).breakdown.get("frozen weights", 0)
-    if (budget is not None and weights_only > budget and world_size > 1 and run.dist.strategy == "auto"
+    if (budget is not None and weights_only > budget and processes > 1 and run.dist.strategy == "auto"
             and allows_zero3(run)):
         c = replace(c, zero_stage=3)
     start = c
@@ -201,19 +212,23 @@ def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
             if evaluating and c.eval_batch_size > 1:
                 c = replace(c, eval_batch_size=c.eval_batch_size // 2)
                 continue
-            nxt = step_down(c, run, arch, world_size)
+            nxt = step_down(c, run, arch, c.world_size)
             if nxt is None:
                 break
             c = nxt
+    if c.offload_checkpoints and not fits(c) and fits(replace(c, offload_checkpoints=False)):
+        c = replace(c, offload_checkpoints=False)  # a later rung made the offload unneeded, and the host is short
     est = peak(c)
-    ok = budget is None or est.peak_bytes <= budget
-    reasons.update(_reasons(run, start, c, budget, weights_only, world_size, ok))
+    host = sequence.host_figures(est, run, budget is not None)
+    ok = budget is None or (est.peak_bytes <= budget and host["fits"])
+    reasons.update(_reasons(run, start, c, budget, weights_only, processes, ok))
+    reasons.update(sequence.reasons(run, arch, c, processes, host))
     sources = term_sources(est.breakdown, run_shape(run, arch, c, data_max_tokens, packed))
     plan = Plan(ok, budget, est.peak_bytes, est.breakdown, c, reasons, sources=sources,
                 unmeasured_risk=derived_near_budget(est.breakdown, sources, est.peak_bytes, budget) if ok else "",
-                packing=packing_figures(run, arch, c, data_max_tokens, packed))
+                packing=packing_figures(run, arch, c, data_max_tokens, packed), host=host)
     if not ok and advice:
-        plan.advice = _advice(run, arch, world_size, c.max_length, data_max_tokens, margin, packed)
+        plan.advice = _advice(run, arch, processes, c.max_length, data_max_tokens, margin, packed, data_tokens)
     return plan
 
 
@@ -239,8 +254,7 @@ def _reasons(run, start: Choices, c: Choices, budget, weights: int, world_size: 
                                 "(two PCIe copies per block and step)" if c.offload_checkpoints else "off")
     r["offload_params"] = ("off: DeepSpeed's parameter offload kept the whole model on the card when measured "
                            "(H100, deepspeed 0.19.8)")
-    r["micro_batch_size"] = (f"{c.micro_batch_size} x grad_accum {c.grad_accum} x {world_size} GPUs keeps the "
-                             f"global batch {start.micro_batch_size * start.grad_accum * world_size}")
+    r["micro_batch_size"] = sequence.batch_reason(start, c)
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
     allocator = allocator_in_force(conf)
     r["allocator"] = (f"{ALLOCATORS[allocator]} (PYTORCH_CUDA_ALLOC_CONF="
@@ -258,10 +272,10 @@ def _reasons(run, start: Choices, c: Choices, budget, weights: int, world_size: 
 
 
 def _advice(run, arch, world_size: int, max_length: int, data_max_tokens, margin,
-            packed: tuple[int, int] | None = None) -> list[str]:
+            packed: tuple[int, int] | None = None, data_tokens: int = 0) -> list[str]:
     """The overrides that would fit, each one planned again (plan/advice.py); empty when none does."""
     def replan(changed: RunConfig, world: int) -> Plan:
-        return make_plan(changed, arch, world, True, data_max_tokens, margin, packed, advice=False)
+        return make_plan(changed, arch, world, True, data_max_tokens, margin, packed, False, data_tokens)
 
     return advise(run, world_size, max_length, replan)
 
@@ -282,6 +296,8 @@ def format_plan(plan: Plan):
     table.add_row("[bold]estimated peak", f"[bold]{plan.peak_bytes / GIB:.2f} GiB")
     budget = "none (no GPU)" if plan.budget_bytes is None else f"{plan.budget_bytes / GIB:.2f} GiB"
     table.add_row("[bold]budget", budget)
+    for row in sequence.host_rows(plan.host):  # one node's RAM, the second budget
+        table.add_row(*row)
     for key, value in plan.choices.to_dict().items():
         table.add_row(key, str(value), plan.reasons.get(key, ""))
     if plan.packing:

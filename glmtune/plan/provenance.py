@@ -17,6 +17,11 @@ MEASURED = "measured (H100, bench/RESULTS.md §0)"
 CPU_VERIFIED = "CPU-verified (tensor bytes on CPU)"
 DERIVED = "derived (not measured)"
 NEAR_BUDGET = 0.05
+# Under sequence parallelism the per-token terms are taken at the shard's length and the exchange buffers added
+# (plan/longctx.py): checked on CPU against live bytes of a 2-rank gloo run, never on GPUs.
+SP_TERMS = ("activations kept for backward", "recomputed block (checkpointing)", "block backward working set",
+            "logits and loss")
+SP_SOURCE = CPU_VERIFIED
 
 
 def term_sources(breakdown: dict[str, int], shape) -> dict[str, str]:
@@ -31,6 +36,8 @@ def term_sources(breakdown: dict[str, int], shape) -> dict[str, str]:
             source = DERIVED
         elif name.startswith(("ZeRO-3", "frozen weights (ZeRO-3", "NCCL")) or (shape.zero_stage == 3 and name.startswith("LoRA")):
             source = DERIVED if multi else MEASURED
+        elif getattr(shape, "sequence_parallel", 1) > 1 and name in SP_TERMS:
+            source = SP_SOURCE
         elif quantized and name in ("frozen weights", "block backward working set", "activations kept for backward",
                                     "recomputed block (checkpointing)"):
             source = CPU_VERIFIED

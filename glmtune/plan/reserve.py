@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 
 from ..models import GLMConfig
+from .longctx import local_tokens
 
 RESERVE_FLOOR = 256 << 20
 RESERVE_PER_LARGEST = 0.55
@@ -55,12 +56,19 @@ def largest_transients(arch: GLMConfig, shape, e: int) -> dict[str, int]:
     generation the prefill's SwiGLU output and the
     last position's fp32 logits (the model returns only those while generating)."""
     v, two_f = arch.padded_vocab_size, 2 * arch.ffn_hidden_size
+    tile = getattr(shape, "mlp_tile_tokens", 0)  # a tiled MLP (models/tiling.py) widens one tile at a time
+
+    def wide(tokens: int) -> int:
+        """The SwiGLU output; tiled, one tile's, or the norms' fp32 [tokens, hidden] once that is larger."""
+        if not tile or tokens <= tile:
+            return e * tokens * two_f
+        return max(e * tile * two_f, 4 * tokens * arch.hidden_size)
 
     def step(tokens: int) -> int:
         chunk = shape.loss_chunk_tokens or tokens
-        return max(4 * min(tokens, chunk) * v, e * tokens * two_f)
+        return max(4 * min(tokens, chunk) * v, wide(tokens))
 
-    tokens = shape.micro_batch * shape.seq_len
+    tokens = local_tokens(shape)  # this rank's shard under sequence parallelism; evaluation sees whole rows
     out = {"loss": step(tokens), "backward": step(tokens)}
     if arch.vision_config:  # the ViT's QKV [T, 3w] or fc1 output [T, i], T = patches + CLS of every image
         vc = arch.vision_config
@@ -69,8 +77,8 @@ def largest_transients(arch: GLMConfig, shape, e: int) -> dict[str, int]:
     if shape.eval_batch:
         et = shape.eval_batch * shape.seq_len
         out["eval"] = step(et)
-        out["eval swiglu"] = e * et * two_f  # what the training's freed blocks could not hold (module docstring)
-        out["generate"] = max(e * et * two_f, 4 * shape.eval_batch * v)
+        out["eval swiglu"] = wide(et)  # what the training's freed blocks could not hold (module docstring)
+        out["generate"] = max(wide(et), 4 * shape.eval_batch * v)
     return out
 
 

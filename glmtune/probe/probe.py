@@ -125,7 +125,7 @@ def _attempt(run: RunConfig, choices: Choices, model_dir: Path, examples: list[d
         model = build_model(model_dir, run, choices)
         trainer = make_trainer(args, model, examples, eval_examples or None, collator,
                                normalization=run.train.loss_normalization, packer=packer,
-                               sequence_parallel=run.dist.sequence_parallel)
+                               sequence_parallel=choices.sequence_parallel)
         try:
             trainer.train()
         finally:
@@ -227,9 +227,12 @@ def run_probe(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, t
         predicted = est.peak_bytes
         t0 = time.perf_counter()
         peaks, detail = _attempt(run, choices, model_dir, examples, eval_examples, collator, run_dir, packer)
+        detail["host_rss_bytes"] = _host_rss()
         gathered = _gather((peaks, detail))
         per_rank = [None if p is None else max(p.values()) for p, _ in gathered]
+        host = [d.get("host_rss_bytes") for _, d in gathered]  # every rank's peak RSS; the node's is their sum
         peaks, detail = _merge_ranks(gathered)
+        detail["host_rss_per_rank"] = host
         detail["predicted_tensor_bytes"] = max(est.phases.values())  # beside the measured allocated peak
         if peaks is None:
             outcome, measured = "out of memory", None
@@ -246,7 +249,7 @@ def run_probe(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, t
             detail["next_rung"] = (f"train.eval_batch_size={nxt.eval_batch_size}: evaluation was the phase over "
                                    "budget")
         else:
-            nxt = step_down(choices, run, arch, world_size)
+            nxt = step_down(choices, run, arch, choices.world_size)
         if nxt is None:
             break
         choices = nxt
@@ -272,6 +275,13 @@ def probe_shortfall(report: ProbeReport, run: RunConfig) -> str:
             + (f"; what fits: {'; '.join(fits)}" if fits else "; no preset holds it: shorten data.max_length"))
 
 
+def _host_rss() -> int:
+    """This process's peak resident set (bytes): what it has taken of the node's RAM, pinned offload included."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
+
+
 def _device_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(torch.cuda.current_device())
@@ -285,8 +295,10 @@ def format_probe(report: ProbeReport):
         return "-" if x is None else f"{x / GIB:.3f}"
 
     budget = "none" if report.budget_bytes is None else f"{report.budget_bytes / GIB:.3f} GiB"
+    rss = [r for r in (report.attempts[-1].detail.get("host_rss_per_rank") or [] if report.attempts else []) if r]
+    host = f", host RSS {sum(rss) / GIB:.2f} GiB over {len(rss)} rank(s)" if rss else ""
     title = (f"probe on {report.device}{' (emulated card)' if report.emulated else ''}: budget {budget}, "
-             f"{report.seconds:.1f} s")
+             f"{report.seconds:.1f} s{host}")
     # Nine columns, the levers in one: the table keeps its words whole in a 120-column log (rundir/files.py).
     table = Table(title=title)
     for col in ("attempt", "batch", "memory levers on", "predicted GiB", "measured GiB", "error",

@@ -12,10 +12,12 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tens
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
-def measure_lora_step(arch, shape, seed: int = 0) -> tuple[int, int]:
+def measure_lora_step(arch, shape, seed: int = 0, sequence=None) -> tuple[int, int]:
     """Peak live tensor bytes (incl. weights, adapters, Adam states, batch) of one steady-state LoRA step on
     CPU, built as glmtune/train/trainer.py's build_model does. Adam states are created untracked; the step
-    after is measured. Returns (peak_bytes, baseline_bytes). `arch` is a GLMConfig, `shape` a memory.RunShape."""
+    after is measured. Returns (peak_bytes, baseline_bytes). `arch` is a GLMConfig, `shape` a memory.RunShape.
+    sequence: this rank's models/ulysses.SequenceGroup (a torchrun of N ranks): the step runs on its shard of the
+    rows, as the trainer runs it (train/sequence.shard_batch), and the peak is this rank's."""
     from ..config import LoraConfig
     from ..train.lora import apply_lora, trainable_parameters
     from ..train.optim import make_optimizer
@@ -37,6 +39,11 @@ def measure_lora_step(arch, shape, seed: int = 0) -> tuple[int, int]:
     opt = make_optimizer(shape.optimizer, params, lr=1e-4, weight_decay=0.0)
     ids = torch.randint(0, arch.padded_vocab_size, (shape.micro_batch, shape.seq_len))
     batch = {"input_ids": ids, "labels": ids.clone()}
+    if sequence is not None:
+        from ..train.sequence import shard_batch
+
+        batch = shard_batch(batch, sequence)
+        model.get_base_model().transformer.set_sequence_group(sequence)
 
     # shape.autocast: bf16 autocast as the Trainer runs mixed precision (on CPU too, with train.precision=bf16).
     amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=shape.autocast)

@@ -29,13 +29,13 @@ from ..config import userds
 from ..plan.estimate import GIB, image_extra_tokens
 from ..plan.elastic import elastic_choices
 from ..plan.planner import Choices, format_plan, make_plan
+from ..plan.sequence import set_tokens
 from .report import header, no_fit_line, report_probe, summary
 from ..rundir.resume import check_inputs, input_fingerprints, refuse_training_run, resume_command
 from ..rundir.files import STOP_PREFIX, console, fail, probed_peak, remove_empty_dirs, write_run_files
 from ..rundir.lock import Start, decide, trim_metrics, write_state
 from ..train.checkpoints import checkpoint_step, damage, last_complete
 from ..train.compile import check_attention, describe, resolve_compile
-from ..train.sequence import data_parallel_width
 from ..train.preflight import check_device, check_disk, check_host_memory
 from ..launch.signals import EXIT_DIVERGED, EXIT_INTERRUPTED, STOP, Interrupted
 
@@ -134,18 +134,19 @@ def planned(prep: Prepared, run_dir: Path, plan_scratch: bool):
     """The plan (exit 3 when nothing fits), the resume decision, the run files and the header."""
     run, arch, data = prep.run, prep.arch, prep.data
     world = world_size() if run.mode != "plan" else run.dist.nnodes * run.dist.nproc_per_node
-    world = data_parallel_width(world, run.dist.sequence_parallel)  # train/sequence.py
     length_set = run.data.max_length != 500 or typed(prep.overrides, "data.max_length")
     packed = prep.packing.shape() if prep.packing else planned_packing(run.data, image_extra_tokens(arch))
     plan = make_plan(run, arch, world, length_set, data_max_tokens=longest_length(data.stats) if data else None,
-                     packed=packed)
+                     packed=packed, data_tokens=set_tokens(data.stats) if data else 0)
+    world = plan.choices.world_size  # the data-parallel width: processes / the planned sequence-parallel degree
     if plan.packing and prep.packing is not None:  # the data's own rows per micro-step at the plan's micro-batch
         plan.packing["expected_rows_per_micro_step"] = expected_rows(prep.packing, plan.choices.micro_batch_size)
     start = Start()
     if run.mode == "train":  # an earlier run in this dir: resume it, refuse, or move it aside (runlock.decide)
         start = decide(run_dir, run.train.resume, prep.config, last_complete(run_dir / "checkpoints"), rank() == 0)
         recorded = Choices(**start.choices) if start.choices else None
-        if recorded and (recorded.world_size != world or start.levers_changed):  # other hardware: re-split
+        if recorded and (recorded.world_size != world or start.levers_changed
+                         or recorded.sequence_parallel != plan.choices.sequence_parallel):  # other hardware: re-split
             batch_set = any(k in ("train.per_device_batch_size", "train.grad_accum") and typed(prep.overrides, k)
                             for k in start.levers_changed)  # typed on this command line, and changed
             plan.choices, line = elastic_choices(recorded, plan.choices, world, batch_set)  # same global batch

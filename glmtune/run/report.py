@@ -39,7 +39,7 @@ def _card(run: RunConfig, plan: Plan) -> str:
     return f"{run.hw.name}: {size} x margin {run.hw.margin} = {plan.budget_bytes / GIB:.1f} GiB budget per GPU"
 
 
-def _decisions(c: Choices, sequence_parallel: int = 1) -> str:
+def _decisions(c: Choices) -> str:
     parts = [c.dtype, f"checkpointing {'on' if c.gradient_checkpointing else 'off'}",
              "ZeRO-3" if c.zero_stage == 3 else "no ZeRO"]
     if c.offload_params:
@@ -47,8 +47,9 @@ def _decisions(c: Choices, sequence_parallel: int = 1) -> str:
     if c.loss_chunk_tokens:
         parts.append(f"chunked loss ({c.loss_chunk_tokens} tokens)")
     # Under sequence parallelism the plan's width is the number of groups, each sharing its rows over N GPUs.
-    width = (f"{c.world_size} GPU(s)" if sequence_parallel == 1 else
-             f"{c.world_size} group(s) of {sequence_parallel} GPUs sharing each row (dist.sequence_parallel)")
+    sp = c.sequence_parallel
+    width = (f"{c.world_size} GPU(s)" if sp == 1 else
+             f"{c.world_size} group(s) of {sp} GPUs sharing each row (dist.sequence_parallel)")
     parts.append(f"micro-batch {c.micro_batch_size} x accum {c.grad_accum} x {width} = global batch "
                  f"{c.micro_batch_size * c.grad_accum * c.world_size}")
     return ", ".join(parts)
@@ -72,9 +73,11 @@ def header(run: RunConfig, plan: Plan, run_dir: Path | None, train_examples: int
              f"  model  {model}",
              f"  data   {data}, max_length {plan.choices.max_length}",
              f"  card   {_card(run, plan)}",
-             f"  plan   {_decisions(plan.choices, run.dist.sequence_parallel)}; "
+             f"  plan   {_decisions(plan.choices)}; "
              f"estimated peak {plan.peak_bytes / GIB:.2f} GiB"
              + ("" if plan.fits else "  DOES NOT FIT")]
+    if plan.budget_bytes is not None and "host" in plan.reasons:  # a GPU plan: one node's RAM, the second budget
+        lines.append(f"  host   {plan.reasons['host']}")
     if plan.budget_bytes is not None and "allocator" in plan.reasons:  # a GPU plan: the reserve it assumes
         lines.append(f"  alloc  {plan.reasons['allocator']}")
     if train_examples is not None and run.mode == "train":
@@ -142,7 +145,12 @@ def disk_full_line(err: BaseException, run_dir: Path) -> str:
 def no_fit_line(plan) -> str:
     """Exit 3's line: the best option's overrides where the line stays within a 120-column log (a sweep's record
     and a grep of the log keep them); the options themselves are the numbered list under the plan table."""
-    line = f"the plan does not fit: {plan.peak_bytes / GIB:.1f} GiB > {plan.budget_bytes / GIB:.1f} GiB budget; "
+    host = getattr(plan, "host", None) or {}
+    if plan.peak_bytes <= plan.budget_bytes and not host.get("fits", True):  # the card fits; one node's RAM does not
+        line = (f"the plan's host memory does not fit: {host['bytes'] / GIB:.1f} GiB per node > "
+                f"{host['budget_bytes'] / GIB:.1f} GiB budget; ")
+    else:
+        line = f"the plan does not fit: {plan.peak_bytes / GIB:.1f} GiB > {plan.budget_bytes / GIB:.1f} GiB budget; "
     if not plan.advice:
         return line + "no option fits: lower lora.r or lora.target_modules"
     best = f"best: {plan.advice[0].split(': ', 1)[0]} ({len(plan.advice)} options listed above)"

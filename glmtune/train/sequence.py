@@ -56,8 +56,7 @@ def sequence_group(size: int) -> SequenceGroup | None:
 
 def data_parallel_width(world: int, size: int) -> int:
     """The plan's width: each group of `size` ranks trains its own micro-batches, so the global batch is
-    micro x accumulation x world / size. Until the estimator counts sequence-parallel terms, the plan budgets
-    every rank as if it held whole rows: more than a shard needs, never less."""
+    micro x accumulation x world / size (the planner's own check: plan/sequence.py)."""
     if world % size:
         raise ConfigError(f"dist.sequence_parallel={size} must divide the {world} processes of the launch — use a "
                           f"divisor of {world}, or launch a multiple of {size} processes")

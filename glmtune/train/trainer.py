@@ -188,7 +188,7 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
                                       *swanlab_callback(run.train.report_to)],
                            generation_eval=generation_eval, best=best,
                            normalization=run.train.loss_normalization, packer=packer,
-                           sequence_parallel=run.dist.sequence_parallel)
+                           sequence_parallel=choices.sequence_parallel)  # the plan's degree
     trainer.guard, trainer.memory = guard, timeline
     trackers = TrackerRuns(run.train.report_to, run_dir, launch_params(run, choices, planned_bytes, budget_bytes,
                                                                       probe_bytes, run_dir), args.process_index == 0)
