@@ -255,11 +255,13 @@ def estimate(arch: GLMConfig, shape: RunShape) -> Estimate:
         phases["vision"] = states + b["vision tower working set"]
     # --- evaluation: loss forward without grad, and generation with a KV cache ---
     if shape.eval_batch:
-        et = shape.eval_batch * shape.seq_len
+        # The eval loss runs under the training's sequence-parallel layout (train/sequence.py): a shard of each row.
+        et, whole = shape.eval_batch * longctx.local_seq(shape), shape.eval_batch * shape.seq_len
         # Without grad nothing is kept between blocks: a block's working set is gone before the loss head runs.
         phases["eval"] = (states + max(eval_loss_bytes(arch, shape, et), block_working(arch, shape, et))
                           + 2 * e * et * h + (shape.eval_batch * shape.seq_len ** 2 * (1 + e) if mask_bytes else 0))
-        if shape.eval_max_new_tokens:
+        if shape.eval_max_new_tokens:  # generation decodes whole rows on every rank (no SP): its prompt's prefill
+            et = whole
             kv_per_token = L * arch.kv_groups * arch.kv_channels * 2 * e  # 40,960 B for GLM-4 bf16
             cache = kv_per_token * shape.eval_batch * (shape.seq_len + shape.eval_max_new_tokens)
             phases["generate"] = states + cache + block_working(arch, shape, et)
