@@ -263,8 +263,8 @@ def _reasons(run, start: Choices, c: Choices, budget, weights: int, world_size: 
                          "; its reserve is planned larger (up to 1.21 x at an evaluation after training, measured)"))
     r["eval_batch_size"] = ("halved until evaluation, with its own allocator reserve, fits" if c.eval_batch_size < start.eval_batch_size
                             else "train.eval_batch_size")
-    if run.dist.sequence_parallel > 1 and (run.data.val_file or run.data.val_size):  # train/sequence.py
-        r["eval_batch_size"] += (f"; the eval loss is sharded over each group's {run.dist.sequence_parallel} GPUs"
+    if c.sequence_parallel > 1 and (run.data.val_file or run.data.val_size):  # train/sequence.py
+        r["eval_batch_size"] += (f"; the eval loss is sharded over each group's {c.sequence_parallel} GPUs"
                                  " like training" + ("; eval.generate decodes whole rows on every GPU (a KV cache "
                                  "grows token by token, it is not cut), its cache budgeted at the whole prompt + "
                                  "eval.max_new_tokens" if run.eval.generate else ""))
