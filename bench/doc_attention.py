@@ -1,0 +1,73 @@
+"""Packed-row attention on CPU: the dense block-diagonal mask (sdpa) against per-document SDPA (segments).
+
+    python bench/doc_attention.py                          # lengths 1,024-16,384, documents of 512 positions
+    python bench/doc_attention.py --lengths 2048,8192 --doc 1024 --steps 3
+
+A small GLM-4 (2 blocks, hidden 256, 8 heads over 2 KV groups, fp32) runs forward + backward on one packed row
+of `length` positions cut into documents of `--doc` positions (the last one shorter), through the model's own
+forward (modeling_glm4.ChatGLMModel) with train.packed_attention forced to each path. Printed per row: the
+median step time of `--steps` timed steps after one warm-up, and the dense mask's bytes (B x S^2, bool; SDPA's
+bias made of it, in the compute dtype per block, comes on top). The segments path has no [seq, seq] tensor. What DENSE_MASK_MAX (models/docattention.py) rests on; results: bench/RESULTS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from glmtune.models.configuration import GLMConfig
+from glmtune.models.loading import _FAMILY
+from glmtune.models.modeling_glm4 import ChatGLMForConditionalGeneration
+
+ARCH = dict(num_layers=2, hidden_size=256, ffn_hidden_size=688, kv_channels=32, num_attention_heads=8,
+            multi_query_attention=True, multi_query_group_num=2, add_qkv_bias=True, add_bias_linear=False,
+            rmsnorm=True, post_layer_norm=True, apply_residual_connection_post_layernorm=False)
+VOCAB = 512
+
+
+def packed_row(length: int, doc: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (1, length), generator=g)
+    seq, pos = torch.empty(1, length, dtype=torch.long), torch.empty(1, length, dtype=torch.long)
+    for i, start in enumerate(range(0, length, doc)):
+        end = min(start + doc, length)
+        seq[0, start:end], pos[0, start:end] = i, torch.arange(end - start)
+    return dict(input_ids=ids, labels=ids, position_ids=pos, seq_ids=seq)
+
+
+def step_ms(model, batch, steps: int) -> float:
+    times = []
+    for i in range(steps + 1):  # the first step warms the allocator and the kernels up
+        start = time.perf_counter()
+        model(**batch).loss.backward()
+        if i:
+            times.append((time.perf_counter() - start) * 1e3)
+        model.zero_grad(set_to_none=True)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", default="1024,2048,4096,8192,16384")
+    ap.add_argument("--doc", type=int, default=512, help="positions per document")
+    ap.add_argument("--steps", type=int, default=3)
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    config = GLMConfig(**{**ARCH, **_FAMILY["glm4"]}, padded_vocab_size=VOCAB, torch_dtype="float32")
+    model = ChatGLMForConditionalGeneration(config).float().train()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, documents of {a.doc} positions, "
+          f"{config.num_layers} blocks, fp32")
+    print(f"{'length':>7} {'path':>9} {'ms/step':>9} {'mask bytes':>16}")
+    for length in (int(x) for x in a.lengths.split(",")):
+        batch = packed_row(length, a.doc)
+        for path in ("sdpa", "segments"):
+            model.transformer.packed_attention = path
+            ms = step_ms(model, batch, a.steps)
+            mask = length * length if path == "sdpa" else 0
+            print(f"{length:>7} {path:>9} {ms:>9.1f} {mask / 2**20:>12.0f} MiB", flush=True)
+
+
+if __name__ == "__main__":
+    main()
