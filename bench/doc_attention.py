@@ -3,7 +3,8 @@
     python bench/doc_attention.py                          # lengths 1,024-16,384, documents of 512 positions
     python bench/doc_attention.py --lengths 2048,8192 --doc 1024 --steps 3
 
-A small GLM-4 (2 blocks, hidden 256, 8 heads over 2 KV groups, fp32) runs forward + backward on one packed row
+The suite's tiny GLM-4 (2 blocks, hidden 64, 4 heads over 2 KV groups, fp32: attention is most of a step at these
+lengths) runs forward + backward on one packed row
 of `length` positions cut into documents of `--doc` positions (the last one shorter), through the model's own
 forward (modeling_glm4.ChatGLMModel) with train.packed_attention forced to each path. Printed per row: the
 median step time of `--steps` timed steps after one warm-up, and the dense mask's bytes (B x S^2, bool; SDPA's
@@ -18,13 +19,10 @@ import time
 import torch
 
 from glmtune.models.configuration import GLMConfig
-from glmtune.models.loading import _FAMILY
+from glmtune.models.loading import _FAMILY, TINY_ARCH
 from glmtune.models.modeling_glm4 import ChatGLMForConditionalGeneration
 
-ARCH = dict(num_layers=2, hidden_size=256, ffn_hidden_size=688, kv_channels=32, num_attention_heads=8,
-            multi_query_attention=True, multi_query_group_num=2, add_qkv_bias=True, add_bias_linear=False,
-            rmsnorm=True, post_layer_norm=True, apply_residual_connection_post_layernorm=False)
-VOCAB = 512
+VOCAB = 128
 
 
 def packed_row(length: int, doc: int) -> dict[str, torch.Tensor]:
@@ -55,7 +53,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     a = ap.parse_args()
     torch.manual_seed(0)
-    config = GLMConfig(**{**ARCH, **_FAMILY["glm4"]}, padded_vocab_size=VOCAB, torch_dtype="float32")
+    config = GLMConfig(**{**TINY_ARCH, **_FAMILY["glm4"]}, padded_vocab_size=VOCAB, torch_dtype="float32")
     model = ChatGLMForConditionalGeneration(config).float().train()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, documents of {a.doc} positions, "
           f"{config.num_layers} blocks, fp32")

@@ -207,3 +207,26 @@ def test_sequence_parallel_segments_match_one_process(tmp_path, repo):
         for case, diff in results.items():
             assert diff["missing"] == [] and diff["positions"] > 0, case
             assert max(diff["logits"], diff["alone"], diff["loss"], diff["grads"]) <= 1e-5, (rank, case, diff)
+
+
+def test_compiled_blocks_do_not_recompile_for_each_layout_of_documents():
+    """train.compile with segments: a new layout of documents must not compile the blocks again (eager backend:
+    dynamo's tracing and guards without inductor's code generation)."""
+    from torch._dynamo.utils import counters
+
+    from glmtune.train.compile import compile_blocks
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny()
+    model.transformer.packed_attention = "segments"
+    compile_blocks(model, backend="eager")
+    layouts = ([10, 20, 30], [5, 5, 40], [30, 30], [1, 2, 3, 4, 5, 6], [60], [7, 7, 7, 7], [3, 3], [9, 9, 9])
+    graphs = []
+    try:
+        for docs in layouts:
+            model(**packed([docs], 64)).loss.backward()
+            graphs.append(counters["stats"]["unique_graphs"])
+    finally:
+        torch._dynamo.reset()
+    assert graphs[-1] == graphs[3] and graphs[-1] <= 4, graphs

@@ -93,6 +93,10 @@ def document_spans(seq_ids: torch.Tensor) -> DocumentSpans:
     return DocumentSpans(tuple(rows), s)
 
 
+# Outside torch.compile's graph (train.compile): traced, the spans' Python ints became guards and each new layout
+# of documents compiled the block again (6 layouts, 6 graphs, tiny GLM-4 with compiled blocks); left out, the
+# block compiles around this call once (10 layouts, 4 graphs).
+@torch.compiler.disable
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: DocumentSpans,
                       dropout_p: float = 0.0) -> torch.Tensor:
     """Causal SDPA per document span. q, k, v [B, heads, S, head_dim] (k, v already expanded to the query heads,
