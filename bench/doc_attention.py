@@ -4,11 +4,12 @@
     python bench/doc_attention.py --lengths 2048,8192 --doc 1024 --steps 3
 
 The suite's tiny GLM-4 (2 blocks, hidden 64, 4 heads over 2 KV groups, fp32: attention is most of a step at these
-lengths) runs forward + backward on one packed row
-of `length` positions cut into documents of `--doc` positions (the last one shorter), through the model's own
-forward (modeling_glm4.ChatGLMModel) with train.packed_attention forced to each path. Printed per row: the
+lengths) runs forward + backward on one packed row of `length` positions cut into documents of `--doc` positions
+(the last one shorter), through the model's own forward (modeling_glm4.ChatGLMModel) with
+train.packed_attention forced to each path. Printed per row: the
 median step time of `--steps` timed steps after one warm-up, and the dense mask's bytes (B x S^2, bool; SDPA's
-bias made of it, in the compute dtype per block, comes on top). The segments path has no [seq, seq] tensor. What DENSE_MASK_MAX (models/docattention.py) rests on; results: bench/RESULTS.md.
+bias made of it, in the compute dtype per block, comes on top). The segments path has no [seq, seq] tensor.
+What DENSE_MASK_MAX (models/docattention.py) rests on; results: bench/RESULTS.md.
 """
 from __future__ import annotations
 

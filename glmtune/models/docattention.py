@@ -23,10 +23,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-# Longest row (positions, whole row under sequence parallelism) that `auto` gives the dense mask. At 4,096 the
-# mask is 16 MiB a row and its bf16 bias 32 MiB a layer (a 9B step at that length holds tens of GiB), and on CPU
-# the per-document loop was already as fast or faster with documents of <= 1,024 positions (bench/doc_attention.py);
-# above it the mask grows with S^2 (1 GiB at 32K, 16 GiB at 128K) while the loop's cost stays linear in documents.
+# Longest row (positions, the whole row under sequence parallelism) that `auto` gives the dense mask. Up to it the
+# mask costs little: 16 MiB a row and 32 MiB of bf16 bias a block at 4,096, beside the GiBs of a 9B step there,
+# and it is the path the GPU memory rows were measured on (bench/RESULTS.md: packed rows of 2,048 positions), one
+# kernel call a block instead of one per document. Above it the mask grows with S^2 (1 GiB at 32K, 16 GiB at 128K)
+# while the loop's cost grows with the documents. On CPU (bench/doc_attention.py, tiny GLM-4, documents of 512)
+# the loop was faster at every length measured, 1,024-8,192: speed does not argue for the mask there, the GPU
+# measurements it keeps valid do; per-document SDPA on a GPU is not measured yet.
 DENSE_MASK_MAX = 4096
 PATHS = ("sdpa", "segments", "flex")  # dense boolean mask | per-document SDPA | FlexAttention block mask
 
