@@ -230,3 +230,35 @@ def test_compiled_blocks_do_not_recompile_for_each_layout_of_documents():
     finally:
         torch._dynamo.reset()
     assert graphs[-1] == graphs[3] and graphs[-1] <= 4, graphs
+
+
+def test_glm4v_packed_image_rows_segments_equal_the_dense_mask():
+    """GLM-4V: the spans are read after the images are spliced in (each row grows by its images' patches)."""
+    from glmtune.config import DataConfig
+    from glmtune.data.packing import pack, positions
+    from glmtune.data.pipeline import DataCollator, build_datasets
+    from glmtune.models import load_config, load_model, load_tokenizer
+    from glmtune.models.presets import ensure_tiny
+    from glmtune.plan.estimate import image_extra_tokens
+
+    model_dir = ensure_tiny("glm4v")
+    config, tok = load_config(model_dir), load_tokenizer(model_dir)
+    samples = Path(__file__).parents[1] / "data/samples_vision/train.jsonl"
+    train, _, _ = build_datasets(DataConfig(train_file=str(samples), val_file=None), tok, config.vision_config)
+    extra = image_extra_tokens(config)
+    rows = pack(train, sum(positions(e, extra) for e in train) // 2 + 10, extra)
+    batch = DataCollator(tok.pad_token_id, image_size=config.vision_config["image_size"])(rows)
+    assert len(rows) >= 2 and max(len(r.get("images", ())) for r in rows) >= 2
+    model = load_model(model_dir, dtype=torch.float32).eval()
+    out = {}
+    for path in ("sdpa", "segments"):
+        model.zero_grad(set_to_none=True)
+        model.transformer.packed_attention = path
+        result = model(**batch)
+        result.loss.backward()
+        out[path] = result.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                             if p.grad is not None}
+    torch.testing.assert_close(out["segments"][0], out["sdpa"][0], rtol=1e-5, atol=1e-5)
+    assert out["sdpa"][1].keys() == out["segments"][1].keys() and any("vision" in n for n in out["sdpa"][1])
+    for name, grad in out["sdpa"][1].items():
+        torch.testing.assert_close(out["segments"][1][name], grad, rtol=1e-5, atol=1e-6, msg=name)
