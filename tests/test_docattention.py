@@ -262,3 +262,16 @@ def test_glm4v_packed_image_rows_segments_equal_the_dense_mask():
     assert out["sdpa"][1].keys() == out["segments"][1].keys() and any("vision" in n for n in out["sdpa"][1])
     for name, grad in out["sdpa"][1].items():
         torch.testing.assert_close(out["segments"][1][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_backward_makes_no_row_sized_tensor_per_document():
+    """A row of 32 documents costs backward the same whole-row tensors as a row of 2 (a per-document slice of q,
+    k, v would add one zero-filled row-sized gradient per document and layer)."""
+    model = tiny().train()
+    model.transformer.packed_attention = "segments"
+    length, hidden = 256, TINY_ARCH["num_attention_heads"] * TINY_ARCH["kv_channels"]
+    counts = []
+    for docs in ([128, 128], [8] * 32):
+        made, _ = step_allocations(model, packed([docs], length))
+        counts.append(sum(shape in ((1, 4, length, 16), (1, length, hidden)) for _, shape in made))
+    assert counts[0] == counts[1] and counts[0] > 0, counts

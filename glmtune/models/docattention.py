@@ -109,9 +109,12 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: 
         raise ValueError(f"document spans of {len(spans.rows)} rows x {spans.length} positions for attention over "
                          f"{q.shape[0]} rows x {q.shape[2]} positions")
     out = []
-    for b, row in enumerate(spans.rows):
-        parts = [F.scaled_dot_product_attention(q[b:b + 1, :, start:end], k[b:b + 1, :, start:end],
-                                                v[b:b + 1, :, start:end], is_causal=True, dropout_p=dropout_p)
-                 for start, end in row]
+    # split, not slicing: a slice's backward writes its gradient into a zero tensor of the whole input, once per
+    # document (k documents: k row-sized tensors per layer and q/k/v); split's backward is one cat of them all.
+    for row, q_row, k_row, v_row in zip(spans.rows, q.split(1), k.split(1), v.split(1)):
+        sizes = [end - start for start, end in row]
+        parts = [F.scaled_dot_product_attention(q_doc, k_doc, v_doc, is_causal=True, dropout_p=dropout_p)
+                 for q_doc, k_doc, v_doc in zip(q_row.split(sizes, dim=2), k_row.split(sizes, dim=2),
+                                                v_row.split(sizes, dim=2))]
         out.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
     return out[0] if len(out) == 1 else torch.cat(out, dim=0)
