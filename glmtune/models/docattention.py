@@ -27,9 +27,9 @@ import torch.nn.functional as F
 # mask costs little: 16 MiB a row and 32 MiB of bf16 bias a block at 4,096, beside the GiBs of a 9B step there,
 # and it is the path the GPU memory rows were measured on (bench/RESULTS.md: packed rows of 2,048 positions), one
 # kernel call a block instead of one per document. Above it the mask grows with S^2 (1 GiB at 32K, 16 GiB at 128K)
-# while the loop's cost grows with the documents. On CPU (bench/doc_attention.py, tiny GLM-4, documents of 512)
-# the loop was faster at every length measured, 1,024-8,192: speed does not argue for the mask there, the GPU
-# measurements it keeps valid do; per-document SDPA on a GPU is not measured yet.
+# while the loop's cost grows with the documents. On CPU (bench/doc_attention.py, tiny GLM-4, fp32) the loop was
+# faster at every length measured, 1,024-16,384 positions in documents of 512 and of 2,048: speed does not argue
+# for the mask there; the measured GPU rows it keeps valid do. Per-document SDPA on a GPU is not measured yet.
 DENSE_MASK_MAX = 4096
 PATHS = ("sdpa", "segments", "flex")  # dense boolean mask | per-document SDPA | FlexAttention block mask
 
