@@ -65,7 +65,7 @@ def test_auto_is_off_on_a_gpu_until_a_row_measures_it(cuda_h100, monkeypatch):
     MEASURED_* names this GPU (a bench/RESULTS.md row); on/flex still work."""
     on, why = resolve_compile(TrainConfig(compile="auto"), zero_stage=0)
     assert on is False and "RESULTS.md" in why and "H100" in why
-    assert resolve_packed_attention(TrainConfig(packed_attention="auto"), True, 0.0)[0] == "sdpa"
+    assert resolve_packed_attention(TrainConfig(packed_attention="auto"), True, 0.0)[0] == "auto"  # sdpa/segments
     assert resolve_packed_attention(TrainConfig(packed_attention="flex"), False, 0.0)[0] == "flex"
     monkeypatch.setattr(compile_mod, "MEASURED_COMPILE", ("H100",))
     monkeypatch.setattr(compile_mod, "MEASURED_FLEX", ("H100",))

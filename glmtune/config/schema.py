@@ -88,7 +88,7 @@ class TrainConfig:
     # levers never change the gradient; micro_batch: each micro-batch's own mean, averaged (the official demo)
     loss_normalization: str = "tokens"
     compile: str = "auto"  # auto | on | off: torch.compile each decoder block; auto = on CUDA without ZeRO-3
-    packed_attention: str = "auto"  # auto | sdpa | flex: attention of packed rows; auto = flex when compiled on CUDA
+    packed_attention: str = "auto"  # auto | sdpa | segments | flex: attention of packed rows (models/docattention.py)
 
 
 @dataclass

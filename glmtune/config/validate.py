@@ -33,7 +33,7 @@ _CHOICES = {
     "train.gradient_checkpointing": ("auto", "on", "off"),
     "train.compile": ("auto", "on", "off"),
     "train.loss_normalization": ("tokens", "micro_batch"),
-    "train.packed_attention": ("auto", "sdpa", "flex"),
+    "train.packed_attention": ("auto", "sdpa", "segments", "flex"),
     "data.packing": ("auto", "on", "off"),
     "hw.interconnect": ("pcie", "nvlink", "none"),
     "train.resume": ("auto", "always", "restart"),

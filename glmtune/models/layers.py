@@ -28,6 +28,7 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from .configuration import GLMConfig
+from .docattention import DocumentSpans, segment_attention
 from .ulysses import SequenceGroup, heads_for_attention, heads_to_sequence
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key, value), each [batch, kv_groups, seq, head_dim]
@@ -137,6 +138,8 @@ class SelfAttention(nn.Module):
             v = v.unsqueeze(2).expand(b, groups, rep, v.shape[2], hd).reshape(b, heads, v.shape[2], hd)
         if isinstance(mask, BlockMask):  # packed rows on CUDA (modeling_glm4.document_block_mask): no dropout
             out = flex_attention(q, k, v, block_mask=mask)
+        elif isinstance(mask, DocumentSpans):  # packed rows, one document at a time (models/docattention.py)
+            out = segment_attention(q, k, v, mask, self.dropout_p if self.training else 0.0)
         else:
             causal = mask is None and length > 1 and kv_cache is None
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,

@@ -25,6 +25,7 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration import GLMConfig
+from .docattention import document_spans, packed_path
 from .layers import Embedding, GLMBlock, GLMTransformer, RMSNorm, RotaryEmbedding, SelfAttention, no_early_stop
 from .ulysses import NO_TARGET, SequenceGroup, gather_sequence, pad_and_shard, shift_labels
 from .vision import EVA2CLIPModel, splice_images
@@ -103,9 +104,11 @@ class ChatGLMModel(GLMPreTrainedModel):
         self.encoder = GLMTransformer(config)
         self.output_layer = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
         self.vision = EVA2CLIPModel(config) if config.vision_config else None
-        # Attention of packed rows: "sdpa" (dense boolean mask, any device) or "flex" (FlexAttention block
-        # mask; needs attention dropout 0). Set by the trainer (train/compile.py); not part of config.json.
-        self.packed_attention = "sdpa"
+        # Attention of packed rows: "sdpa" (dense boolean mask, any device), "segments" (per-document SDPA, no
+        # [S, S] tensor), "flex" (FlexAttention block mask; needs attention dropout 0) or "auto" (sdpa up to
+        # docattention.DENSE_MASK_MAX positions a row, segments above). Set by the trainer (train/compile.py);
+        # not part of config.json.
+        self.packed_attention = "auto"
         self.sequence_group: SequenceGroup | None = None
         self.post_init()
 
@@ -187,7 +190,9 @@ class ChatGLMModel(GLMPreTrainedModel):
             if past_len:
                 raise ValueError("seq_ids (packed rows) are for training and scoring, not generation with a cache")
             seq_ids = seq_ids.to(inputs_embeds.device)
-            mask = document_block_mask(seq_ids) if self.packed_attention == "flex" else document_mask(seq_ids)
+            path = packed_path(self.packed_attention, s)  # auto: by the (gathered) row length
+            mask = (document_block_mask(seq_ids) if path == "flex" else
+                    document_spans(seq_ids) if path == "segments" else document_mask(seq_ids))
         else:
             mask = build_attention_mask(attention_mask, s, past_len)
         return self.encoder(inputs_embeds, mask, rope, past_key_values, use_cache)

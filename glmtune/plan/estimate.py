@@ -84,7 +84,7 @@ class RunShape:
     double_quant: bool = True  # nf4: quantized absmax scales
     allocator: str = "expandable"  # expandable | default: the CUDA caching allocator's mode (plan/reserve.py)
     use_dora: bool = False  # DoRA's terms and the 8-bit optimizer's states: plan/variants.py
-    document_mask: bool = False  # packed rows under SDPA: a dense block-diagonal mask (estimate() says what it costs)
+    document_mask: bool = False  # packed rows on the dense path (sdpa; models/docattention.py): what estimate() says
     optimizer: str = "adamw_torch"  # adamw_torch | adamw_8bit
     sequence_parallel: int = 1  # ranks sharing each row (Ulysses): per-rank tokens seq/N (plan/longctx.py)
     ranks_per_node: int = 1  # processes on one node: the host-memory terms are per node

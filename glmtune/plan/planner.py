@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from ..config import RunConfig
+from ..models.docattention import packed_path, path_figures, path_reason
 from .advice import advise, format_options
 from .estimate import GIB, RunShape, estimate, gpu_family, image_extra_tokens
 from .packrows import fullest_micro_step, most_rows
@@ -100,7 +101,7 @@ def packing_figures(run: RunConfig, arch, c: Choices, data_max_tokens: int | Non
     return {"pack_length": packed[0], "examples_per_micro_step": c.micro_batch_size,
             "probed_rows_per_micro_step": layout.rows, "probed_row_positions": layout.row_positions,
             "most_rows_per_micro_step": most, "micro_steps_per_step": steps,
-            "most_rows_per_step": most * steps}
+            "most_rows_per_step": most * steps, **path_figures(run.train.packed_attention, layout.row_positions)}
 
 
 def run_shape(run: RunConfig, arch, c: Choices, data_max_tokens: int | None = None,
@@ -126,9 +127,9 @@ def run_shape(run: RunConfig, arch, c: Choices, data_max_tokens: int | None = No
                     device="cuda" if on_gpu else "cpu", gpu_family=gpu_family(run.hw.name),
                     quantize=run.model.quantize, double_quant=run.model.double_quant, use_dora=run.lora.use_dora,
                     optimizer=run.train.optimizer, allocator=allocator_in_force(os.environ.get("PYTORCH_CUDA_ALLOC_CONF")),
-                    # FlexAttention (train.packed_attention=flex) skips the dense mask; auto may pick it only with
-                    # compiled blocks on CUDA, so the dense one is planned unless flex is asked for.
-                    document_mask=packed is not None and run.train.packed_attention != "flex")
+                    # Only the dense path has the mask (auto: rows up to DENSE_MASK_MAX). auto may pick FlexAttention
+                    # only with compiled blocks on CUDA, so it is planned by length, as without them.
+                    document_mask=packed is not None and packed_path(run.train.packed_attention, seq) == "sdpa")
 
 
 def step_down(plan_or_choices: Plan | Choices, run: RunConfig, arch, world_size: int) -> Choices | None:
@@ -227,6 +228,8 @@ def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
     plan = Plan(ok, budget, est.peak_bytes, est.breakdown, c, reasons, sources=sources,
                 unmeasured_risk=derived_near_budget(est.breakdown, sources, est.peak_bytes, budget) if ok else "",
                 packing=packing_figures(run, arch, c, data_max_tokens, packed), host=host)
+    if plan.packing:
+        reasons["packed_attention"] = path_reason(run.train.packed_attention, plan.packing)
     if not ok and advice:
         plan.advice = _advice(run, arch, processes, c.max_length, data_max_tokens, margin, packed, data_tokens)
     return plan
@@ -302,6 +305,7 @@ def format_plan(plan: Plan):
         table.add_row(key, str(value), plan.reasons.get(key, ""))
     if plan.packing:
         table.add_row("packing", "on", format_rows(plan.packing))
+        table.add_row("packed attention", plan.packing["attention"], plan.reasons.get("packed_attention", ""))
     if plan.unmeasured_risk:
         table.add_row("[yellow]unmeasured", "", plan.unmeasured_risk)
     if not plan.advice:

@@ -21,12 +21,15 @@ from __future__ import annotations
 import torch
 
 from ..config import ConfigError, TrainConfig
+from ..models.docattention import DENSE_MASK_MAX
 
 # GPUs (a substring of torch.cuda.get_device_name()) on which a bench/RESULTS.md row measured compiled blocks
 # without ZeRO-3 (speed-up and peak against the estimate), and those on which it measured FlexAttention for
 # packed rows with them. Add a name only with its row. Empty: nothing has been measured on a GPU yet.
 MEASURED_COMPILE: tuple[str, ...] = ()
 MEASURED_FLEX: tuple[str, ...] = ()
+BY_LENGTH = (f"a dense block-diagonal mask (sdpa) for rows up to {DENSE_MASK_MAX} positions, per-document SDPA "
+             f"(segments) above: no [S, S] tensor")
 UNMEASURED = "no GPU row in bench/RESULTS.md has measured it yet (bench/gpu_pending.py --part 3)"
 
 
@@ -63,17 +66,18 @@ def resolve_packed_attention(cfg: TrainConfig, compiled: bool, attention_dropout
     """Attention of packed rows (data/packing.py), (name, why).
 
     sdpa: a dense [B, 1, S, S] boolean block-diagonal causal mask (S^2 bytes per row: 64 MiB at 8K); runs
-    everywhere, but the masked kernel computes every block of the row. flex: FlexAttention with a block mask
-    skips the blocks between examples (a row of k examples costs ~1/k of the attention), but is only fast
-    compiled, has no CPU backward and no dropout."""
+    everywhere, but the masked kernel computes every block of the row. segments: causal SDPA per document
+    (models/docattention.py), no [S, S] tensor; a row of k examples costs ~1/k of the attention, in k kernel calls.
+    flex: FlexAttention with a block mask skips the blocks between examples, but is only fast compiled, has no
+    CPU backward and no dropout. auto without flex: the model picks sdpa or segments by each row's length."""
     if cfg.packed_attention != "auto":
         return cfg.packed_attention, f"train.packed_attention={cfg.packed_attention}"
     if torch.cuda.is_available() and compiled and attention_dropout == 0:
         measured = _measured_here(MEASURED_FLEX)
         if measured is not None:
             return "flex", f"auto: flex (measured on {measured}, compiled blocks): blocks between examples are skipped"
-        return "sdpa", f"auto: sdpa: FlexAttention {UNMEASURED}; train.packed_attention=flex to try it"
-    return "sdpa", "auto: sdpa with a dense block-diagonal mask (flex needs CUDA and compiled blocks)"
+        return "auto", f"auto: {BY_LENGTH}; FlexAttention {UNMEASURED}; train.packed_attention=flex to try it"
+    return "auto", f"auto: {BY_LENGTH} (flex needs CUDA and compiled blocks)"
 
 
 def describe(cfg: TrainConfig, zero_stage: int, attention_dropout: float, packed: bool) -> str:
