@@ -26,53 +26,10 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration import GLMConfig
 from .docattention import document_spans, packed_path
+from .masks import build_attention_mask, document_block_mask, document_mask  # noqa: F401 (re-exported)
 from .layers import Embedding, GLMBlock, GLMTransformer, RMSNorm, RotaryEmbedding, SelfAttention, no_early_stop
 from .ulysses import NO_TARGET, SequenceGroup, gather_sequence, pad_and_shard, shift_labels
 from .vision import EVA2CLIPModel, splice_images
-
-
-def build_attention_mask(attention_mask: torch.Tensor | None, q_len: int, past_len: int) -> torch.Tensor | None:
-    """Boolean SDPA mask [B, 1, q, past+q] (True = attend), or None for the plain causal case.
-
-    None is returned when no pad can influence a real token: no padding, a single new token, or right
-    padding without a cache (causality already hides later pads). Query rows that are pads attend to
-    everything, so SDPA never sees an all-masked row (NaN); their outputs are never used.
-    """
-    total = past_len + q_len
-    if attention_mask is None or bool(attention_mask.all()):
-        if past_len == 0 or q_len == 1:
-            return None
-        keys = torch.ones(1, total, dtype=torch.bool, device=attention_mask.device if attention_mask is not None else None)
-    else:
-        keys = attention_mask.bool()
-        right_padded = bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all())
-        if past_len == 0 and right_padded:
-            return None
-    causal = torch.ones(q_len, total, dtype=torch.bool, device=keys.device).tril(diagonal=past_len)
-    mask = causal[None, None] & keys[:, None, None, -total:]
-    return mask | ~keys[:, None, -q_len:, None]
-
-
-def document_mask(seq_ids: torch.Tensor) -> torch.Tensor:
-    """Block-diagonal causal SDPA mask [B, 1, S, S] for packed rows (data/packing.py): a query attends to
-    earlier keys of its own example only. Padding (seq id -1) attends to earlier padding, never to a real
-    token and never seen by one; every query sees at least itself, so no row is all-masked (NaN)."""
-    same = seq_ids[:, :, None] == seq_ids[:, None, :]
-    causal = torch.ones(seq_ids.shape[1], seq_ids.shape[1], dtype=torch.bool, device=seq_ids.device).tril()
-    return (same & causal)[:, None]
-
-
-def document_block_mask(seq_ids: torch.Tensor):
-    """The same mask as document_mask, as a FlexAttention BlockMask: blocks of 128 x 128 where no query
-    shares an example with a key are skipped, so a row of k examples costs ~1/k of the dense attention.
-    Only worth it where flex_attention is compiled (CUDA with train.compile); its backward needs CUDA."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    def same_example_causal(b, h, q, kv):
-        return (seq_ids[b, q] == seq_ids[b, kv]) & (q >= kv)
-
-    s = seq_ids.shape[1]
-    return create_block_mask(same_example_causal, seq_ids.shape[0], None, s, s, device=seq_ids.device)
 
 
 class GLMPreTrainedModel(PreTrainedModel):
