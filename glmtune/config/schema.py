@@ -88,6 +88,7 @@ class TrainConfig:
     loss_normalization: str = "tokens"
     compile: str = "auto"  # auto | on | off: torch.compile each decoder block; auto = on CUDA without ZeRO-3
     packed_attention: str = "auto"  # auto | sdpa | flex: attention of packed rows; auto = flex when compiled on CUDA
+    tiled_mlp: str = "auto"  # auto | on | off: the MLP in token tiles (models/tiling.py); auto = when the plan needs it
 
 
 @dataclass

@@ -21,6 +21,7 @@ from .packrows import fullest_micro_step, most_rows
 from ..config import userds
 from .provenance import derived_near_budget, term_sources
 from .quantized import allows_zero3
+from .tiledmlp import tile_tokens
 from .reserve import ALLOCATORS, allocator_in_force
 
 DEFAULT_MAX_LENGTH = 500
@@ -43,6 +44,7 @@ class Choices:
     eval_batch_size: int
     loss_chunk_tokens: int = 0  # 0 = reference loss; >0 = chunked loss, fp32 logits for this many tokens at a time
     offload_checkpoints: bool = False  # checkpointed block inputs kept in pinned CPU memory instead of on the GPU
+    mlp_tile_tokens: int = 0  # >0: the MLP runs in token tiles of this size (models/tiling.py); 0 = whole
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -64,7 +66,7 @@ class Plan:
     def to_json(self) -> str:
         keys = ("dtype", "gradient_checkpointing", "zero_stage", "offload_params", "offload_optimizer",
                 "micro_batch_size", "grad_accum", "max_length", "world_size", "loss_chunk_tokens",
-                "offload_checkpoints")
+                "offload_checkpoints", "mlp_tile_tokens")
         return json.dumps({"fits": self.fits, "budget_bytes": self.budget_bytes, "peak_bytes": self.peak_bytes,
                            "breakdown": self.breakdown, "choices": {k: getattr(self.choices, k) for k in keys},
                            "reasons": self.reasons, "advice": self.advice, "sources": self.sources,
@@ -124,7 +126,8 @@ def run_shape(run: RunConfig, arch, c: Choices, data_max_tokens: int | None = No
                     optimizer=run.train.optimizer, allocator=allocator_in_force(os.environ.get("PYTORCH_CUDA_ALLOC_CONF")),
                     # FlexAttention (train.packed_attention=flex) skips the dense mask; auto may pick it only with
                     # compiled blocks on CUDA, so the dense one is planned unless flex is asked for.
-                    document_mask=packed is not None and run.train.packed_attention != "flex")
+                    document_mask=packed is not None and run.train.packed_attention != "flex",
+                    mlp_tile_tokens=c.mlp_tile_tokens)
 
 
 def step_down(plan_or_choices: Plan | Choices, run: RunConfig, arch, world_size: int) -> Choices | None:
@@ -149,6 +152,11 @@ def step_down(plan_or_choices: Plan | Choices, run: RunConfig, arch, world_size:
         return replace(c, gradient_checkpointing=True)
     if c.loss_chunk_tokens > LOSS_CHUNK_SMALL:
         return replace(c, loss_chunk_tokens=LOSS_CHUNK_SMALL)
+    # Tiled MLP (plan/tiledmlp.py): one more MLP forward per step (bench/tiled_mlp.py, RESULTS.md: TILED_MLP_COST),
+    # no host memory and no PCIe traffic, so before checkpoint offload; only where a micro-batch outgrows a tile.
+    tile = tile_tokens(arch)
+    if run.train.tiled_mlp == "auto" and c.mlp_tile_tokens == 0 and c.micro_batch_size * c.max_length > tile:
+        return replace(c, mlp_tile_tokens=tile)
     if c.gradient_checkpointing and not c.offload_checkpoints:
         return replace(c, offload_checkpoints=True)
     if c.zero_stage == 0 and world_size > 1 and allows_zero3(run):
@@ -175,7 +183,8 @@ def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
                 zero_stage=3 if run.dist.strategy == "zero3" else 0, offload_params=offload_params,
                 offload_optimizer=offload_optimizer,
                 micro_batch_size=run.train.per_device_batch_size, grad_accum=run.train.grad_accum,
-                max_length=max_length, world_size=world_size, eval_batch_size=run.train.eval_batch_size)
+                max_length=max_length, world_size=world_size, eval_batch_size=run.train.eval_batch_size,
+                mlp_tile_tokens=tile_tokens(arch) if run.train.tiled_mlp == "on" else 0)
     reasons = {"dtype": why_dtype,
                "max_length": "set by data.max_length" if user_set_max_length else
                f"default {DEFAULT_MAX_LENGTH} tokens (data.max_length not set)"}
@@ -237,6 +246,9 @@ def _reasons(run, start: Choices, c: Choices, budget, weights: int, world_size: 
                               else "0: reference loss fits")
     r["offload_checkpoints"] = ("on: the checkpointed block inputs do not fit; they wait in pinned CPU memory "
                                 "(two PCIe copies per block and step)" if c.offload_checkpoints else "off")
+    r["mlp_tile_tokens"] = (f"train.tiled_mlp={run.train.tiled_mlp}" if run.train.tiled_mlp != "auto" else
+                            f"{c.mlp_tile_tokens}: the MLP's [tokens, 2 x ffn] intermediate does not fit; one tile's "
+                            "does (one more MLP forward per step)" if c.mlp_tile_tokens else "0: the whole MLP fits")
     r["offload_params"] = ("off: DeepSpeed's parameter offload kept the whole model on the card when measured "
                            "(H100, deepspeed 0.19.8)")
     r["micro_batch_size"] = (f"{c.micro_batch_size} x grad_accum {c.grad_accum} x {world_size} GPUs keeps the "
