@@ -130,9 +130,12 @@ def test_the_plan_tiles_the_mlp_at_256k_on_an_a100_80g(tmp_path):
     auto, off = plans["auto"], plans["off"]
     assert auto["choices"]["mlp_tile_tokens"] == 8192 and off["choices"]["mlp_tile_tokens"] == 0
     assert "MLP" in auto["reasons"]["mlp_tile_tokens"] or "intermediate" in auto["reasons"]["mlp_tile_tokens"]
-    for term in ("recomputed block (checkpointing)", "block backward working set"):
-        assert auto["breakdown"][term] < off["breakdown"][term] - 10 * 2**30, term
-    assert auto["peak_bytes"] < off["peak_bytes"] - 30 * 2**30
+    # Kept by the recomputed block: the fused output and silu's (3 x 13,696 x 2 B per token: 20 GiB) give way to
+    # the tiles' input (8 KiB per token: 2 GiB); the working set is then post_attention_layernorm's backward.
+    shrink = {term: off["breakdown"][term] - auto["breakdown"][term]
+              for term in ("recomputed block (checkpointing)", "block backward working set")}
+    assert shrink["recomputed block (checkpointing)"] > 15 * 2**30 and shrink["block backward working set"] > 4 * 2**30
+    assert auto["peak_bytes"] < off["peak_bytes"] - 20 * 2**30
 
 
 def write_long(path, rows: int = 6):
@@ -152,7 +155,8 @@ def test_training_through_the_cli_with_tiled_mlp_on(tmp_path):
     plan = json.loads((out / "plan.json").read_text())
     assert plan["choices"]["mlp_tile_tokens"] == 2 * TINY.hidden_size == 128
     assert plan["reasons"]["mlp_tile_tokens"] == "train.tiled_mlp=on"
-    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if "loss" in line]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == 2 and all(loss == loss for loss in losses)
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
 

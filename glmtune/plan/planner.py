@@ -247,7 +247,7 @@ def _reasons(run, start: Choices, c: Choices, budget, weights: int, world_size: 
     r["offload_checkpoints"] = ("on: the checkpointed block inputs do not fit; they wait in pinned CPU memory "
                                 "(two PCIe copies per block and step)" if c.offload_checkpoints else "off")
     r["mlp_tile_tokens"] = (f"train.tiled_mlp={run.train.tiled_mlp}" if run.train.tiled_mlp != "auto" else
-                            f"{c.mlp_tile_tokens}: the MLP's [tokens, 2 x ffn] intermediate does not fit; one tile's "
+                            f"{c.mlp_tile_tokens}: the MLP's intermediate (tokens x 2 ffn) does not fit; one tile's "
                             "does (one more MLP forward per step)" if c.mlp_tile_tokens else "0: the whole MLP fits")
     r["offload_params"] = ("off: DeepSpeed's parameter offload kept the whole model on the card when measured "
                            "(H100, deepspeed 0.19.8)")
