@@ -1,14 +1,15 @@
 """Tiled MLP (issue 30 item 4): what tiling costs per step, and what it saves, on CPU.
 
-    python bench/tiled_mlp.py                       # GLM-4-shaped 4-block model, 2K-8K tokens
-    python bench/tiled_mlp.py --tokens 4096 --tiles 0 512 1024 --repeats 2
+    python bench/tiled_mlp.py                       # hidden 512, 4 blocks, 2K-8K tokens (slow on 2 cores)
+    python bench/tiled_mlp.py --hidden 256 --layers 2 --tokens 1024 2048 --tiles 0 256 512 1024 --repeats 2
 
 Each row is one LoRA training step (forward + backward; every target; reentrant block checkpointing, as the
 planner takes it at long lengths; fp32: bf16 matmuls are ~50x slower on CPUs without AVX-512 BF16) of a model
-shaped like GLM-4-9B scaled down (ffn / hidden = 13,696 / 4,096, 16 query heads over 2 KV groups), tiled at
-`tile` tokens (0 = untiled). Columns: ms per step, wall and CPU (all threads; the best of --repeats after a warm-up
-round, the tiles' steps alternating), the CPU cost against untiled, the step's peak live tensor bytes (train/livebytes.py, weights and Adam states included) and
-the largest [tokens, 2 x ffn] tensor any op produced in the step: the MLP intermediate that tiling bounds.
+shaped like GLM-4-9B scaled down (ffn / hidden = 13,696 / 4,096, 64-dim heads over 2 KV groups), tiled at
+`tile` tokens (0 = untiled). Columns: ms per step, wall and CPU (all threads; the best of --repeats after a
+warm-up round, the tiles' steps alternating so a neighbour's load falls on all alike), the CPU cost against
+untiled, the step's peak live tensor bytes (train/livebytes.py; weights included) and the largest
+[tokens, 2 x ffn] tensor any op produced in the step: the MLP intermediate that tiling bounds. RESULTS.md §18.
 """
 from __future__ import annotations
 

@@ -135,7 +135,9 @@ def step_down(plan_or_choices: Plan | Choices, run: RunConfig, arch, world_size:
 
     Rungs, cheapest first (cost measured on an H100, bench/RESULTS.md): halve the micro-batch (doubling
     accumulation, same global batch); chunked loss (1,024 tokens: one extra head matmul per chunk, ~2 % of a
-    step); checkpointing (unless forced off: one extra forward, ~25-30 %); a 256-token loss chunk; checkpointed
+    step); checkpointing (unless forced off: one extra forward, ~25-30 %); a 256-token loss chunk; the tiled MLP
+    (one more MLP forward: derived ~+18 % at 8K, ~+6 % at 128K; +25-81 % CPU time on the tiny-model bench, RESULTS
+    §18, noisy; only when a micro-batch outgrows a tile); checkpointed
     block inputs in pinned CPU memory (40 x tokens x 4096 x 2 B leave the card: 2.5 GiB at 8K; two PCIe copies
     per block and step); ZeRO-3 (world_size > 1, unless dist.strategy=ddp: weights gathered every step,
     6x slower than plain LoRA on one H100 even without a second GPU to talk to). The optimizer is never
@@ -152,8 +154,8 @@ def step_down(plan_or_choices: Plan | Choices, run: RunConfig, arch, world_size:
         return replace(c, gradient_checkpointing=True)
     if c.loss_chunk_tokens > LOSS_CHUNK_SMALL:
         return replace(c, loss_chunk_tokens=LOSS_CHUNK_SMALL)
-    # Tiled MLP (plan/tiledmlp.py): one more MLP forward per step (bench/tiled_mlp.py, RESULTS.md: TILED_MLP_COST),
-    # no host memory and no PCIe traffic, so before checkpoint offload; only where a micro-batch outgrows a tile.
+    # Tiled MLP (plan/tiledmlp.py): one more MLP forward per step (bench/tiled_mlp.py, RESULTS.md §18), no host
+    # memory and no PCIe traffic, so before checkpoint offload; only where a micro-batch outgrows a tile.
     tile = tile_tokens(arch)
     if run.train.tiled_mlp == "auto" and c.mlp_tile_tokens == 0 and c.micro_batch_size * c.max_length > tile:
         return replace(c, mlp_tile_tokens=tile)
