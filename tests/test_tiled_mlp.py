@@ -25,9 +25,9 @@ ALL = ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
 MLP_ONLY = ["dense_h_to_4h", "dense_4h_to_h"]
 
 
-def lora_model(targets, checkpointing, tile: int, dropout: float = 0.0):
+def lora_model(targets, checkpointing, tile: int, dropout: float = 0.0, zero3_tiles: bool = False):
     """The tiny GLM-4 in fp32 with LoRA (non-zero B, so every adapter gets a gradient), as prepare_model builds it.
-    checkpointing: None = off, True/False = reentrant or not."""
+    checkpointing: None = off, True/False = reentrant or not. zero3_tiles: the tiles' reentrant kind (ZeRO-3's)."""
     torch.manual_seed(0)
     model = ChatGLMForConditionalGeneration(TINY).float()
     model.config.use_cache = False
@@ -35,7 +35,7 @@ def lora_model(targets, checkpointing, tile: int, dropout: float = 0.0):
     if checkpointing is not None:
         enable_checkpointing(model, use_reentrant=checkpointing)
         model.enable_input_require_grads()
-    assert set_mlp_tile_tokens(model, tile) == TINY.num_layers
+    assert set_mlp_tile_tokens(model, tile, zero3=zero3_tiles) == TINY.num_layers
     for p in trainable_parameters(model):
         torch.nn.init.normal_(p, std=0.05)
     return model.train()
@@ -51,10 +51,13 @@ IDS = torch.randint(0, 1024, (2, 100), generator=torch.Generator().manual_seed(1
 
 
 @pytest.mark.parametrize("checkpointing", [None, True, False], ids=["no-ckpt", "reentrant", "non-reentrant"])
-@pytest.mark.parametrize("targets", [ALL, MLP_ONLY], ids=["all", "mlp-only"])
-def test_tiled_equals_untiled_loss_and_every_lora_gradient(checkpointing, targets):
+@pytest.mark.parametrize("targets,zero3_tiles", [(ALL, False), (MLP_ONLY, False), (ALL, True), (MLP_ONLY, True)],
+                         ids=["all", "mlp-only", "all-reentrant-tiles", "mlp-only-reentrant-tiles"])
+def test_tiled_equals_untiled_loss_and_every_lora_gradient(checkpointing, targets, zero3_tiles):
+    """Blocks unchecked, reentrant or not; tiles of either kind; LoRA on both projections (mlp-only: no input of
+    the MLP requires grad without block checkpointing, the case reentrant tiles need their detached copy for)."""
     ref_loss, ref = loss_and_grads(lora_model(targets, checkpointing, 0), IDS)
-    loss, grads = loss_and_grads(lora_model(targets, checkpointing, 48), IDS)
+    loss, grads = loss_and_grads(lora_model(targets, checkpointing, 48, zero3_tiles=zero3_tiles), IDS)
     assert set(grads) == set(ref) and any("dense_h_to_4h" in n for n in grads) and any("4h_to_h" in n for n in grads)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     for name, g in grads.items():
@@ -62,12 +65,18 @@ def test_tiled_equals_untiled_loss_and_every_lora_gradient(checkpointing, target
         torch.testing.assert_close(g, ref[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_lora_dropout_draws_the_same_masks_tiled_or_not():
-    """With dropout the checkpoint replays the RNG: the recomputed tile keeps the forward's masks (the loss and
-    gradients then match as without dropout, since torch's CPU generator is consumed in the same order)."""
-    model = lora_model(ALL, True, 48, dropout=0.1)
-    loss, grads = loss_and_grads(model, IDS)
-    assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads.values())
+@pytest.mark.parametrize("zero3_tiles", [False, True])
+def test_lora_dropout_masks_are_replayed_through_both_checkpoint_levels(zero3_tiles):
+    """With LoRA dropout the tiles draw their masks tile by tile (so tiled differs from untiled bit for bit, equal
+    in expectation, as another micro-batch split does). Each recompute, the block's and the tile's, must replay the
+    forward's masks: then blocks checkpointed either way give the unchecked blocks' loss and gradients."""
+    results = [loss_and_grads(lora_model(ALL, ckpt, 48, dropout=0.3, zero3_tiles=zero3_tiles), IDS)
+               for ckpt in (None, True, False)]
+    (ref_loss, ref), rest = results[0], results[1:]
+    for loss, grads in rest:
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        for name, g in grads.items():
+            torch.testing.assert_close(g, ref[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
 class WidestIntermediate(TorchDispatchMode):
@@ -162,23 +171,32 @@ def test_training_through_the_cli_with_tiled_mlp_on(tmp_path):
 
 
 @pytest.mark.slow
-def test_zero3_two_ranks_tiled_equals_untiled(tmp_path, repo):
-    """ZeRO-3's per-module gathering under the tiles' non-reentrant checkpoints inside reentrant block checkpoints:
-    two ranks, the same losses step by step as the untiled run."""
+@pytest.mark.parametrize("dist", ["zero3", "ddp"])
+def test_two_ranks_train_the_same_adapter_tiled_or_not(tmp_path, repo, dist):
+    """ZeRO-3 (reentrant tiles: its parameter gathering, and one gradient reduction per step though every tile adds
+    to it) and DDP (non-reentrant tiles: its reducer takes each parameter's gradient once) on two ranks, block
+    checkpointing on: the same losses and, after 3 steps, the same adapter as untiled (lora.dropout=0: the masks
+    would be drawn per tile)."""
+    from safetensors.torch import load_file
+
     data = write_long(tmp_path / "long.jsonl", rows=8)
-    losses = {}
+    losses, adapters = {}, {}
     for tiled in ("on", "off"):
         out = tmp_path / tiled
         proc = subprocess.run(
-            [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "glmtune", "dist=zero3",
-             "lora=all_linear", f"data.train_file={data}", "data.val_file=null", "train.max_steps=3",
-             "train.gradient_checkpointing=on", "train.logging_steps=1", "probe.enabled=false",
+            [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "glmtune", f"dist={dist}",
+             "lora=all_linear", "lora.dropout=0", f"data.train_file={data}", "data.val_file=null",
+             "train.max_steps=3", "train.gradient_checkpointing=on", "train.logging_steps=1", "probe.enabled=false",
              f"train.tiled_mlp={tiled}", f"hydra.run.dir={out}"],
             cwd=repo, env=env(), capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stderr[-4000:]
         plan = json.loads((out / "plan.json").read_text())["choices"]
-        assert plan["zero_stage"] == 3 and plan["mlp_tile_tokens"] == (128 if tiled == "on" else 0)
+        assert plan["zero_stage"] == (3 if dist == "zero3" else 0)
+        assert plan["mlp_tile_tokens"] == (128 if tiled == "on" else 0)
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         losses[tiled] = [r["loss"] for r in rows if "loss" in r]
-    assert len(losses["on"]) == 3
-    assert losses["on"] == pytest.approx(losses["off"], rel=1e-5)
+        adapters[tiled] = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    assert len(losses["on"]) == 3 and losses["on"] == pytest.approx(losses["off"], rel=1e-5)
+    assert adapters["on"].keys() == adapters["off"].keys() and len(adapters["on"]) == 16
+    for name, ref in adapters["off"].items():
+        assert (adapters["on"][name] - ref).norm() <= 1e-5 * ref.norm(), name

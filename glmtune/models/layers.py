@@ -187,12 +187,15 @@ class MLP(nn.Module):
         self.dense_4h_to_h = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear)
 
     # Set by models.tiling.set_mlp_tile_tokens from the plan: above this many tokens (batch x sequence) the MLP
-    # runs in tiles of it, one tile's [tile, 2 x ffn] intermediate live at a time (0 = never tiled).
-    mlp_tile_tokens = 0
+    # runs in tiles of it, one tile's [tile, 2 x ffn] intermediate live at a time (0 = never tiled); under ZeRO-3
+    # the tiles' checkpoints are reentrant (models/tiling.py says why).
+    mlp_tile_tokens, mlp_tile_zero3 = 0, False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if 0 < self.mlp_tile_tokens < x.numel() // x.shape[-1]:
-            return tiled(self._swiglu, x, self.mlp_tile_tokens)
+            zero3 = ([p for p in self.parameters() if p.requires_grad and hasattr(p, "ds_id")]
+                     if self.mlp_tile_zero3 else None)
+            return tiled(self._swiglu, x, self.mlp_tile_tokens, zero3)
         return self._swiglu(x)
 
     def _swiglu(self, x: torch.Tensor) -> torch.Tensor:

@@ -131,7 +131,8 @@ def prepare_model(model: torch.nn.Module, run: RunConfig, choices: Choices) -> t
     if hasattr(model, "loss_chunk_tokens"):  # glmtune's model (not a checkpoint's own remote code)
         model.loss_chunk_tokens = choices.loss_chunk_tokens
         model.transformer.encoder.offload_checkpoints = choices.offload_checkpoints
-        set_mlp_tile_tokens(model, choices.mlp_tile_tokens)  # the probe builds through here too: it measures the tiles
+        # The probe builds through here too, so it measures the tiles.
+        set_mlp_tile_tokens(model, choices.mlp_tile_tokens, zero3=choices.zero_stage == 3)
     model = apply_lora(model, run.lora)
     if choices.gradient_checkpointing:
         enable_checkpointing(model, use_reentrant=run.train.use_reentrant)
