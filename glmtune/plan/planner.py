@@ -136,8 +136,8 @@ def step_down(plan_or_choices: Plan | Choices, run: RunConfig, arch, world_size:
     Rungs, cheapest first (cost measured on an H100, bench/RESULTS.md): halve the micro-batch (doubling
     accumulation, same global batch); chunked loss (1,024 tokens: one extra head matmul per chunk, ~2 % of a
     step); checkpointing (unless forced off: one extra forward, ~25-30 %); a 256-token loss chunk; the tiled MLP
-    (one more MLP forward: derived ~+18 % at 8K, ~+6 % at 128K; +25-81 % CPU time on the tiny-model bench, RESULTS
-    §18, noisy; only when a micro-batch outgrows a tile); checkpointed
+    (one more MLP forward: derived ~+18 % at 8K, ~+6 % at 128K; the CPU bench, RESULTS §18, was too noisy to
+    measure it; only when a micro-batch outgrows a tile); checkpointed
     block inputs in pinned CPU memory (40 x tokens x 4096 x 2 B leave the card: 2.5 GiB at 8K; two PCIe copies
     per block and step); ZeRO-3 (world_size > 1, unless dist.strategy=ddp: weights gathered every step,
     6x slower than plain LoRA on one H100 even without a second GPU to talk to). The optimizer is never
