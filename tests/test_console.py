@@ -89,7 +89,9 @@ def test_a_plan_logged_to_a_file_has_no_line_over_120_columns(tmp_path, override
                 else "no option fits: lower lora.r" in error), error
         assert bool(options) == ("lora.r=1024" not in overrides), options  # 2.7e9 LoRA parameters: nothing helps
         if "data.max_length=131072" in overrides:  # the bf16 weights alone exceed a T4: only combinations help
-            assert options[0] == "model.quantize=nf4" and "data.max_length=" in text.split("  1. ")[1].split("\n")[0]
+            # (more GPUs sharing each row under ZeRO-3, or a quantized base with shorter examples)
+            lines = [line for line in re.findall(r"^  \d\. (.*)$", text, re.M) if not line.startswith("dist.")]
+            assert lines[0].startswith("model.quantize=nf4 data.max_length="), lines
 
 
 @pytest.mark.slow

@@ -5,41 +5,41 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
 from conftest import glmtune, glmtune_in_process
-from glmtune.config import DataConfig, DistConfig, ModelConfig, RunConfig
+from glmtune.config import DataConfig, DistConfig, ModelConfig, RunConfig, TrainConfig
 from glmtune.models import GLMConfig, released_config
 from glmtune.plan.advice import hw_presets
 from glmtune.plan.estimate import RunShape, estimate
 from glmtune.plan.planner import make_plan
 
 GLM4 = released_config("glm4_9b_chat")
-TILED = "mlp_tile_tokens" in {f.name for f in fields(RunShape)}  # branch tiledmlp: the tiled MLP's estimator terms
 WORKER = Path(__file__).with_name("sp_memory_worker.py")
 
 
-def plan(card: str, gpus: int, length: int, sp="auto", val: str | None = None, host: float | None = None, **model):
+def plan(card: str, gpus: int, length: int, sp="auto", val: str | None = None, host: float | None = None,
+         tiled: str = "auto", **model):
     hw = hw_presets()[card]
     if host is not None:
         hw.host_memory_gib = host
     run = RunConfig(model=ModelConfig(name="glm4_9b_chat", **model), hw=hw,
                     data=DataConfig(max_length=length, val_file=val),
-                    dist=DistConfig(nproc_per_node=gpus, sequence_parallel=sp))
+                    dist=DistConfig(nproc_per_node=gpus, sequence_parallel=sp), train=TrainConfig(tiled_mlp=tiled))
     return make_plan(run, GLM4, gpus, True)
 
 
 def test_auto_takes_the_smallest_degree_that_fits_and_keeps_the_global_batch():
-    """4 x 24 GB at 128K: whole rows do not fit; auto stops at the first degree whose explicit plan fits (2 or 4,
-    depending on the rungs before it), and the width shrinks as the accumulation grows. Short rows stay at 1."""
-    fits = {n: plan("rtx4090_24g", 4, 131072, sp=n).fits for n in (1, 2, 4)}
+    """4 x 24 GB at 128K: whole rows do not fit; auto stops at the first degree whose explicit plan fits with the
+    rungs before SP (the tiled MLP comes after it: planner.step_down), and the width shrinks as the accumulation
+    grows. Short rows stay at 1."""
+    fits = {n: plan("rtx4090_24g", 4, 131072, sp=n, tiled="off").fits for n in (1, 2, 4)}
     assert not fits[1] and fits[4]
     auto = plan("rtx4090_24g", 4, 131072)
     c = auto.choices
-    assert auto.fits and c.sequence_parallel == min(n for n, ok in fits.items() if ok)
+    assert auto.fits and c.sequence_parallel == min(n for n, ok in fits.items() if ok) and c.mlp_tile_tokens == 0
     assert c.world_size == 4 // c.sequence_parallel and c.micro_batch_size * c.grad_accum * c.world_size == 4
     assert f"{c.sequence_parallel} ranks share each row" in auto.reasons["sequence_parallel"]
     assert plan("rtx4090_24g", 4, 2048).choices.sequence_parallel == 1
@@ -56,15 +56,15 @@ def test_per_rank_tokens_are_a_shard():
 
 
 def test_4x4090_at_128k_fits_with_sp_training_only(tmp_path):
-    """The issue's command without an evaluation set (evaluation scores whole rows, without SP: see the next test):
-    ZeRO-3 over the 4 ranks, SP (4; 2 with the tiled MLP), checkpoint offload, and the node's RAM in plan.json."""
+    """The issue's command without an evaluation set: ZeRO-3 over the 4 ranks, SP 4, checkpoint offload, and the
+    node's RAM in plan.json."""
     run = tmp_path / "p"
     out = glmtune("mode=plan", "model=glm4_9b_chat", "+hw=rtx4090_24g", "dist.nproc_per_node=4",
                   "data.max_length=131072", "data.val_file=null", f"hydra.run.dir={run}")
     assert out.returncode == 0, out.stderr[-2000:]
     p = json.loads((run / "plan.json").read_text())
     sp = p["choices"]["sequence_parallel"]
-    assert p["fits"] and sp in (2, 4) and p["choices"]["zero_stage"] == 3 and p["choices"]["offload_checkpoints"]
+    assert p["fits"] and sp == 4 and p["choices"]["zero_stage"] == 3 and p["choices"]["offload_checkpoints"]
     host = p["host"]
     # 4 ranks x 40 blocks x 131,072 / SP tokens x 4,096 x 2 B pinned (powers of two), plus 4 processes
     assert host["breakdown"]["pinned checkpoint offload"] == 4 * 40 * (131072 // sp) * 4096 * 2
@@ -72,21 +72,20 @@ def test_4x4090_at_128k_fits_with_sp_training_only(tmp_path):
     assert "host   " in out.stdout and "GiB for 4 process(es) on a node" in out.stdout
 
 
-@pytest.mark.skipif(not TILED, reason="evaluation of whole 128K rows needs the tiled MLP (branch tiledmlp)")
 def test_issue_command_4x4090_128k(tmp_path):
-    """The issue's command as typed (the sample val set: evaluation scores whole rows): fits with sequence
-    parallelism, the smallest degree that does (half of it does not), and the node's RAM in plan.json."""
+    """The issue's command as typed (with the sample val set, whose loss is scored under the same SP layout): fits
+    with sequence parallelism 4, the smallest degree that does before the tiled MLP (half of it does not without
+    tiles), and the node's RAM in plan.json."""
     run = tmp_path / "p"
     args = ["mode=plan", "model=glm4_9b_chat", "+hw=rtx4090_24g", "dist.nproc_per_node=4", "data.max_length=131072"]
     out = glmtune(*args, f"hydra.run.dir={run}")
     assert out.returncode == 0, out.stderr[-2000:]
     p = json.loads((run / "plan.json").read_text())
     sp = p["choices"]["sequence_parallel"]
-    assert sp in (2, 4) and p["host"]["fits"] and p["host"]["bytes"] > 0
-    assert glmtune_in_process(*args, f"dist.sequence_parallel={sp // 2}").returncode == 3
+    assert sp == 4 and p["choices"]["mlp_tile_tokens"] == 0 and p["host"]["fits"] and p["host"]["bytes"] > 0
+    assert glmtune_in_process(*args, "dist.sequence_parallel=2", "train.tiled_mlp=off").returncode == 3
 
 
-@pytest.mark.skipif(not TILED, reason="262,144 tokens on one card needs the tiled MLP (branch tiledmlp)")
 def test_issue_command_a100_80g_256k(tmp_path):
     run = tmp_path / "p"
     out = glmtune("mode=plan", "model=glm4_9b_chat", "+hw=a100_80g", "data.max_length=262144",

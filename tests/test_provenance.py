@@ -17,8 +17,8 @@ def _plan(model="glm4_9b_chat", hw=("rtx4090_24g", 23.6), world=1, **sections):
 
 def test_two_4090s_at_32k_rest_on_derived_zero3_terms_and_say_so():
     """The README's 2 x RTX 4090 at 32K keeps ~0.1 GiB of headroom on ZeRO-3 across GPUs and NCCL, which no GPU
-    row has measured."""
-    plan = _plan(world=2, data={"max_length": 32768})
+    row has measured. (Without the tiled MLP: with it the plan keeps 3.3 GiB free, no longer near the budget.)"""
+    plan = _plan(world=2, data={"max_length": 32768}, train={"tiled_mlp": "off"})
     assert plan.fits and plan.choices.zero_stage == 3
     assert plan.sources["frozen weights (ZeRO-3 shard)"] == DERIVED and plan.sources["NCCL communicator"] == DERIVED
     assert plan.sources["activations kept for backward"] == MEASURED

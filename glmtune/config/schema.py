@@ -89,6 +89,7 @@ class TrainConfig:
     loss_normalization: str = "tokens"
     compile: str = "auto"  # auto | on | off: torch.compile each decoder block; auto = on CUDA without ZeRO-3
     packed_attention: str = "auto"  # auto | sdpa | segments | flex: attention of packed rows (models/docattention.py)
+    tiled_mlp: str = "auto"  # auto | on | off: the MLP in token tiles (models/tiling.py); auto = when the plan needs it
 
 
 @dataclass

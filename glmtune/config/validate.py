@@ -34,6 +34,7 @@ _CHOICES = {
     "train.compile": ("auto", "on", "off"),
     "train.loss_normalization": ("tokens", "micro_batch"),
     "train.packed_attention": ("auto", "sdpa", "segments", "flex"),
+    "train.tiled_mlp": ("auto", "on", "off"),
     "data.packing": ("auto", "on", "off"),
     "hw.interconnect": ("pcie", "nvlink", "none"),
     "train.resume": ("auto", "always", "restart"),

@@ -29,6 +29,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from .configuration import GLMConfig
 from .docattention import DocumentSpans, segment_attention
+from .tiling import tiled
 from .ulysses import SequenceGroup, heads_for_attention, heads_to_sequence
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key, value), each [batch, kv_groups, seq, head_dim]
@@ -188,7 +189,19 @@ class MLP(nn.Module):
         self.dense_h_to_4h = nn.Linear(config.hidden_size, 2 * config.ffn_hidden_size, bias=config.add_bias_linear)
         self.dense_4h_to_h = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear)
 
+    # Set by models.tiling.set_mlp_tile_tokens from the plan: above this many tokens (batch x sequence) the MLP
+    # runs in tiles of it, one tile's [tile, 2 x ffn] intermediate live at a time (0 = never tiled); under ZeRO-3
+    # the tiles' checkpoints are reentrant (models/tiling.py says why).
+    mlp_tile_tokens, mlp_tile_zero3 = 0, False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if 0 < self.mlp_tile_tokens < x.numel() // x.shape[-1]:
+            zero3 = ([p for p in self.parameters() if p.requires_grad and hasattr(p, "ds_id")]
+                     if self.mlp_tile_zero3 else None)
+            return tiled(self._swiglu, x, self.mlp_tile_tokens, zero3)
+        return self._swiglu(x)
+
+    def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.dense_h_to_4h(x).chunk(2, dim=-1)
         return self.dense_4h_to_h(F.silu(gate) * up)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..models import GLMConfig
-from . import longctx, quantized, variants
+from . import longctx, quantized, tiledmlp, variants
 from .reserve import phase_reserves
 from .variants import BYTES, linear_shapes, peft_adapter_dtype  # noqa: F401 (shared with the variants' terms)
 from .archsize import (IMAGE_TOKENS, VISION_LAYER_TOKENS, block_params, frozen_params,  # noqa: F401 (re-exported)
@@ -85,6 +85,7 @@ class RunShape:
     allocator: str = "expandable"  # expandable | default: the CUDA caching allocator's mode (plan/reserve.py)
     use_dora: bool = False  # DoRA's terms and the 8-bit optimizer's states: plan/variants.py
     document_mask: bool = False  # packed rows on the dense path (sdpa; models/docattention.py): what estimate() says
+    mlp_tile_tokens: int = 0  # >0: the MLP runs in tiles of this many tokens (plan/tiledmlp.py), 0 = whole
     optimizer: str = "adamw_torch"  # adamw_torch | adamw_8bit
     sequence_parallel: int = 1  # ranks sharing each row (Ulysses): per-rank tokens seq/N (plan/longctx.py)
     ranks_per_node: int = 1  # processes on one node: the host-memory terms are per node
@@ -139,15 +140,26 @@ def block_saved(arch: GLMConfig, shape: RunShape, tokens: int, input_requires_gr
         rg = True
     if rg:  # post_attention_layernorm: residual sum + fp32 copy
         total += e * tokens * h + fp32_copy
-    if "dense_h_to_4h" in targets:
-        total += _lora_saved(tokens, h, shape, a)
+    if tiledmlp.tile_in_force(shape, tokens):  # the tiles keep their input; the rest is recomputed per tile
+        total += tiledmlp.saved(e, tokens, h, rg or bool(targets & {"dense_h_to_4h", "dense_4h_to_h"}))
+    else:
+        total += mlp_saved(arch, shape, tokens, rg)
+    return total + quantized.saved_bytes(arch, shape.quantize, e, tokens) + variants.dora_saved(arch, shape, tokens,
+                                                                                                input_requires_grad)
+
+
+def mlp_saved(arch: GLMConfig, shape: RunShape, tokens: int, rg: bool) -> int:
+    """Bytes the untiled MLP keeps for backward (rg: its input needs grad)."""
+    e, a, f = BYTES[shape.dtype], BYTES[shape.adapter_dtype or peft_adapter_dtype(shape.dtype)], arch.ffn_hidden_size
+    total = 0
+    if "dense_h_to_4h" in shape.lora_targets:
+        total += _lora_saved(tokens, arch.hidden_size, shape, a)
         rg = True
     if rg:  # SwiGLU: fused [gate|up] output and silu(gate)
         total += 3 * e * tokens * f
-    if "dense_4h_to_h" in targets:
+    if "dense_4h_to_h" in shape.lora_targets:
         total += _lora_saved(tokens, f, shape, a)
-    return total + quantized.saved_bytes(arch, shape.quantize, e, tokens) + variants.dora_saved(arch, shape, tokens,
-                                                                                                input_requires_grad)
+    return total
 
 
 def block_working(arch: GLMConfig, shape: RunShape, tokens: int) -> int:
@@ -157,7 +169,10 @@ def block_working(arch: GLMConfig, shape: RunShape, tokens: int) -> int:
     token, the SwiGLU input's storage being freed before the fused gradient is built."""
     e, quant = BYTES[shape.dtype], quantized.working_bytes(arch, shape.quantize, BYTES[shape.dtype], tokens,
                                                            shape.device != "cpu", shape.double_quant)
-    return e * tokens * (3 * arch.ffn_hidden_size + 2 * arch.hidden_size) + quant + variants.dora_working(arch, shape, tokens)
+    f, h, tile = arch.ffn_hidden_size, arch.hidden_size, tiledmlp.tile_in_force(shape, tokens)
+    mlp = (tiledmlp.working(e, tokens, tile, f, h, mlp_saved(arch, shape, tile, True)) if tile
+           else e * tokens * (3 * f + 2 * h))
+    return mlp + quant + variants.dora_working(arch, shape, tokens)
 
 
 def loss_bytes(arch: GLMConfig, shape: RunShape, tokens: int) -> int:

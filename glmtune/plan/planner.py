@@ -16,12 +16,13 @@ import torch
 
 from ..config import RunConfig
 from ..models.docattention import packed_path, path_figures, path_reason
-from .advice import advise, format_options
+from .advice import advise
 from .estimate import GIB, RunShape, estimate, gpu_family, image_extra_tokens
 from .packrows import fullest_micro_step, most_rows
 from ..config import userds
 from .provenance import derived_near_budget, term_sources
 from .quantized import allows_zero3
+from .tiledmlp import tile_tokens
 from .reserve import ALLOCATORS, allocator_in_force
 from . import sequence
 
@@ -46,6 +47,7 @@ class Choices:
     loss_chunk_tokens: int = 0  # 0 = reference loss; >0 = chunked loss, fp32 logits for this many tokens at a time
     offload_checkpoints: bool = False  # checkpointed block inputs kept in pinned CPU memory instead of on the GPU
     sequence_parallel: int = 1  # ranks sharing each row (plan/sequence.py); world_size is then processes / N
+    mlp_tile_tokens: int = 0  # >0: the MLP runs in token tiles of this size (models/tiling.py); 0 = whole
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -68,7 +70,7 @@ class Plan:
     def to_json(self) -> str:
         keys = ("dtype", "gradient_checkpointing", "zero_stage", "offload_params", "offload_optimizer",
                 "micro_batch_size", "grad_accum", "max_length", "world_size", "loss_chunk_tokens",
-                "offload_checkpoints", "sequence_parallel")
+                "offload_checkpoints", "sequence_parallel", "mlp_tile_tokens")
         return json.dumps({"fits": self.fits, "budget_bytes": self.budget_bytes, "peak_bytes": self.peak_bytes,
                            "breakdown": self.breakdown, "choices": {k: getattr(self.choices, k) for k in keys},
                            "reasons": self.reasons, "advice": self.advice, "sources": self.sources,
@@ -129,7 +131,8 @@ def run_shape(run: RunConfig, arch, c: Choices, data_max_tokens: int | None = No
                     optimizer=run.train.optimizer, allocator=allocator_in_force(os.environ.get("PYTORCH_CUDA_ALLOC_CONF")),
                     # Only the dense path has the mask (auto: rows up to DENSE_MASK_MAX). auto may pick FlexAttention
                     # only with compiled blocks on CUDA, so it is planned by length, as without them.
-                    document_mask=packed is not None and packed_path(run.train.packed_attention, seq) == "sdpa")
+                    document_mask=packed is not None and packed_path(run.train.packed_attention, seq) == "sdpa",
+                    mlp_tile_tokens=c.mlp_tile_tokens)
 
 
 def step_down(plan_or_choices: Plan | Choices, run: RunConfig, arch, world_size: int) -> Choices | None:
@@ -139,9 +142,13 @@ def step_down(plan_or_choices: Plan | Choices, run: RunConfig, arch, world_size:
     accumulation, same global batch); chunked loss (1,024 tokens: one extra head matmul per chunk, ~2 % of a
     step); checkpointing (unless forced off: one extra forward, ~25-30 %); a 256-token loss chunk; checkpointed
     block inputs in pinned CPU memory (40 x tokens x 4096 x 2 B leave the card: 2.5 GiB at 8K; two PCIe copies
-    per block and step); ZeRO-3 (world_size > 1, unless dist.strategy=ddp: weights gathered every step,
-    6x slower than plain LoRA on one H100 even without a second GPU to talk to); last, under sequence_parallel=auto,
-    the next degree (plan/sequence.py: 1/N of the activations, accumulation x N). The optimizer is never
+    per block and step, overlapped with compute); ZeRO-3 (world_size > 1, unless dist.strategy=ddp: weights
+    gathered every step, 6x slower than plain LoRA on one H100 even without a second GPU to talk to; before
+    sequence parallelism because that shards activations, never the weights); under sequence_parallel=auto the
+    next degree (plan/sequence.py: 1/N of the activations, accumulation x N; 12 exchanges of q, k, v and the
+    output per block and step: 1.6 % of a CPU step at SP 2, 5.9 % at SP 4 over gloo, bench/RESULTS.md); last,
+    the tiled MLP (one more MLP forward per step: derived ~+18 % at 8K, ~+6 % at 128K, more than SP's
+    exchanges; only when a rank's micro-batch outgrows a tile). The optimizer is never
     offloaded: LoRA's Adam states are megabytes. Nor are the parameters: measured on an H100, DeepSpeed
     0.19.8's parameter offload still held the whole model on the card (bench/RESULTS.md), so it fits
     nothing that ZeRO-3 without it does not."""
@@ -159,7 +166,14 @@ def step_down(plan_or_choices: Plan | Choices, run: RunConfig, arch, world_size:
         return replace(c, offload_checkpoints=True)
     if c.zero_stage == 0 and max(world_size, c.world_size) * c.sequence_parallel > 1 and allows_zero3(run):
         return replace(c, zero_stage=3)
-    return sequence.next_degree(c, run, arch)
+    wider = sequence.next_degree(c, run, arch)
+    if wider is not None:
+        return wider
+    tile = tile_tokens(arch)  # plan/tiledmlp.py
+    local = c.micro_batch_size * -(-c.max_length // c.sequence_parallel)  # a rank's tokens (plan/longctx.py)
+    if run.train.tiled_mlp == "auto" and c.mlp_tile_tokens == 0 and local > tile:
+        return replace(c, mlp_tile_tokens=tile)
+    return None
 
 
 def _budget(run: RunConfig, margin: float) -> int | None:
@@ -186,7 +200,8 @@ def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
                 offload_optimizer=offload_optimizer,
                 micro_batch_size=run.train.per_device_batch_size, grad_accum=run.train.grad_accum,
                 max_length=max_length, world_size=world_size, eval_batch_size=run.train.eval_batch_size,
-                sequence_parallel=sp)
+                sequence_parallel=sp,
+                mlp_tile_tokens=tile_tokens(arch) if run.train.tiled_mlp == "on" else 0)
     reasons = {"dtype": why_dtype,
                "max_length": "set by data.max_length" if user_set_max_length else
                f"default {DEFAULT_MAX_LENGTH} tokens (data.max_length not set)"}
@@ -255,6 +270,9 @@ def _reasons(run, start: Choices, c: Choices, budget, weights: int, world_size: 
                               else "0: reference loss fits")
     r["offload_checkpoints"] = ("on: the checkpointed block inputs do not fit; they wait in pinned CPU memory "
                                 "(two PCIe copies per block and step)" if c.offload_checkpoints else "off")
+    r["mlp_tile_tokens"] = (f"train.tiled_mlp={run.train.tiled_mlp}" if run.train.tiled_mlp != "auto" else
+                            f"{c.mlp_tile_tokens}: the MLP's intermediate (tokens x 2 ffn) does not fit; one tile's "
+                            "does (one more MLP forward per step)" if c.mlp_tile_tokens else "0: the whole MLP fits")
     r["offload_params"] = ("off: DeepSpeed's parameter offload kept the whole model on the card when measured "
                            "(H100, deepspeed 0.19.8)")
     r["micro_batch_size"] = sequence.batch_reason(start, c)
@@ -281,42 +299,3 @@ def _advice(run, arch, world_size: int, max_length: int, data_max_tokens, margin
         return make_plan(changed, arch, world, True, data_max_tokens, margin, packed, False, data_tokens)
 
     return advise(run, world_size, max_length, replan)
-
-
-def format_plan(plan: Plan):
-    """Rich table: breakdown in GiB, then each decision with its reason; under it, the numbered options that
-    would fit (plan.advice), wrapped for a 120-column log."""
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
-
-    table = Table(title=f"memory plan: {'fits' if plan.fits else 'DOES NOT FIT'}", show_header=True)
-    table.add_column("item")
-    table.add_column("value", justify="right")
-    table.add_column("why", style="dim")  # the term's source, or the decision's reason: wraps in a 120-column log
-    for name, value in plan.breakdown.items():
-        table.add_row(name, f"{value / GIB:.2f} GiB", plan.sources.get(name, "").split(" (")[0])
-    table.add_row("[bold]estimated peak", f"[bold]{plan.peak_bytes / GIB:.2f} GiB")
-    budget = "none (no GPU)" if plan.budget_bytes is None else f"{plan.budget_bytes / GIB:.2f} GiB"
-    table.add_row("[bold]budget", budget)
-    for row in sequence.host_rows(plan.host):  # one node's RAM, the second budget
-        table.add_row(*row)
-    for key, value in plan.choices.to_dict().items():
-        table.add_row(key, str(value), plan.reasons.get(key, ""))
-    if plan.packing:
-        table.add_row("packing", "on", format_rows(plan.packing))
-        table.add_row("packed attention", plan.packing["attention"], plan.reasons.get("packed_attention", ""))
-    if plan.unmeasured_risk:
-        table.add_row("[yellow]unmeasured", "", plan.unmeasured_risk)
-    if not plan.advice:
-        return table
-    return Group(table, Text(format_options(plan.advice)))
-
-
-def format_rows(p: dict) -> str:
-    """The plan's packing line: how many rows a micro-step and a step become."""
-    expected = (f"expected {p['expected_rows_per_micro_step']:.1f}, " if "expected_rows_per_micro_step" in p else "")
-    return (f"{p['examples_per_micro_step']} examples per micro-step -> {expected}probed "
-            f"{p['probed_rows_per_micro_step']} x {p['probed_row_positions']} positions, at most "
-            f"{p['most_rows_per_micro_step']} rows; a step: {p['micro_steps_per_step']} micro-steps, at most "
-            f"{p['most_rows_per_step']} rows of <= {p['pack_length']}")

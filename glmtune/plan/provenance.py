@@ -41,6 +41,10 @@ def term_sources(breakdown: dict[str, int], shape) -> dict[str, str]:
         elif quantized and name in ("frozen weights", "block backward working set", "activations kept for backward",
                                     "recomputed block (checkpointing)"):
             source = CPU_VERIFIED
+        elif getattr(shape, "mlp_tile_tokens", 0) and (name in ("block backward working set", "recomputed block "
+                                                                "(checkpointing)") or (name == "activations kept for "
+                                                                "backward" and not shape.gradient_checkpointing)):
+            source = CPU_VERIFIED  # the tiled MLP's terms: fitted on CPU live bytes only (plan/tiledmlp.py)
         else:
             source = MEASURED
         out[name] = source

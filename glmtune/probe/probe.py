@@ -315,6 +315,7 @@ def format_probe(report: ProbeReport):
         levers = [name for name, on in (("checkpointing", c["gradient_checkpointing"]),
                                         (f"loss chunk {c['loss_chunk_tokens']}", c["loss_chunk_tokens"]),
                                         ("checkpoints in CPU memory", c.get("offload_checkpoints", False)),
+                                        (f"MLP tiles {c.get('mlp_tile_tokens', 0)}", c.get("mlp_tile_tokens", 0)),
                                         ("ZeRO-3", c["zero_stage"] == 3), ("parameter offload", c["offload_params"]))
                   if on]
         table.add_row(str(i), f"{c['micro_batch_size']} x {c['grad_accum']}, eval {c['eval_batch_size']}",

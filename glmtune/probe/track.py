@@ -23,6 +23,7 @@ def measure_lora_step(arch, shape, seed: int = 0, sequence=None) -> tuple[int, i
     from ..train.optim import make_optimizer
     from ..plan.estimate import BYTES
     from ..models import ChatGLMForConditionalGeneration, enable_checkpointing
+    from ..models.tiling import set_mlp_tile_tokens
 
     dtype = {2: torch.bfloat16, 4: torch.float32}[BYTES[shape.dtype]]
     torch.manual_seed(seed)
@@ -34,6 +35,7 @@ def measure_lora_step(arch, shape, seed: int = 0, sequence=None) -> tuple[int, i
     if shape.gradient_checkpointing:
         enable_checkpointing(model, use_reentrant=True)
         model.enable_input_require_grads()
+    set_mlp_tile_tokens(model, shape.mlp_tile_tokens)
     model.train()
     params = trainable_parameters(model)
     opt = make_optimizer(shape.optimizer, params, lr=1e-4, weight_decay=0.0)

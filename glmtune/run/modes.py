@@ -18,17 +18,17 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ..rundir.atomic import is_disk_full
-from ..config import ConfigError, parse_config
+from ..config import ConfigError, parse_config, userds
 from ..data.packing import decide_packing, expected_rows, format_packing, planned_packing
 from ..data.pipeline import DataCollator, build_datasets, cache_entries, format_stats, longest_length
 from ..launch import rank, world_size
 from ..models import load_tokenizer
 from ..models.loading import check_weight_files
 from ..models.presets import arch_config, resolve_model_dir
-from ..config import userds
-from ..plan.estimate import GIB, image_extra_tokens
+from ..plan.estimate import image_extra_tokens
 from ..plan.elastic import elastic_choices
-from ..plan.planner import Choices, format_plan, make_plan
+from ..plan.planner import Choices, make_plan
+from ..plan.table import format_plan
 from ..plan.sequence import set_tokens
 from .report import header, no_fit_line, report_probe, summary
 from ..rundir.resume import check_inputs, input_fingerprints, refuse_training_run, resume_command

@@ -46,6 +46,8 @@ def _decisions(c: Choices) -> str:
         parts.append("CPU offload")
     if c.loss_chunk_tokens:
         parts.append(f"chunked loss ({c.loss_chunk_tokens} tokens)")
+    if c.mlp_tile_tokens:
+        parts.append(f"tiled MLP ({c.mlp_tile_tokens}-token tiles)")
     # Under sequence parallelism the plan's width is the number of groups, each sharing its rows over N GPUs.
     sp = c.sequence_parallel
     width = (f"{c.world_size} GPU(s)" if sp == 1 else

@@ -36,6 +36,7 @@ from .optim import HF_NAMES
 from .timeline import MemoryTimeline
 from .tracking import TrackerRuns, launch_params, run_label
 from ..models import enable_checkpointing, load_model
+from ..models.tiling import set_mlp_tile_tokens
 from ..models.quantize import load_quantized
 from ..config import userds
 from ..plan.planner import Choices
@@ -123,13 +124,15 @@ def _build_model(model_dir: Path, run: RunConfig, choices: Choices) -> torch.nn.
 
 
 def prepare_model(model: torch.nn.Module, run: RunConfig, choices: Choices) -> torch.nn.Module:
-    """Everything the plan applies to a loaded base model: loss chunking, checkpoint offload, LoRA,
+    """Everything the plan applies to a loaded base model: loss chunking, checkpoint offload, MLP tiles, LoRA,
     checkpointing. bench/gpu_memory.py calls this on full-size random-weight models built on the GPU."""
     transformers.set_seed(run.train.seed)  # LoRA's A matrices are random: same seed, same start
     model.config.use_cache = False
     if hasattr(model, "loss_chunk_tokens"):  # glmtune's model (not a checkpoint's own remote code)
         model.loss_chunk_tokens = choices.loss_chunk_tokens
         model.transformer.encoder.offload_checkpoints = choices.offload_checkpoints
+        # The probe builds through here too, so it measures the tiles.
+        set_mlp_tile_tokens(model, choices.mlp_tile_tokens, zero3=choices.zero_stage == 3)
     model = apply_lora(model, run.lora)
     if choices.gradient_checkpointing:
         enable_checkpointing(model, use_reentrant=run.train.use_reentrant)
