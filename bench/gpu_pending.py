@@ -7,6 +7,8 @@
                                              # generation speed (bench/generate_speed.py)
     python bench/gpu_pending.py --part cli   # the user's commands (issue 33): each run's exit, plan, probe and
                                              # per-phase peaks on random-weight checkpoints (bench/gpu_cli.py)
+    python bench/gpu_pending.py --part 4     # long context on one GPU (issue 30): glm-4-9b-chat at 64K and 128K
+                                             # with the tiled MLP, probe + steps, planned vs measured peak
     python bench/gpu_pending.py --tiny --part N   # the same steps on CPU with the tiny model (the test suite)
 
 Each step is the existing bench script (or the glmtune command) in its own process with its own time limit, so
@@ -64,6 +66,18 @@ def steps(part: int, tiny: bool, work: Path) -> list[tuple[str, list[str], int]]
                             f"data.train_file={data}", f"data.val_file={data}", f"data.max_length={length}",
                             f"train.max_steps={steps_n}", "train.logging_steps=1", "train.save_minutes=0",
                             f"hydra.run.dir={work / 'probe-run'}"], 240 if tiny else 280)]
+    if part == 4:  # one GPU cannot run SP > 1: the 1-GPU rows of issue 30 (tiled MLP, checkpoint offload)
+        ckpt = checkpoint("glm4_9b_chat", "glm4", work, tiny, timeout=PART_LIMIT_S)
+        data = long_conversations(work / "longest.jsonl", 2, 400 if tiny else 70000)  # cut to each length
+        out = []
+        for length, steps_n, limit in ([(256, 2, 120), (512, 1, 120)] if tiny else [(65536, 2, 200), (131072, 1, 290)]):
+            out.append((f"probe + {steps_n} step(s) at {length} tokens, tiled MLP on",
+                        glmtune + ["model=glm4_tiny" if tiny else "model=glm4_9b_chat", f"model.path={ckpt}",
+                                   *([] if tiny else ["+hw=h100_80g"]), "train.tiled_mlp=on", f"data.train_file={data}",
+                                   "data.val_file=null", f"data.max_length={length}", f"train.max_steps={steps_n}",
+                                   "train.logging_steps=1", "train.save_minutes=0", "train.report_to=[]",
+                                   f"hydra.run.dir={work / f'long-{length}'}"], limit))
+        return out
     if tiny:
         return [("throughput: compile and packing on demo-like data",
                  py + [str(BENCH / "throughput.py"), "--tiny", "--cases", "demo", "--steps", "1", "--warmup", "1",
@@ -93,7 +107,8 @@ def header() -> str:
 
 def run_part(part: int, tiny: bool, work: Path) -> int:
     work.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(work / "probe-run", ignore_errors=True)  # each call measures a fresh run
+    for old in [work / "probe-run", *work.glob("long-*")]:  # each call measures fresh runs
+        shutil.rmtree(old, ignore_errors=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     t0, failures, report = time.perf_counter(), 0, [f"## gpu_pending part {part}{' (tiny, CPU)' if tiny else ''}: "
                                                       f"{header()}"]
@@ -117,17 +132,18 @@ def run_part(part: int, tiny: bool, work: Path) -> int:
         if rc != 0:
             failures += 1
             report += ["    " + line for line in (err or out).strip().splitlines()[-15:]]
-    if part == 2:  # the probe's attempts: planned vs measured peak
-        probe = work / "probe-run" / "probe.json"
+    for run_dir in ([work / "probe-run"] if part == 2 else sorted(work.glob("long-*")) if part == 4 else []):
+        probe = run_dir / "probe.json"  # the probe's attempts: planned vs measured peak
         if probe.is_file():
-            report.append("probe attempts: " + json.dumps(json.loads(probe.read_text()).get("attempts", [])))
+            report.append(f"{run_dir.name} probe attempts: "
+                          + json.dumps(json.loads(probe.read_text()).get("attempts", [])))
     print("\n".join(report), flush=True)
     return 1 if failures else 0
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=("1", "2", "3", "cli"), required=True)
+    ap.add_argument("--part", choices=("1", "2", "3", "4", "cli"), required=True)
     ap.add_argument("--tiny", action="store_true", help="CPU, tiny model: every step of the part, small")
     ap.add_argument("--work", default=None, help="scratch folder (checkpoint, data, run dirs); default /tmp/glmtune-pending")
     args = ap.parse_args()

@@ -44,3 +44,11 @@ def test_part_cli_runs_the_six_commands_each_within_its_probe(repo, tmp_path):
     assert len(rows) == 6 and all(r[2].strip() == "0" and r[-2].strip() == "ok" for r in rows), table
     trained = [float(r[7]) for r in rows if r[7].strip() != "-"]  # run peak / probe peak, measured alike
     assert len(trained) == 5 and max(trained) <= 1.01, table
+
+
+@pytest.mark.slow  # ~20 s: two short runs of the tiny model with the tiled MLP, each probed
+def test_part_4_long_rows_with_the_tiled_mlp(repo, tmp_path):
+    out = _part(repo, tmp_path, 4)
+    assert out.count("tiled MLP on (") == 2 and out.count("adapter saved") == 2, out
+    attempts = [line for line in out.splitlines() if "probe attempts: " in line]
+    assert len(attempts) == 2 and all('"mlp_tile_tokens": 128' in a and '"outcome": "fits"' in a for a in attempts)
