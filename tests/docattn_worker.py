@@ -21,23 +21,14 @@ from glmtune.models.configuration import GLMConfig
 from glmtune.models.loading import _FAMILY, TINY_ARCH
 from glmtune.models.modeling_glm4 import ChatGLMForConditionalGeneration
 from glmtune.models.ulysses import SequenceGroup, shard
+from test_docattention import packed  # this folder is the script's: first on sys.path
 
 B, S, VOCAB = 2, 32, 128
 DOCS = [[3, 9, 6, 11, 3], [13, 2, 8, 5]]  # boundaries off the shard edges (8, 16, 24); row 2 ends on 4 pads
 
 
 def batch() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(11)
-    ids = torch.randint(0, VOCAB, (B, S), generator=g)
-    seq, pos = torch.full((B, S), -1), torch.zeros(B, S, dtype=torch.long)
-    for row, docs in enumerate(DOCS):
-        at = 0
-        for i, n in enumerate(docs):
-            seq[row, at:at + n], pos[row, at:at + n] = i, torch.arange(n)
-            at += n
-    labels = ids.masked_fill(seq < 0, -100)
-    labels[:, :2] = -100
-    return dict(input_ids=ids, position_ids=pos, seq_ids=seq, labels=labels)
+    return packed(DOCS, S, seed=11)  # the collator's layout (tests/test_docattention.py)
 
 
 def run_case(model, data, sp: SequenceGroup | None, path: str):
