@@ -63,13 +63,20 @@ def run_case(model, data, sp: SequenceGroup | None) -> tuple[torch.Tensor, torch
     model.transformer.set_sequence_group(sp)
     loss, logits = loss_sum(model, data, shifted)
     loss.backward()
+    loss, grads = summed_over_group(model, loss, sp)
+    return loss, logits.detach(), grads
+
+
+def summed_over_group(model, loss: torch.Tensor, sp: SequenceGroup | None):
+    """(the loss, every parameter's gradient) summed over the group: each rank's gradient covers its own tokens."""
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    loss = loss.detach().clone()
     if sp is not None:
-        dist.all_reduce(loss := loss.detach().clone(), group=sp.group)
+        dist.all_reduce(loss, group=sp.group)
         for g in grads.values():
             dist.all_reduce(g, group=sp.group)
     model.transformer.set_sequence_group(None)
-    return loss.detach(), logits.detach(), grads
+    return loss, grads
 
 
 BOI, EOI = 120, 121  # the tiny GLM-4V's image placeholder ids here: boi <X> eoi becomes boi + 4 patches + eoi
@@ -95,13 +102,7 @@ def run_vision_case(model, data, sp: SequenceGroup | None):
     model.loss_reduction = "sum"
     out = model(**data)
     out.loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    loss = out.loss.detach().clone()
-    if sp is not None:
-        dist.all_reduce(loss, group=sp.group)
-        for g in grads.values():
-            dist.all_reduce(g, group=sp.group)
-    model.transformer.set_sequence_group(None)
+    loss, grads = summed_over_group(model, out.loss, sp)
     return loss, out.logits.detach(), grads
 
 
@@ -131,15 +132,20 @@ def vision_results(rank: int, pairs) -> dict[str, dict]:
             # Compared where a token is: a pad's query row attends to every key (modeling_glm4.build_attention_mask),
             # the sequence-parallel pads included; no loss ever reads it.
             real = pad_and_shard(merged_mask(model, data, ref_logits.shape[:2]), 0, sp).bool()
-            results[f"glm4v packed={packed} sp={size}"] = dict(
-                loss=rel(loss, ref_loss), logits=rel(logits[real], ref_local[real]),
-                grads=max(rel(grads[n], ref_grads[n]) for n in ref_grads),
-                missing=sorted(set(ref_grads) - set(grads)))
+            results[f"glm4v packed={packed} sp={size}"] = differences(
+                (loss, logits[real], grads), (ref_loss, ref_local[real], ref_grads))
     return results
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+def differences(mine, ref) -> dict:
+    """Largest relative differences of (loss, logits, gradients) against the reference's, and missing grads."""
+    (loss, logits, grads), (ref_loss, ref_logits, ref_grads) = mine, ref
+    return dict(loss=rel(loss, ref_loss), logits=rel(logits, ref_logits),
+                grads=max(rel(grads[n], ref_grads[n]) for n in ref_grads), missing=sorted(set(ref_grads) - set(grads)))
 
 
 def main(out_dir: str) -> None:
@@ -160,10 +166,8 @@ def main(out_dir: str) -> None:
                     sp = SequenceGroup.of(pairs[rank // 2] if size == 2 else None)
                     loss, logits, grads = run_case(model, data, sp)
                     ref_local = shard(ref_logits, sp)
-                    results[f"{family} heads={heads} packed={packed} sp={size}"] = dict(
-                        loss=rel(loss, ref_loss), logits=rel(logits, ref_local),
-                        grads=max(rel(grads[n], ref_grads[n]) for n in ref_grads),
-                        missing=sorted(set(ref_grads) - set(grads)))
+                    results[f"{family} heads={heads} packed={packed} sp={size}"] = differences(
+                        (loss, logits, grads), (ref_loss, ref_local, ref_grads))
             # Checkpointed blocks recompute their attention, exchanges included, in backward: every rank of a
             # group recomputes the same blocks in the same order, so the collectives pair up again.
             for reentrant in (False, True):
@@ -173,10 +177,8 @@ def main(out_dir: str) -> None:
                 sp = SequenceGroup.of(None)
                 loss, logits, grads = run_case(model, data, sp)
                 ref_loss, ref_logits, ref_grads = run_case(model, data, None)
-                results[f"{family} heads={heads} packed=True sp=4 checkpointing reentrant={reentrant}"] = dict(
-                    loss=rel(loss, ref_loss), logits=rel(logits, shard(ref_logits, sp)),
-                    grads=max(rel(grads[n], ref_grads[n]) for n in ref_grads),
-                    missing=sorted(set(ref_grads) - set(grads)))
+                results[f"{family} heads={heads} packed=True sp=4 checkpointing reentrant={reentrant}"] = differences(
+                    (loss, logits, grads), (ref_loss, shard(ref_logits, sp), ref_grads))
                 model.gradient_checkpointing_disable()
     results.update(vision_results(rank, pairs))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
