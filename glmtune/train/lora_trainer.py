@@ -99,30 +99,29 @@ class LoraTrainer(Trainer):
             return self._sharded_eval_loss(model, inputs, return_outputs)
         if tokens is None or demo or not hasattr(self.glm, "loss_reduction"):
             return super().compute_loss(model, inputs, return_outputs)
-        self.glm.loss_reduction = "sum"
-        if self.sequence is not None:  # this rank's shard of every row, labels shifted first (train/sequence.py)
-            inputs = shard_batch(inputs, self.sequence)
-            # Left on through backward: checkpointed blocks recompute their attention, exchanges included.
-            self.glm.transformer.set_sequence_group(self.sequence)
-        try:
-            outputs = model(**inputs)
-        finally:
-            self.glm.loss_reduction = "mean"
+        outputs = self._summed_forward(model, inputs)
         loss = outputs.loss.float() if self.normalization == "micro_batch" else \
             step_loss(outputs.loss, tokens, self.args.gradient_accumulation_steps, self.args.world_size)
         return (loss, outputs) if return_outputs else loss
 
+    def _summed_forward(self, model, inputs):
+        """The model's outputs with the summed token loss; under a sequence group on this rank's shard of every
+        row, labels shifted first (train/sequence.py)."""
+        self.glm.loss_reduction = "sum"
+        if self.sequence is not None:
+            inputs = shard_batch(inputs, self.sequence)
+            # Left on through backward: checkpointed blocks recompute their attention, exchanges included.
+            self.glm.transformer.set_sequence_group(self.sequence)
+        try:
+            return model(**inputs)
+        finally:
+            self.glm.loss_reduction = "mean"
+
     def _sharded_eval_loss(self, model, inputs, return_outputs=False):
         """An evaluation batch under the sequence group: the mean token loss over the whole batch, as the model
         gives it on whole rows (train/sequence.py), in the dtype the model's own mean comes back in."""
-        labels = inputs["labels"]
-        self.glm.loss_reduction = "sum"
-        self.glm.transformer.set_sequence_group(self.sequence)
-        try:
-            outputs = model(**shard_batch(inputs, self.sequence))
-        finally:
-            self.glm.loss_reduction = "mean"
-        loss = group_mean_loss(outputs.loss, labels, self.sequence).to(self.glm.dtype)
+        outputs = self._summed_forward(model, inputs)
+        loss = group_mean_loss(outputs.loss, inputs["labels"], self.sequence).to(self.glm.dtype)
         return (loss, outputs) if return_outputs else loss
 
     def get_eval_dataloader(self, eval_dataset=None):
