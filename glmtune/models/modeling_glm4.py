@@ -28,7 +28,7 @@ from .configuration import GLMConfig
 from .docattention import document_spans, packed_path
 from .masks import build_attention_mask, document_block_mask, document_mask  # noqa: F401 (re-exported)
 from .layers import Embedding, GLMBlock, GLMTransformer, RMSNorm, RotaryEmbedding, SelfAttention, no_early_stop
-from .ulysses import NO_TARGET, SequenceGroup, gather_sequence, pad_and_shard, shift_labels
+from .ulysses import PAD_FILL, SequenceGroup, gather_sequence, pad_and_shard, shift_labels
 from .vision import EVA2CLIPModel, splice_images
 
 
@@ -118,9 +118,9 @@ class ChatGLMModel(GLMPreTrainedModel):
             return merged
         embeds, position_ids, attention_mask, labels, seq_ids = merged
         labels = shift_labels(labels) if labels is not None else None
-        # Pads: no target, mask 0, seq id -1 (data/packing.py's pad), position 0 as the collator pads.
-        return tuple(pad_and_shard(x, fill, sp) if x is not None else None for x, fill in
-                     ((embeds, 0), (position_ids, 0), (attention_mask, 0), (labels, NO_TARGET), (seq_ids, -1)))
+        return tuple(pad_and_shard(x, PAD_FILL[key], sp) if x is not None else None for x, key in
+                     ((embeds, "inputs_embeds"), (position_ids, "position_ids"), (attention_mask, "attention_mask"),
+                      (labels, "labels"), (seq_ids, "seq_ids")))
 
     def forward(self, input_ids=None, position_ids=None, attention_mask=None, past_key_values=None,
                 inputs_embeds=None, use_cache=False, images=None, image_rows=None, seq_ids=None):

@@ -107,6 +107,10 @@ def gather_sequence(x: torch.Tensor, sp: SequenceGroup) -> torch.Tensor:
 
 
 NO_TARGET = -100  # the label of a position the loss skips (data.pipeline.IGNORE_INDEX; models sit below data)
+# What a position added to make a row a multiple of N holds, per [B, S(, ...)] input: no target, no attention
+# (mask 0), no document (data/packing.py's pad seq id -1), position 0 and token 0 as the collator pads.
+PAD_FILL = {"labels": NO_TARGET, "input_ids": 0, "inputs_embeds": 0, "attention_mask": 0, "position_ids": 0,
+            "seq_ids": -1}
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, SequentialSampler
 
 from ..config import ConfigError
 from ..data.pipeline import IGNORE_INDEX
-from ..models.ulysses import SequenceGroup, pad_and_shard, shift_labels
+from ..models.ulysses import PAD_FILL, SequenceGroup, pad_and_shard, shift_labels
 
 
 def sequence_group(size: int) -> SequenceGroup | None:
@@ -63,8 +63,8 @@ def data_parallel_width(world: int, size: int) -> int:
     return world // size
 
 
-# Keys of a training micro-batch laid out along the sequence ([B, S]), with the value a padded position takes.
-SEQUENCE_KEYS = {"input_ids": 0, "attention_mask": 0, "position_ids": 0, "seq_ids": -1}
+# Keys of a training micro-batch laid out along the sequence ([B, S]); a padded position takes ulysses.PAD_FILL.
+SEQUENCE_KEYS = ("labels", "input_ids", "attention_mask", "position_ids", "seq_ids")
 
 
 def shard_batch(inputs: dict[str, torch.Tensor], sp: SequenceGroup) -> dict[str, torch.Tensor]:
@@ -80,11 +80,11 @@ def shard_batch(inputs: dict[str, torch.Tensor], sp: SequenceGroup) -> dict[str,
     s = inputs["labels"].shape[1]
     out = dict(inputs)
     out["labels"] = shift_labels(inputs["labels"])
-    for key in ["labels", *SEQUENCE_KEYS]:
+    for key in SEQUENCE_KEYS:
         value = out.get(key)
         if value is None or value.dim() != 2 or value.shape[1] != s:
             continue
-        out[key] = pad_and_shard(value, IGNORE_INDEX if key == "labels" else SEQUENCE_KEYS[key], sp)
+        out[key] = pad_and_shard(value, PAD_FILL[key], sp)
     return out
 
 
