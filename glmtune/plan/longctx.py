@@ -35,10 +35,13 @@ def degree(shape) -> int:
     return max(1, getattr(shape, "sequence_parallel", 1))
 
 
-def local_seq(shape) -> int:
+def shard_length(seq_len: int, n: int) -> int:
     """Positions of a row on one rank: the row padded to a multiple of N (train/sequence.shard_batch), cut N ways."""
-    n = degree(shape)
-    return -(-shape.seq_len // n)
+    return -(-seq_len // max(1, n))
+
+
+def local_seq(shape) -> int:
+    return shard_length(shape.seq_len, degree(shape))
 
 
 def local_tokens(shape) -> int:

@@ -24,7 +24,7 @@ from .provenance import derived_near_budget, term_sources
 from .quantized import allows_zero3
 from .tiledmlp import tile_tokens
 from .reserve import ALLOCATORS, allocator_in_force
-from . import sequence
+from . import longctx, sequence
 
 DEFAULT_MAX_LENGTH = 500
 LOSS_CHUNK = 1024  # tokens per chunk of the lower-memory loss: 1024 x 151,552 x 12 B = 1.9 GB peak
@@ -170,7 +170,7 @@ def step_down(plan_or_choices: Plan | Choices, run: RunConfig, arch, world_size:
     if wider is not None:
         return wider
     tile = tile_tokens(arch)  # plan/tiledmlp.py
-    local = c.micro_batch_size * -(-c.max_length // c.sequence_parallel)  # a rank's tokens (plan/longctx.py)
+    local = c.micro_batch_size * longctx.shard_length(c.max_length, c.sequence_parallel)  # a rank's tokens
     if run.train.tiled_mlp == "auto" and c.mlp_tile_tokens == 0 and local > tile:
         return replace(c, mlp_tile_tokens=tile)
     return None
