@@ -15,13 +15,14 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from glmtune.models.configuration import GLMConfig
 from glmtune.models.loading import _FAMILY, TINY_ARCH
 from glmtune.models.modeling_glm4 import ChatGLMForConditionalGeneration
 from glmtune.models.ulysses import SequenceGroup, shard
-from test_docattention import packed  # this folder is the script's: first on sys.path
+import sp_worker  # this folder is the script's: first on sys.path
+from sp_worker import rel
+from test_docattention import packed
 
 B, S, VOCAB = 2, 32, 128
 DOCS = [[3, 9, 6, 11, 3], [13, 2, 8, 5]]  # boundaries off the shard edges (8, 16, 24); row 2 ends on 4 pads
@@ -32,26 +33,9 @@ def batch() -> dict[str, torch.Tensor]:
 
 
 def run_case(model, data, sp: SequenceGroup | None, path: str):
-    """(summed token loss, this rank's logits, gradients summed over the group) on `path`."""
-    model.zero_grad(set_to_none=True)
+    """(summed token loss, this rank's logits, gradients summed over the group) on `path` (tests/sp_worker.py)."""
     model.transformer.packed_attention = path
-    shifted = torch.cat([data["labels"][:, 1:], torch.full((B, 1), -100)], dim=1)  # shifted before sharding
-    if sp is not None:
-        data = {k: shard(v, sp) for k, v in data.items()}
-        shifted = shard(shifted, sp)
-    model.transformer.set_sequence_group(sp)
-    hidden, _ = model.transformer(data["input_ids"], data["position_ids"], seq_ids=data["seq_ids"])
-    logits = model.transformer.output_layer(hidden).float()
-    loss = F.cross_entropy(logits.flatten(0, 1), shifted.flatten(), ignore_index=-100, reduction="sum")
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    loss = loss.detach().clone()
-    if sp is not None:
-        dist.all_reduce(loss, group=sp.group)
-        for g in grads.values():
-            dist.all_reduce(g, group=sp.group)
-    model.transformer.set_sequence_group(None)
-    return loss, logits.detach(), grads
+    return sp_worker.run_case(model, data, sp)
 
 
 def documents_alone(model, data) -> torch.Tensor:
@@ -66,10 +50,6 @@ def documents_alone(model, data) -> torch.Tensor:
                 out[row, at:at + n] = model.transformer.output_layer(hidden)[0].float()
                 at += n
     return out
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
 
 
 def main(out_dir: str) -> None:
