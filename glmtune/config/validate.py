@@ -62,7 +62,10 @@ _AT_MOST = {"train.num_epochs": (10_000, "a typo: no run of more epochs finishes
             "train.grad_accum": (65_536, "the step's sampler indexes every micro-batch of it in memory"),
             "lora.r": (65_536, "wider than any GLM layer: no low rank left"),
             "infer.max_new_tokens": (2**20, "GLM-4's longest context is 1M tokens"),
-            "eval.max_new_tokens": (2**20, "GLM-4's longest context is 1M tokens")}
+            "eval.max_new_tokens": (2**20, "GLM-4's longest context is 1M tokens"),
+            # GiB: past these a value is a typo (and 1e300 GiB overflows every byte count made of it)
+            "hw.memory_gib": (2**14, "no accelerator has 16 TiB of memory"),
+            "hw.host_memory_gib": (2**20, "no node has a PiB of RAM")}
 
 
 def parse_config(raw: dict[str, Any]) -> RunConfig:
@@ -167,6 +170,8 @@ def _floats(obj: Any, prefix: str = "") -> list[tuple[str, float]]:
             out += _floats(value, f"{prefix}{f.name}.")
         elif isinstance(value, float):
             out.append((prefix + f.name, value))
+        elif isinstance(value, list):  # data.mix: a weight of inf would be the whole mix, NaN none of it
+            out += [(f"{prefix}{f.name}[{i}]", v) for i, v in enumerate(value) if isinstance(v, float)]
     return out
 
 
@@ -178,7 +183,7 @@ def _check_values(cfg: RunConfig) -> list[str]:
         if _get(cfg, key) < 0:
             problems.append(f"{key} must be >= 0, got {_get(cfg, key)}")
     for key, (most, why) in _AT_MOST.items():
-        if _get(cfg, key) > most:
+        if _get(cfg, key) is not None and _get(cfg, key) > most:
             problems.append(f"{key} must be <= {_number(most)} ({why}), got {_number(_get(cfg, key))}")
     # AdamW's decoupled decay multiplies every weight by (1 - lr x weight_decay) at each step: at 1 or more it
     # zeroes or flips them all, whatever the gradient says.
@@ -235,8 +240,6 @@ def _check_values(cfg: RunConfig) -> list[str]:
         problems.append("dist.sequence_parallel needs train.loss_normalization=tokens (a shard's mean is not the row's)")
     if cfg.infer.gpus < 0:
         problems.append(f"infer.gpus must be >= 0, got {cfg.infer.gpus}")
-    if cfg.train.max_steps < 0:
-        problems.append(f"train.max_steps must be >= 0 (0 = whole epochs), got {cfg.train.max_steps}")
     if cfg.train.max_steps <= 0 and cfg.train.num_epochs <= 0:
         problems.append("set train.num_epochs > 0 (or train.max_steps > 0)")
     if not 0.0 <= cfg.train.warmup_ratio < 1.0:
