@@ -11,7 +11,6 @@ import dataclasses
 import importlib.util
 import math
 import os
-import re
 import types
 import typing
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 from .schema import (CONF_DIR, EVAL_METRICS, GROUPS, LORA_TARGETS, MODES, DataConfig,  # noqa: F401
                             DistConfig, EvalConfig, HwConfig, InferConfig, LoraConfig, ModelConfig, ProbeConfig,
                             RunConfig, ServeConfig, TrainConfig)
+from .serving import serve_problems
 
 
 class ConfigError(ValueError):
@@ -264,35 +264,7 @@ def _check_values(cfg: RunConfig) -> list[str]:
         problems += _mlflow_store_problem()
     if cfg.train.learning_rate <= 0:
         problems.append(f"train.learning_rate must be > 0, got {cfg.train.learning_rate}")
-    return problems + _serve_problems(cfg)
-
-
-def _serve_problems(cfg: RunConfig) -> list[str]:
-    """serve.*: checked for every mode (a typo in a YAML file shows at once); the extra only for mode=serve."""
-    serve, problems = cfg.serve, []
-    if not 0 <= serve.port <= 65535:
-        problems.append(f"serve.port must be in 0..65535 (0 = any free port), got {serve.port}")
-    if not serve.host.strip():
-        problems.append("serve.host must name an interface: 127.0.0.1 (this machine only) or 0.0.0.0 (every network)")
-    if serve.api_key is not None and not serve.api_key.strip():
-        problems.append("serve.api_key is empty: give a key, or leave it null for no authentication")
-    if serve.model_name is not None and not serve.model_name.strip():
-        problems.append("serve.model_name is empty: give a name, or leave it null for the model folder's name")
-    if not 0 < serve.max_body_mib <= 1024:
-        problems.append(f"serve.max_body_mib must be in 1..1024 (MiB), got {serve.max_body_mib}")
-    if not 0 <= serve.stop_grace_s <= 3600:
-        problems.append(f"serve.stop_grace_s must be in 0..3600 (seconds), got {serve.stop_grace_s}")
-    for origin in serve.allow_origins:
-        if not re.fullmatch(r"https?://[^/\s*]+", origin):
-            problems.append(f"serve.allow_origins has {origin!r}: list each web page origin as scheme://host[:port] "
-                            "(e.g. https://app.example), without a path; no wildcard")
-    for host in serve.allow_hosts:
-        if not re.fullmatch(r"[^/\s:*]+|\[[0-9a-fA-F:.]+\]", host):
-            problems.append(f"serve.allow_hosts has {host!r}: give host names only (api.example.com), without "
-                            "scheme, port or wildcard")
-    if cfg.mode == "serve" and not all(importlib.util.find_spec(m) for m in ("starlette", "uvicorn")):
-        problems.append('mode=serve needs starlette and uvicorn: pip install "glmtune[serve]"')
-    return problems
+    return problems + serve_problems(cfg)
 
 
 def train_files(cfg: DataConfig) -> list[str]:

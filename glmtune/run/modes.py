@@ -290,10 +290,9 @@ def train_mode(prep: Prepared, plan, start: Start, choices: Choices, peaks: tupl
         fail(f"training diverged at step {bad.step}: {bad.what}; {describe_checkpoint(last)} — {advice}, then start "
              "over with train.resume=restart or another hydra.run.dir", code=EXIT_DIVERGED)
     except BaseException as crash:  # out of memory (exit 4), NCCL (5), any crash: the dir must not say running
-        if leader:  # the step and checkpoint stay those of the last complete save (CompleteMarker wrote them)
-            last = last_complete(run_dir / "checkpoints")
+        if leader:
             write_state(run_dir, status="interrupted" if isinstance(crash, Interrupted) else "failed",
-                        error=f"{type(crash).__name__}: {crash}"[:300], **({"checkpoint": str(last)} if last else {}))
+                        error=f"{type(crash).__name__}: {crash}"[:300])
         if is_disk_full(crash):
             raise  # the entry point's one line for a full disk (exit 2), now that the state says failed
         if not isinstance(crash, Exception) or isinstance(crash, Interrupted):
