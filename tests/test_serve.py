@@ -1,8 +1,13 @@
 """mode=serve as a user runs it: `python -m glmtune mode=serve ...` in a real process on a free port, talked to with
-the official `openai` client. The tiny model + an adapter answer exactly as mode=infer does (greedy), streamed or
-not, alone or concurrently, with tools and tool results; a tiny model built to always call a tool returns the call
-in OpenAI's `tool_calls` shape; GLM-4V takes an image part; bad requests get OpenAI-style 4xx errors; SIGTERM and
-Ctrl-C stop the server with exit 0."""
+the official `openai` client and httpx. The tiny model + an adapter answer exactly as mode=infer does (greedy),
+streamed or not, alone or concurrently, with tools and tool results; a tiny model built to always call a tool
+returns the call in OpenAI's `tool_calls` shape; GLM-4V takes an image part; bad requests get OpenAI-style 4xx
+errors; SIGTERM and Ctrl-C stop the server with exit 0.
+
+Issue 39, on the same module server (started twice at the same instant on one port: one serves, the other exits 2
+before loading anything): a path-valued `image` is a 400 that leaves the file as it was; a web page's request
+(foreign Origin, text/plain) and a foreign Host are refused; a 100 MB chunked body is a 413 with the server's RSS
+flat; /health answers while a 50 MB body is refused; SIGTERM mid-stream ends the stream with an error and [DONE]."""
 import hashlib
 import json
 import signal
