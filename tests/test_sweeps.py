@@ -136,6 +136,7 @@ def test_a_multirun_in_which_every_trial_fails_exits_9(tmp_path, repo):
     assert proc.stdout.strip().splitlines()[-1].startswith("sweep done: 2 trials, 2 failed or not fitting")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_OPTUNA, reason="hydra-optuna-sweeper not installed (pip install -e '.[sweep]')")
 def test_an_optuna_sweep_in_which_every_trial_fails_says_so_in_glmtunes_words_only(tmp_path, repo):
     proc = multirun("+hparams_search=lora_optuna", "hydra.sweeper.n_trials=2", "mode=plan", "model=glm4_9b_chat",
