@@ -170,6 +170,47 @@ def merge_into_existing(folder: Path) -> list[str]:
     return ["mode=infer", f"infer.merge_to={folder / 'merged'}"]
 
 
+# infer.merge_to onto what holds an input, with infer.overwrite=true (which used to delete the input: issue 39)
+def merge_onto_model_parent(folder: Path) -> list[str]:
+    model = model_copy(folder)
+    return ["mode=infer", f"model.path={model}", f"infer.merge_to={folder}", "infer.overwrite=true"]
+
+
+def merge_inside_model(folder: Path) -> list[str]:
+    model = model_copy(folder)
+    return ["mode=infer", f"model.path={model}", f"infer.merge_to={model / 'merged'}", "infer.overwrite=true"]
+
+
+def merge_onto_adapter_parent(folder: Path) -> list[str]:
+    adapter = folder / "train_run" / "adapter"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"the user's trained adapter")
+    return ["mode=infer", f"infer.adapter={adapter}", f"infer.merge_to={adapter.parent}", "infer.overwrite=true"]
+
+
+def merge_onto_prompts_parent(folder: Path) -> list[str]:
+    (folder / "prompts").mkdir()
+    return ["mode=infer", f"infer.prompts_file={prompts_file(folder / 'prompts')}",
+            f"infer.merge_to={folder / 'prompts'}", "infer.overwrite=true"]
+
+
+def merge_onto_run_dir_parent(folder: Path) -> list[str]:
+    (folder / "notes.txt").write_text("the user's notes beside the run dir\n")
+    return ["mode=infer", f"infer.merge_to={folder}", "infer.overwrite=true"]  # the run dir is folder/run
+
+
+def merge_onto_a_file(folder: Path) -> list[str]:
+    (folder / "weights.bin").write_bytes(b"a file, not a folder")
+    return ["mode=infer", f"infer.merge_to={folder / 'weights.bin'}", "infer.overwrite=true"]
+
+
+def merge_onto_a_users_folder(folder: Path) -> list[str]:
+    (folder / "mine").mkdir()
+    (folder / "mine" / "thesis.tex").write_text("not an export\n")
+    return ["mode=infer", f"infer.merge_to={folder / 'mine'}", "infer.overwrite=true"]
+
+
 def args(*values: str) -> Callable[[Path], list[str]]:
     return lambda folder: list(values)
 
@@ -204,6 +245,22 @@ ROWS = [
     Row("output_is_prompts_file", output_is_prompts, 2, ("is the prompts file",)),
     Row("output_exists", output_exists, 2, ("already exists", "infer.overwrite=true")),
     Row("merge_into_existing_folder", merge_into_existing, 2, ("already holds files", "infer.overwrite=true")),
+    Row("merge_onto_model_parent", merge_onto_model_parent, 2, ("contains the model.path folder", "whatever infer.overwrite")),
+    Row("merge_inside_model", merge_inside_model, 2, ("lies inside the model.path folder",)),
+    Row("merge_onto_adapter_parent", merge_onto_adapter_parent, 2, ("contains the infer.adapter folder",)),
+    Row("merge_onto_prompts_parent", merge_onto_prompts_parent, 2, ("contains infer.prompts_file",)),
+    Row("merge_onto_run_dir_parent", merge_onto_run_dir_parent, 2, ("contains the run dir folder",)),
+    Row("merge_onto_a_file", merge_onto_a_file, 2, ("weights.bin is a file, not a folder",)),
+    Row("merge_onto_a_device", args("mode=infer", "infer.merge_to=/dev/null", "infer.overwrite=true"), 2,
+        ("infer.merge_to=/dev/null is a device",)),
+    Row("merge_onto_proc", args("mode=infer", "infer.merge_to=/proc/glmtune-merged"), 2, ("cannot write in /proc",)),
+    Row("merge_with_missing_parent", lambda folder: ["mode=infer", f"infer.merge_to={folder / 'no/such/merged'}"], 2,
+        ("parent folder", "does not exist", "create it first")),
+    Row("merge_onto_a_users_folder", merge_onto_a_users_folder, 2, ("no glmtune export wrote", "empty this one yourself")),
+    # config values that used to change silently or crash (issue 39, list 8)
+    Row("host_memory_absurd", args("mode=plan", "hw.host_memory_gib=1e300"), 2,
+        ("hw.host_memory_gib must be <= 1048576",)),
+    Row("host_memory_too_small", args("mode=plan", "hw.host_memory_gib=0.001"), 3, ("does not fit", "0.0 GiB budget")),
 ]
 if not torch.cuda.is_available():
     ROWS.append(Row("fp16_on_cpu", args("train.precision=fp16"), 2, ("needs a CUDA GPU", "train.precision=fp32")))

@@ -87,3 +87,11 @@ def test_command_line_typo_exits_2_naming_the_valid_keys(tmp_path, repo):
     assert "unknown key 'train.lrr'" in line and "learning_rate" in line
     assert "unknown key 'lora.rank'" in line and "target_modules" in line
     assert "hw.memory_gib" not in line and not (tmp_path / "r").exists()  # stopped before Hydra made the run dir
+
+
+def test_a_negative_max_steps_is_said_once_and_absurd_memory_sizes_are_refused():
+    with pytest.raises(ConfigError) as err:
+        parse_config(composed(["train.max_steps=-5", "hw.host_memory_gib=1e300", "hw.memory_gib=1e300"]))
+    message = str(err.value)
+    assert message.count("train.max_steps must be >= 0") == 1, message
+    assert "hw.host_memory_gib must be <= 1048576" in message and "hw.memory_gib must be <= 16384" in message

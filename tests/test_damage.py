@@ -257,6 +257,14 @@ def test_adapters_checkpoints_and_merged_weights_have_the_usual_file_mode(traine
             if stat.S_IMODE(p.stat().st_mode) != FILE_MODE} == {}
 
 
+def test_the_tiny_checkpoint_glmtune_builds_has_the_usual_file_mode(tmp_path, monkeypatch):
+    monkeypatch.setenv("GLMTUNE_CACHE", str(tmp_path))  # a fresh cache: built here, not found
+    folder = ensure_tiny("glm4")
+    assert folder.parent == tmp_path and (folder / "model.safetensors").is_file()
+    assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in folder.iterdir()
+            if stat.S_IMODE(p.stat().st_mode) != FILE_MODE} == {}
+
+
 def test_bad_data_leaves_no_run_dir_and_an_earlier_runs_log_stays(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'

@@ -63,6 +63,13 @@ def test_mix_counts_are_exact_by_largest_remainder():
     assert mix_counts([5, 5], [2, 1]) == [7, 3] and sum(mix_counts([7, 4, 2], [0.5, 0.3, 0.2])) == 13
 
 
+def test_huge_equal_weights_are_an_even_mix_of_every_example(two_files, tok, tmp_path):
+    """data.mix=[1e308,1e308]: their sum overflows to inf, which made every share 0 (2 examples trained of 20)."""
+    cfg = DataConfig(train_file=list(two_files), mix=[1e308, 1e308], cache_dir=str(tmp_path / "cache"))
+    assert len(build_datasets(cfg, tok, seed=7).train) == 20
+    assert mix_counts([12, 8], [1e308, 1e308]) == mix_counts([12, 8], [1, 1]) == [10, 10]
+
+
 def test_val_size_splits_reproducibly_by_seed(two_files, tok, tmp_path):
     cfg = DataConfig(train_file=list(two_files), val_size=0.1, cache_dir=str(tmp_path / "cache"))
     data = build_datasets(cfg, tok, seed=1)
@@ -141,7 +148,12 @@ def test_bad_mix_and_val_settings_exit_2_in_one_line(two_files, tmp_path):
              ([f"data.train_file=[{two_files[0]},{two_files[1]}]", "data.mix=[3,0]"], "must be > 0"),
              (["data.val_size=0.1"], "not both"),
              (["data.val_file=null", "data.val_size=1.5"], "a whole number of examples"),
-             ([f"data.train_file=[{two_files[0]},{two_files[0]}]"], "lists a file twice")]
+             ([f"data.train_file=[{two_files[0]},{two_files[0]}]"], "lists a file twice"),
+             ([f"data.train_file=[{two_files[0]},{two_files[1]}]", "data.mix=[inf,1]"],
+              "data.mix[0] must be a finite number, got inf"),
+             ([f"data.train_file=[{two_files[0]},{two_files[1]}]", "data.mix=[1,nan]"],
+              "data.mix[1] must be a finite number, got nan")]
     for args, expected in cases:
         proc = glmtune_in_process("mode=plan", *args)
         assert proc.returncode == 2 and expected in proc.stderr and "Traceback" not in proc.stderr, (args, proc.stderr)
+        assert proc.stderr.count("\n") == 1, proc.stderr  # numpy's warnings for inf/nan weights are gone too

@@ -137,6 +137,8 @@ def test_a_save_killed_half_way_is_never_resumed_from(tmp_path, reference):
     proc.communicate()
     assert is_complete(out / "checkpoints" / "checkpoint-2") and not is_complete(held)
     assert get_last_checkpoint(str(out / "checkpoints")) == str(held)  # what the Trainer alone would resume from
+    state = json.loads((out / "run_state.json").read_text())  # nothing ran after the kill: the last save wrote it
+    assert (state["step"], state["checkpoint"]) == (2, str(out / "checkpoints" / "checkpoint-2")), state
 
     code, stdout, stderr = run(*args)
     assert code == 0, stderr[-3000:]

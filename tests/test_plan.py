@@ -119,3 +119,34 @@ def test_ladder_cheapest_first_and_never_offloads_parameters():
         assert not c.offload_params
     assert seen == [(1, 0, False, False, 0), (1, 1024, False, False, 0), (1, 1024, True, False, 0),
                     (1, 256, True, False, 0), (1, 256, True, True, 0), (1, 256, True, True, 3)]
+
+
+def test_a_resume_that_changes_only_the_sequence_parallel_degree_says_so():
+    """SP 2 -> 1 on one process: the data-parallel width and the micro-batch stay; the line names the degree
+    (it said `resumed with micro-batch 1 instead of 1`)."""
+    from dataclasses import replace
+
+    from glmtune.plan.elastic import elastic_choices
+    from glmtune.plan.planner import Choices
+
+    recorded = Choices(dtype="fp32", gradient_checkpointing=False, zero_stage=0, offload_params=False,
+                       offload_optimizer=False, micro_batch_size=1, grad_accum=2, max_length=64, world_size=1,
+                       eval_batch_size=1, sequence_parallel=2)
+    choices, line = elastic_choices(recorded, replace(recorded, sequence_parallel=1), 1, batch_set=False)
+    assert choices.micro_batch_size == 1 and choices.grad_accum == 2 and choices.sequence_parallel == 1
+    assert line.startswith("resumed with sequence parallelism 1 instead of 2:") and "micro-batch 1 instead" not in line
+    _, line = elastic_choices(recorded, replace(recorded, world_size=2, micro_batch_size=4), 2, batch_set=False)
+    assert "on 2 data-parallel processes instead of 1" in line and "micro-batch 1 instead of 1" not in line
+
+
+def test_a_cpu_host_memory_too_small_for_the_run_does_not_fit():
+    """No GPU: hw.host_memory_gib is the whole run's budget (it said `fits` with a 0.0 GiB budget)."""
+    plan = make_plan(RunConfig(hw=HwConfig(host_memory_gib=0.001)), _tiny_arch(), 1, False)
+    assert not plan.fits and not plan.host["fits"] and plan.host["bytes"] > plan.peak_bytes
+    assert make_plan(RunConfig(hw=HwConfig(host_memory_gib=512.0)), _tiny_arch(), 1, False).fits
+
+
+def _tiny_arch():
+    from glmtune.models.presets import arch_config
+
+    return arch_config(RunConfig().model)

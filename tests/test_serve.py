@@ -1,15 +1,23 @@
 """mode=serve as a user runs it: `python -m glmtune mode=serve ...` in a real process on a free port, talked to with
-the official `openai` client. The tiny model + an adapter answer exactly as mode=infer does (greedy), streamed or
-not, alone or concurrently, with tools and tool results; a tiny model built to always call a tool returns the call
-in OpenAI's `tool_calls` shape; GLM-4V takes an image part; bad requests get OpenAI-style 4xx errors; SIGTERM and
-Ctrl-C stop the server with exit 0."""
+the official `openai` client and httpx. The tiny model + an adapter answer exactly as mode=infer does (greedy),
+streamed or not, alone or concurrently, with tools and tool results; a tiny model built to always call a tool
+returns the call in OpenAI's `tool_calls` shape; GLM-4V takes an image part; bad requests get OpenAI-style 4xx
+errors; SIGTERM and Ctrl-C stop the server with exit 0.
+
+Issue 39, on the same module server (started twice at the same instant on one port: one serves, the other exits 2
+before loading anything): a path-valued `image` is a 400 that leaves the file as it was; a web page's request
+(foreign Origin, text/plain) and a foreign Host are refused; a 100 MB chunked body is a 413 with the server's RSS
+flat; /health answers while a 50 MB body is refused; SIGTERM mid-stream ends the stream with an error and [DONE]."""
+import hashlib
 import json
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +35,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 KEY = "sk-glmtune-test"
+APP = "http://app.example"  # the one web page origin the module's server lets call it
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                            "required": ["city"]}}}
@@ -48,26 +57,57 @@ CASES = [
 NEW_TOKENS = 12
 
 
-class Server:
-    """`python -m glmtune mode=serve ARGS serve.port=0`, its URL read from the start line."""
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
-    def __init__(self, run_dir, *args):
+
+class Server:
+    """`python -m glmtune mode=serve ARGS serve.port=PORT`, its URL read from the start line; every output line
+    kept with the moment it arrived."""
+
+    def __init__(self, run_dir, *args, port=0, wait=True):
         self.run_dir = run_dir
-        self.proc = subprocess.Popen([sys.executable, "-m", "glmtune", "mode=serve", "serve.port=0",
+        self.proc = subprocess.Popen([sys.executable, "-m", "glmtune", "mode=serve", f"serve.port={port}",
                                       f"hydra.run.dir={run_dir}", *args], cwd=REPO, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)
-        self.lines, self.err = [], []
-        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
-        threading.Thread(target=lambda: self.err.extend(self.proc.stderr), daemon=True).start()
-        deadline = time.monotonic() + 300
+        self.lines, self.err, self.arrived = [], [], {}
+        self.readers = [threading.Thread(target=self._read, args=(stream, into), daemon=True)
+                        for stream, into in ((self.proc.stdout, self.lines), (self.proc.stderr, self.err))]
+        for reader in self.readers:
+            reader.start()
+        if wait:
+            assert self.wait(), "".join(self.lines + self.err)[-3000:]
+
+    def _read(self, stream, into):
+        for line in stream:
+            self.arrived.setdefault(line, time.monotonic())
+            into.append(line)
+
+    def wait(self, timeout=300) -> bool:
+        """True once the start line is out, False if the process ended without one."""
+        deadline = time.monotonic() + timeout
         while not any("glmtune serve: http://" in line for line in self.lines):
-            assert self.proc.poll() is None and time.monotonic() < deadline, "".join(self.lines + self.err)[-3000:]
-            time.sleep(0.2)
+            if self.proc.poll() is not None:
+                for reader in self.readers:
+                    reader.join(10)
+                return False
+            assert time.monotonic() < deadline, "".join(self.lines + self.err)[-3000:]
+            time.sleep(0.05)
         self.start_line = next(line for line in self.lines if "glmtune serve: http://" in line)
         self.url = self.start_line.split()[2]  # http://127.0.0.1:PORT/v1
+        return True
 
     def client(self, key=KEY) -> "openai.OpenAI":
         return openai.OpenAI(base_url=self.url, api_key=key, max_retries=0, timeout=120)
+
+    def rss(self) -> int:
+        """The server process's resident memory, bytes."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS")
 
     def stop(self, sig=signal.SIGTERM) -> int:
         if self.proc.poll() is None:
@@ -93,11 +133,22 @@ def adapter(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, adapter):
-    srv = Server(tmp_path_factory.mktemp("serve") / "run", f"infer.adapter={adapter}",
-                 f"infer.max_new_tokens={NEW_TOKENS}", f"serve.api_key={KEY}")
-    yield srv
-    srv.stop()
+def race(tmp_path_factory, adapter):
+    """Two identical servers started at the same instant on one port: (the one that serves, the other)."""
+    root, port = tmp_path_factory.mktemp("serve"), free_port()
+    args = (f"infer.adapter={adapter}", f"infer.max_new_tokens={NEW_TOKENS}", f"serve.api_key={KEY}",
+            f"serve.allow_origins=[{APP}]", "serve.stop_grace_s=2")
+    both = [Server(root / f"run{i}", *args, port=port, wait=False) for i in range(2)]
+    started = [srv.wait() for srv in both]
+    assert started.count(True) == 1, ["".join(srv.lines + srv.err)[-2000:] for srv in both]
+    winner, loser = both[started.index(True)], both[started.index(False)]
+    yield winner, loser
+    winner.stop()
+
+
+@pytest.fixture(scope="module")
+def server(race):
+    return race[0]
 
 
 @pytest.fixture(scope="module")
@@ -173,9 +224,19 @@ def test_bad_requests_get_openai_errors(server):
     with pytest.raises(openai.AuthenticationError) as err:
         server.client(key="wrong").chat.completions.create(model="glm4_tiny-lora", messages=user)
     assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
-    raw = httpx.post(server.url + "/chat/completions", content=b"{not json", headers={"Authorization": f"Bearer {KEY}"})
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    raw = httpx.post(server.url + "/chat/completions", content=b"{not json", headers=auth)
     assert raw.status_code == 400 and set(raw.json()["error"]) == {"message", "type", "param", "code"}
-    auth = {"Authorization": f"Bearer {KEY}"}
+    # Python's json takes NaN/Infinity (they would pass every range check) and lone surrogates (every reply
+    # echoing them would fail to encode): refused as the JSON they are not; a message that is no object says so
+    body = {"model": "glm4_tiny-lora", "messages": user}
+    for text, says in [(json.dumps({**body, "temperature": float("nan")}), "NaN is not a JSON number"),
+                       (json.dumps({**body, "top_p": float("nan")}), "NaN is not a JSON number"),
+                       (json.dumps({**body, "max_tokens": float("inf")}), "Infinity is not a JSON number"),
+                       ('{"model": "\\ud800", "messages": []}', "lone UTF-16 surrogate"),
+                       (json.dumps({**body, "messages": ["hi"]}), "messages[0] is a string, not an object")]:
+        raw = httpx.post(server.url + "/chat/completions", content=text.encode(), headers=auth)
+        assert raw.status_code == 400 and says in raw.json()["error"]["message"], (text, raw.text)
     raw = httpx.post(server.url + "/chat/completions", json={"messages": user}, headers=auth)  # no model
     assert raw.status_code == 400 and raw.json()["error"]["param"] == "model"
     assert httpx.get(server.url + "/nowhere", headers=auth).status_code == 404
@@ -183,10 +244,142 @@ def test_bad_requests_get_openai_errors(server):
     assert ask(client, user).choices[0].message.content is not None  # and the server still answers
 
 
-def test_sigterm_stops_cleanly(server):
-    assert server.stop(signal.SIGTERM) == 0
+def test_two_servers_started_at_once_one_serves_the_other_exits_2_before_loading(race):
+    winner, loser = race
+    assert loser.proc.wait(60) == 2 and not loser.lines
+    (line,) = [line for line in loser.err if line.strip()]
+    assert f"serve.port={winner.url.rsplit(':', 1)[1].split('/')[0]}" in line and "is in use" in line
+    # it gave up at the port, before the winner had loaded the weights and warmed up (its start line)
+    assert loser.arrived[line] < winner.arrived[winner.start_line]
+    assert httpx.get(winner.url.replace("/v1", "/health")).json()["status"] == "ok"
+
+
+def test_a_path_valued_image_is_a_400_that_touches_no_file(server, tmp_path):
+    """A GLM-format `"image": "<path>"` in a request: refused without opening, reading or deleting the file,
+    and in the same words whether the path exists or not (no map of the server's disk)."""
+    victim = tmp_path / "secret.png"
+    victim.write_bytes(b"\x89PNG not really an image, but the user's file")
+    digest = hashlib.sha256(victim.read_bytes()).hexdigest()
+    messages = []
+    for path in (victim, tmp_path / "missing.png", tmp_path):
+        with pytest.raises(openai.BadRequestError) as err:
+            server.client().chat.completions.create(model="glm4_tiny-lora", messages=[
+                {"role": "user", "content": "describe it", "image": str(path)}])
+        assert err.value.body["param"] == "messages[0].image" and "data:image/png;base64" in err.value.body["message"]
+        messages.append(err.value.body["message"])
+    assert len(set(messages)) == 1 and str(tmp_path) not in messages[0]
+    assert hashlib.sha256(victim.read_bytes()).hexdigest() == digest  # still there, byte for byte
+
+
+def test_browser_pages_and_foreign_hosts_are_refused(server):
+    url, chat = server.url, server.url + "/chat/completions"
+    body = json.dumps({"model": "glm4_tiny-lora", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    auth = {"Authorization": f"Bearer {KEY}"}
+    # a page on another site: a "simple" text/plain POST (no preflight) is refused before the route runs
+    raw = httpx.post(chat, content=body, headers={**auth, "Content-Type": "text/plain", "Origin": "http://evil.example"})
+    assert raw.status_code == 403 and raw.json()["error"]["code"] == "origin_not_allowed"
+    assert "access-control-allow-origin" not in raw.headers
+    raw = httpx.post(chat, content=body, headers={**auth, "Content-Type": "text/plain"})  # not from a page: 415
+    assert raw.status_code == 415 and raw.json()["error"]["code"] == "unsupported_media_type"
+    # DNS rebinding: the page's requests name the attacker's host
+    for path in ("/health", "/chat/completions"):
+        raw = httpx.post(url + path, content=body, headers={**auth, "Host": "evil.example",
+                                                            "Content-Type": "application/json"})
+        assert raw.status_code == 421 and raw.json()["error"]["code"] == "misdirected_request"
+    assert httpx.get(url + "/models", headers={**auth, "Host": "localhost:1"}).status_code == 200
+    # serve.allow_origins: that page's preflight is answered and it may read the replies
+    raw = httpx.options(chat, headers={"Origin": APP, "Access-Control-Request-Method": "POST",
+                                       "Access-Control-Request-Headers": "authorization, content-type"})
+    assert raw.status_code == 204 and raw.headers["access-control-allow-origin"] == APP
+    assert "authorization" in raw.headers["access-control-allow-headers"]
+    raw = httpx.post(chat, content=body, headers={**auth, "Content-Type": "application/json", "Origin": APP})
+    assert raw.status_code == 200 and raw.headers["access-control-allow-origin"] == APP
+    assert httpx.options(chat, headers={"Origin": "http://evil.example",
+                                        "Access-Control-Request-Method": "POST"}).status_code == 403
+
+
+def big_body(megabytes: int, sent: threading.Event, pause_s: float = 0.0):
+    """`megabytes` MB of JSON-looking bytes as a chunked upload (no Content-Length), 1 MB a chunk."""
+    yield b'{"model": "glm4_tiny-lora", "messages": [{"role": "user", "content": "'
+    sent.set()
+    for _ in range(megabytes):
+        yield b"x" * 10**6
+        time.sleep(pause_s)
+    yield b'"}]}'
+
+
+def refuse_big_body(server, megabytes: int, pause_s: float = 0.0):
+    """POST a chunked body of `megabytes` MB while sampling the server's RSS and timing /health: (response,
+    RSS growth in bytes, /health latencies in seconds measured while the body was in flight)."""
+    baseline, peak, health, sent, done = server.rss(), [0], [], threading.Event(), threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], server.rss())
+            time.sleep(0.005)
+
+    def poll_health():
+        sent.wait(60)
+        while not done.is_set():
+            started = time.monotonic()
+            assert httpx.get(server.url.replace("/v1", "/health"), timeout=30).status_code == 200
+            health.append(time.monotonic() - started)
+            time.sleep(0.02)
+
+    threads = [threading.Thread(target=sample), threading.Thread(target=poll_health)]
+    for thread in threads:
+        thread.start()
+    try:
+        response = httpx.post(server.url + "/chat/completions", content=big_body(megabytes, sent, pause_s),
+                              headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+                              timeout=120)
+    finally:
+        done.set()
+        for thread in threads:
+            thread.join()
+    return response, peak[0] - baseline, health
+
+
+def test_a_100_mb_chunked_body_is_refused_as_it_arrives(server):
+    response, growth, _ = refuse_big_body(server, 100)
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+    assert growth < 200e6, f"the server's RSS grew by {growth / 1e6:.0f} MB"  # 16 MiB kept at most, then dropped
+
+
+def test_health_answers_within_1_s_while_a_50_mb_body_is_refused(server):
+    response, _, health = refuse_big_body(server, 50, pause_s=0.02)  # ~1 s of upload: /health asked meanwhile
+    assert response.status_code == 413
+    assert len(health) >= 3 and max(health) < 1.0, health
+
+
+def test_sigterm_mid_stream_ends_it_with_an_error_and_done_then_exit_0(server):
+    """A stop during a streamed reply: once serve.stop_grace_s (2 s here) is over, a reply still decoding gets
+    an error event and [DONE]; the server exits 0 without a traceback."""
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    body = {"model": "glm4_tiny-lora", "messages": [{"role": "user", "content": "Tell me a long story."}],
+            "stream": True, "max_tokens": 8000, "temperature": 0}  # the whole context: far longer than the grace
+    lines, first = [], threading.Event()
+
+    def stream():
+        with httpx.stream("POST", server.url + "/chat/completions", json=body, headers=headers, timeout=120) as r:
+            for line in r.iter_lines():
+                lines.append(line)
+                first.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert first.wait(60)
+    server.proc.send_signal(signal.SIGTERM)
+    reader.join(60)
+    assert not reader.is_alive()
+    events = [line for line in lines if line]
+    assert events[-1] == "data: [DONE]", events[-3:]
+    error = json.loads(events[-2][len("data: "):])["error"]
+    assert error["code"] == "server_shutdown" and "not finished" in error["message"]
+    assert all(json.loads(e[6:])["choices"][0]["finish_reason"] is None for e in events[:-2])  # cut, not finished
+    assert server.proc.wait(60) == 0
     out, err = "".join(server.lines), "".join(server.err)
-    assert "glmtune serve: stopped by SIGTERM" in out and "Traceback" not in err
+    assert "glmtune serve: stopped by SIGTERM" in out and "Traceback" not in err, err[-3000:]
     assert "batch " in (server.run_dir / "rank0.log").read_text()  # the engine logs each batch it ran
 
 
@@ -244,14 +437,23 @@ def test_tool_call_round_trip_with_a_model_that_calls(tmp_path):
 
 
 def test_glm4v_image_part_through_the_api(tmp_path):
-    """GLM-4V: an OpenAI image part (data: URL) answers as mode=infer's generate() does with the image file."""
+    """GLM-4V: an OpenAI image part (data: URL) answers as mode=infer's generate() does with the image file; a
+    GLM-format image path in a request (a real image this time, which the model could take) is refused, the
+    file untouched."""
     import base64
 
     png = REPO / "data" / "samples_vision" / "images" / "red_square.png"
     url = "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode()
+    victim = tmp_path / "photo.png"
+    victim.write_bytes(png.read_bytes())
     srv = Server(tmp_path / "run", "model=glm4v_tiny", f"infer.max_new_tokens={NEW_TOKENS}")
     try:
         client = openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=120)
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="glm4v_tiny", messages=[
+                {"role": "user", "content": "What shape is this?", "image": str(victim)}])
+        assert err.value.body["param"] == "messages[0].image"
+        assert victim.read_bytes() == png.read_bytes()
         reply = client.chat.completions.create(model="glm4v_tiny", messages=[{"role": "user", "content": [
             {"type": "text", "text": "What shape is this?"}, {"type": "image_url", "image_url": {"url": url}}]}])
         with pytest.raises(openai.BadRequestError):  # GLM-4V takes one image per conversation

@@ -61,7 +61,7 @@ def test_streamed_text_equals_the_final_text(seed):
     assert stream("\nab\ufffd", seed=seed)[0] == "ab\ufffd"  # held back while it may be half a character
 
 
-def test_openai_messages_render_as_the_glm_messages_they_stand_for(tmp_path, tok):
+def test_openai_messages_render_as_the_glm_messages_they_stand_for(tok):
     body = {"model": "m", "tools": [WEATHER], "messages": [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Paris?"}]},
@@ -69,7 +69,7 @@ def test_openai_messages_render_as_the_glm_messages_they_stand_for(tmp_path, tok
             {"id": "call_1", "type": "function",
              "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 20}'}]}
-    request = parse_chat(body, InferConfig(), tok, tmp_path, vision=False)
+    request = parse_chat(body, InferConfig(), tok, vision=False)
     glm = [{"role": "system", "content": "Be brief.", "tools": [WEATHER]},
            {"role": "user", "content": "Weather in Paris?"},
            {"role": "assistant", "metadata": "get_weather", "content": '{"city": "Paris"}'},
@@ -77,17 +77,17 @@ def test_openai_messages_render_as_the_glm_messages_they_stand_for(tmp_path, tok
     assert request.ids == tok.apply_chat_template(glm, add_generation_prompt=True)
     assert request.tool_names == {"get_weather"} and not request.settings.do_sample
     # tool_choice=none: the model is not told about the tools
-    assert "tools" not in parse_chat({**body, "tool_choice": "none"}, InferConfig(), tok, tmp_path, False).messages[0]
+    assert "tools" not in parse_chat({**body, "tool_choice": "none"}, InferConfig(), tok, False).messages[0]
 
 
-def test_sampling_options_and_refusals(tmp_path, tok):
+def test_sampling_options_and_refusals(tok):
     user = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     request = parse_chat({**user, "temperature": 0.7, "top_p": 0.5, "seed": 3, "stop": "x", "max_tokens": 9},
-                         InferConfig(), tok, tmp_path, False)
+                         InferConfig(), tok, False)
     s = request.settings
     assert (s.do_sample, s.temperature, s.top_p, request.seed, request.stops, request.max_tokens) == \
         (True, 0.7, 0.5, 3, ["x"], 9)
-    greedy = parse_chat({**user, "temperature": 0}, InferConfig(do_sample=True), tok, tmp_path, False)
+    greedy = parse_chat({**user, "temperature": 0}, InferConfig(do_sample=True), tok, False)
     assert not greedy.settings.do_sample
     for extra, param in [({"n": 2}, "n"), ({"temperature": 3}, "temperature"), ({"top_p": 0}, "top_p"),
                          ({"max_tokens": 0}, "max_tokens"), ({"stop": ["a"] * 5}, "stop"),
@@ -97,12 +97,11 @@ def test_sampling_options_and_refusals(tmp_path, tok):
                          ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
                              "url": "https://example.com/a.png"}}]}]}, "messages[0].content[0]")]:
         with pytest.raises(ApiError) as err:
-            parse_chat({**user, **extra}, InferConfig(), tok, tmp_path, vision=True)
+            parse_chat({**user, **extra}, InferConfig(), tok, vision=True)
         assert err.value.status == 400 and err.value.param == param, (extra, err.value.message)
-    assert not list(tmp_path.iterdir())  # nothing decoded is left behind by a refused request
 
 
-def run_engine(model, tok, bodies, tmp_path, vision=False, max_tokens=10):
+def run_engine(model, tok, bodies, vision=False, max_tokens=10):
     """Every request submitted before the worker starts, so that the engine must batch them; their replies and
     the number of generate() batches it ran."""
     from glmtune.serve.engine import Engine
@@ -110,7 +109,7 @@ def run_engine(model, tok, bodies, tmp_path, vision=False, max_tokens=10):
     async def main():
         engine = Engine(model, tok, max_batch=8, free_bytes=None, default_max_tokens=max_tokens)
         loop = asyncio.get_running_loop()
-        jobs = [engine.admit(parse_chat(b, InferConfig(), tok, tmp_path, vision), loop) for b in bodies]
+        jobs = [engine.admit(parse_chat(b, InferConfig(), tok, vision), loop) for b in bodies]
         for job in jobs:
             engine.submit(job)
         engine.start()
@@ -126,18 +125,18 @@ def run_engine(model, tok, bodies, tmp_path, vision=False, max_tokens=10):
     return asyncio.run(main())
 
 
-def test_engine_batches_concurrent_requests_like_generate(tmp_path, tok):
+def test_engine_batches_concurrent_requests_like_generate(tok):
     folder = ensure_tiny("glm4")
     model = load_model(folder).eval()
     prompts = [[{"role": "user", "content": "What is the capital of France?"}],
                [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "你好"}],
                [{"role": "user", "content": "Add 2 and 3."}]]
-    replies, batches = run_engine(model, tok, [{"messages": p} for p in prompts], tmp_path)
+    replies, batches = run_engine(model, tok, [{"messages": p} for p in prompts])
     assert batches == 1  # three waiting requests, one generate() call
     assert replies == generate(model, tok, prompts, InferConfig(max_new_tokens=10, batch_size=1))
 
 
-def test_engine_takes_glm4v_images_as_data_urls(tmp_path, repo):
+def test_engine_takes_glm4v_images_as_data_urls(repo):
     folder = ensure_tiny("glm4v")
     model, tok = load_model(folder).eval(), load_tokenizer(folder)
     png = repo / "data" / "samples_vision" / "images" / "red_square.png"
@@ -145,12 +144,11 @@ def test_engine_takes_glm4v_images_as_data_urls(tmp_path, repo):
     bodies = [{"messages": [{"role": "user", "content": [{"type": "text", "text": "What shape is this?"},
                                                          {"type": "image_url", "image_url": {"url": url}}]}]},
               {"messages": [{"role": "user", "content": "Who are you?"}]}]
-    replies, _ = run_engine(model, tok, bodies, tmp_path, vision=True)
+    replies, _ = run_engine(model, tok, bodies, vision=True)
     expected = generate(model, tok, [[{"role": "user", "content": "What shape is this?", "image": str(png)}],
                                      [{"role": "user", "content": "Who are you?"}]],
                         InferConfig(max_new_tokens=10, batch_size=1))
     assert replies == expected and all(replies)
-    assert not list(tmp_path.iterdir())  # the decoded image is deleted once its request is over
 
 
 def test_port_in_use_and_bad_serve_keys_exit_2_before_loading(tmp_path, repo):
@@ -162,10 +160,42 @@ def test_port_in_use_and_bad_serve_keys_exit_2_before_loading(tmp_path, repo):
         proc = glmtune_in_process("mode=serve", f"serve.port={port}", f"hydra.run.dir={tmp_path / 'a'}", cwd=repo)
     assert proc.returncode == 2 and f"serve.port={port}" in proc.stderr and "in use" in proc.stderr
     assert "Traceback" not in proc.stderr
-    proc = glmtune_in_process("mode=serve", "serve.port=70000", "serve.max_batch=0", f"hydra.run.dir={tmp_path / 'b'}",
-                              cwd=repo)
+    proc = glmtune_in_process("mode=serve", "serve.port=70000", "serve.max_batch=0", "serve.max_body_mib=0",
+                              "serve.stop_grace_s=-1", "serve.allow_origins=[*]", "serve.allow_hosts=[http://x/]",
+                              f"hydra.run.dir={tmp_path / 'b'}", cwd=repo)
     assert proc.returncode == 2 and "serve.port must be in 0..65535" in proc.stderr
-    assert "serve.max_batch must be > 0" in proc.stderr
+    for says in ("serve.max_batch must be > 0", "serve.max_body_mib must be in", "serve.stop_grace_s must be in",
+                 "serve.allow_origins has '*'", "serve.allow_hosts has 'http://x/'"):
+        assert says in proc.stderr, (says, proc.stderr)
+
+
+def test_a_server_open_to_the_network_needs_a_key_and_an_address_of_this_machine(tmp_path, repo):
+    """serve.host other than loopback without serve.api_key: one line, exit 2, nothing bound or loaded; an
+    address this machine does not have names serve.host (not serve.port) as the key to change."""
+    pytest.importorskip("uvicorn")
+    proc = glmtune_in_process("mode=serve", "serve.host=0.0.0.0", "serve.port=0", f"hydra.run.dir={tmp_path / 'a'}",
+                              cwd=repo)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "serve.host=0.0.0.0 opens the server to the network without a key" in proc.stderr
+    assert "serve.allow_unauthenticated=true" in proc.stderr and "Traceback" not in proc.stderr
+    proc = glmtune_in_process("mode=serve", "serve.host=10.255.255.1", "serve.api_key=k", "serve.port=0",
+                              f"hydra.run.dir={tmp_path / 'c'}", cwd=repo)
+    assert proc.returncode == 2 and "serve.host=10.255.255.1 is not an address of this machine" in proc.stderr
+    assert "serve.port" not in proc.stderr
+
+
+def test_host_names_a_server_answers_to():
+    pytest.importorskip("starlette")
+    from glmtune.serve.guard import Hosts, host_name
+
+    assert [host_name(h) for h in ("[::1]:8000", "LocalHost:80", "example.com.", "::1", "10.0.0.2")] == \
+        ["::1", "localhost", "example.com", "::1", "10.0.0.2"]
+    loopback = Hosts.for_bind("127.0.0.1", [])
+    assert all(loopback.allows(h) for h in ("127.0.0.1:8000", "localhost", "[::1]:1"))
+    assert not any(loopback.allows(h) for h in ("evil.example", "10.0.0.2", "127.0.0.1.evil.example", "", None))
+    wildcard = Hosts.for_bind("0.0.0.0", ["api.example.com"])
+    assert all(wildcard.allows(h) for h in ("10.0.0.2:8000", "[fe80::1]", "api.example.com", "localhost"))
+    assert not wildcard.allows("evil.example")  # DNS rebinding needs a name, and this one is not the server's
 
 
 def test_vllm_hint_only_when_installed_and_it_fits(tmp_path):

@@ -136,6 +136,17 @@ def test_a_multirun_in_which_every_trial_fails_exits_9(tmp_path, repo):
     assert proc.stdout.strip().splitlines()[-1].startswith("sweep done: 2 trials, 2 failed or not fitting")
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_OPTUNA, reason="hydra-optuna-sweeper not installed (pip install -e '.[sweep]')")
+def test_an_optuna_sweep_in_which_every_trial_fails_says_so_in_glmtunes_words_only(tmp_path, repo):
+    proc = multirun("+hparams_search=lora_optuna", "hydra.sweeper.n_trials=2", "mode=plan", "model=glm4_9b_chat",
+                    "+hw=t4_16g", "data.max_length=131072", f"hydra.sweep.dir={tmp_path}", cwd=repo)
+    assert proc.returncode == 9, proc.stderr[-3000:]
+    assert "float-castable" not in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+    assert [r["status"] for r in trials(tmp_path)] == ["does not fit", "does not fit"]
+    assert proc.stdout.strip().splitlines()[-1].startswith("sweep done: 2 trials, 2 failed or not fitting")
+
+
 # The preset's search space plus a precision the CPU cannot train (fp16); the sampler is seeded, so which trials
 # draw it is fixed. The study must record the failure and go on to the next trial.
 @pytest.mark.slow

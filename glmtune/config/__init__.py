@@ -1,7 +1,7 @@
 """Config: compose and validate. The command line before Hydra (`cli.py`), one composition for a plain run
-(`compose.py`), the typed schema (`schema.py`), its validation into one ConfigError (`validate.py`), and the user's
-own DeepSpeed JSON, read and checked against the run (`userds.py`: the plan reads its ZeRO stage and offloads, the
-trainer the file itself).
+(`compose.py`), the typed schema (`schema.py`), its validation into one ConfigError (`validate.py`; serve.* in
+`serving.py`), and the user's own DeepSpeed JSON, read and checked against the run (`userds.py`: the plan reads its
+ZeRO stage and offloads, the trainer the file itself).
 
 Imports nothing else of glmtune: every stage below receives these objects, and reads them from here.
 """

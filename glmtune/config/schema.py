@@ -150,6 +150,12 @@ class ServeConfig:
     api_key: Optional[str] = None  # then a request without `Authorization: Bearer <key>` gets 401
     model_name: Optional[str] = None  # the `model` clients ask for; None = the model folder's name (+ "-lora")
     max_batch: int = 8  # concurrent requests decoded in one generate() batch; each row holds its own KV cache
+    # Who may call it (serve/guard.py, serve/port.py). A non-loopback host needs api_key or allow_unauthenticated.
+    allow_unauthenticated: bool = False  # true: serve a non-loopback host without a key (a network you trust)
+    allow_origins: list[str] = field(default_factory=list)  # web page origins (https://app.example) that may call it
+    allow_hosts: list[str] = field(default_factory=list)  # Host names besides its address and localhost (a proxy's)
+    max_body_mib: int = 16  # a request body's cap in MiB, counted as it arrives (chunked too): over it, a 413
+    stop_grace_s: float = 5.0  # seconds requests in flight get to finish after Ctrl-C / SIGTERM
 
 
 MODES = ("train", "plan", "probe", "infer", "chat", "serve")

@@ -19,6 +19,7 @@ from typing import Any
 from .schema import (CONF_DIR, EVAL_METRICS, GROUPS, LORA_TARGETS, MODES, DataConfig,  # noqa: F401
                             DistConfig, EvalConfig, HwConfig, InferConfig, LoraConfig, ModelConfig, ProbeConfig,
                             RunConfig, ServeConfig, TrainConfig)
+from .serving import serve_problems
 
 
 class ConfigError(ValueError):
@@ -61,7 +62,10 @@ _AT_MOST = {"train.num_epochs": (10_000, "a typo: no run of more epochs finishes
             "train.grad_accum": (65_536, "the step's sampler indexes every micro-batch of it in memory"),
             "lora.r": (65_536, "wider than any GLM layer: no low rank left"),
             "infer.max_new_tokens": (2**20, "GLM-4's longest context is 1M tokens"),
-            "eval.max_new_tokens": (2**20, "GLM-4's longest context is 1M tokens")}
+            "eval.max_new_tokens": (2**20, "GLM-4's longest context is 1M tokens"),
+            # GiB: past these a value is a typo (and 1e300 GiB overflows every byte count made of it)
+            "hw.memory_gib": (2**14, "no accelerator has 16 TiB of memory"),
+            "hw.host_memory_gib": (2**20, "no node has a PiB of RAM")}
 
 
 def parse_config(raw: dict[str, Any]) -> RunConfig:
@@ -166,6 +170,8 @@ def _floats(obj: Any, prefix: str = "") -> list[tuple[str, float]]:
             out += _floats(value, f"{prefix}{f.name}.")
         elif isinstance(value, float):
             out.append((prefix + f.name, value))
+        elif isinstance(value, list):  # data.mix: a weight of inf would be the whole mix, NaN none of it
+            out += [(f"{prefix}{f.name}[{i}]", v) for i, v in enumerate(value) if isinstance(v, float)]
     return out
 
 
@@ -177,7 +183,7 @@ def _check_values(cfg: RunConfig) -> list[str]:
         if _get(cfg, key) < 0:
             problems.append(f"{key} must be >= 0, got {_get(cfg, key)}")
     for key, (most, why) in _AT_MOST.items():
-        if _get(cfg, key) > most:
+        if _get(cfg, key) is not None and _get(cfg, key) > most:
             problems.append(f"{key} must be <= {_number(most)} ({why}), got {_number(_get(cfg, key))}")
     # AdamW's decoupled decay multiplies every weight by (1 - lr x weight_decay) at each step: at 1 or more it
     # zeroes or flips them all, whatever the gradient says.
@@ -234,8 +240,6 @@ def _check_values(cfg: RunConfig) -> list[str]:
         problems.append("dist.sequence_parallel needs train.loss_normalization=tokens (a shard's mean is not the row's)")
     if cfg.infer.gpus < 0:
         problems.append(f"infer.gpus must be >= 0, got {cfg.infer.gpus}")
-    if cfg.train.max_steps < 0:
-        problems.append(f"train.max_steps must be >= 0 (0 = whole epochs), got {cfg.train.max_steps}")
     if cfg.train.max_steps <= 0 and cfg.train.num_epochs <= 0:
         problems.append("set train.num_epochs > 0 (or train.max_steps > 0)")
     if not 0.0 <= cfg.train.warmup_ratio < 1.0:
@@ -260,23 +264,7 @@ def _check_values(cfg: RunConfig) -> list[str]:
         problems += _mlflow_store_problem()
     if cfg.train.learning_rate <= 0:
         problems.append(f"train.learning_rate must be > 0, got {cfg.train.learning_rate}")
-    return problems + _serve_problems(cfg)
-
-
-def _serve_problems(cfg: RunConfig) -> list[str]:
-    """serve.*: checked for every mode (a typo in a YAML file shows at once); the extra only for mode=serve."""
-    serve, problems = cfg.serve, []
-    if not 0 <= serve.port <= 65535:
-        problems.append(f"serve.port must be in 0..65535 (0 = any free port), got {serve.port}")
-    if not serve.host.strip():
-        problems.append("serve.host must name an interface: 127.0.0.1 (this machine only) or 0.0.0.0 (every network)")
-    if serve.api_key is not None and not serve.api_key.strip():
-        problems.append("serve.api_key is empty: give a key, or leave it null for no authentication")
-    if serve.model_name is not None and not serve.model_name.strip():
-        problems.append("serve.model_name is empty: give a name, or leave it null for the model folder's name")
-    if cfg.mode == "serve" and not all(importlib.util.find_spec(m) for m in ("starlette", "uvicorn")):
-        problems.append('mode=serve needs starlette and uvicorn: pip install "glmtune[serve]"')
-    return problems
+    return problems + serve_problems(cfg)
 
 
 def train_files(cfg: DataConfig) -> list[str]:

@@ -172,9 +172,11 @@ def _openai(obj: dict) -> Mapped:
     messages = []
     for i, turn in enumerate(turns):
         where = f"messages[{i}]"
-        if not isinstance(turn, dict) or turn.get("role") not in _OPENAI_ROLES:
-            got = turn.get("role") if isinstance(turn, dict) else None
-            return f"{where} has unknown role {got!r}", f"use one of: {', '.join(_OPENAI_ROLES)}"
+        if not isinstance(turn, dict):
+            return (f"{where} is {'a string' if isinstance(turn, str) else type(turn).__name__}, not an object",
+                    'write each message as {"role": ..., "content": ...}')
+        if turn.get("role") not in _OPENAI_ROLES:
+            return f"{where} has unknown role {turn.get('role')!r}", f"use one of: {', '.join(_OPENAI_ROLES)}"
         content = _content(turn.get("content"), where)
         if isinstance(content, tuple):
             return content

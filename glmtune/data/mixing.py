@@ -52,8 +52,10 @@ def split_off(kept: Sequence[int], val_size: float, seed: int, shown: str
 
 
 def mix_counts(available: Sequence[int], weights: Sequence[float]) -> list[int]:
-    """Examples each file supplies: sum(available) shared out by weight, largest remainders (exact total)."""
-    total, share = sum(available), np.asarray(weights, dtype=np.float64) / float(sum(weights))
+    """Examples each file supplies: sum(available) shared out by weight, largest remainders (exact total).
+    The weights are scaled by their largest first: [1e308, 1e308] is an even mix, not a sum that overflows."""
+    scaled = np.asarray(weights, dtype=np.float64) / max(weights)
+    total, share = sum(available), scaled / scaled.sum()
     exact = share * total
     counts = np.floor(exact).astype(np.int64)
     for i in np.argsort(-(exact - counts), kind="stable")[:total - int(counts.sum())]:

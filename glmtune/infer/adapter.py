@@ -14,6 +14,7 @@ import torch
 
 from ..config import ConfigError, InferConfig
 from ..models.quantize import peft_without_bitsandbytes
+from .targets import check_export_target, export_inputs
 
 
 def read_adapter_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -64,18 +65,13 @@ def load_adapter(model, adapter: str):
 
 def check_outputs(cfg: InferConfig, model_dir: Path, run_dir: Path) -> Path | None:
     """Where predictions go; ConfigError if an output would replace an input, or an existing output without
-    infer.overwrite=true. model.path and the prompts file are inputs: never written, whatever the flag."""
+    infer.overwrite=true. model.path and the prompts file are inputs: never written, whatever the flag;
+    infer.merge_to is checked by targets.py (before any weights load, as everything here)."""
     inputs = {Path(model_dir).resolve(): "model.path"}
     if cfg.adapter:
         inputs[Path(cfg.adapter).expanduser().resolve()] = "infer.adapter"
     if cfg.merge_to:
-        merge = Path(cfg.merge_to).expanduser().resolve()
-        if merge in inputs:
-            raise ConfigError(f"infer.merge_to={cfg.merge_to} is the {inputs[merge]} folder: merging there would "
-                              "overwrite it — choose a new folder")
-        if merge.exists() and any(merge.iterdir()) and not cfg.overwrite:
-            raise ConfigError(f"infer.merge_to={cfg.merge_to} already holds files — choose a new folder, or pass "
-                              "infer.overwrite=true to replace them")
+        check_export_target("infer.merge_to", cfg.merge_to, *export_inputs(cfg, model_dir, run_dir), cfg.overwrite)
     if not (cfg.prompts_file or cfg.prompt):  # infer.prompt (one-shot) writes predictions.jsonl as well
         return None
     out = Path(cfg.output_file).expanduser() if cfg.output_file else run_dir / "predictions.jsonl"

@@ -5,6 +5,7 @@
     DIR/model-0000k-of-0000n.safetensors + model.safetensors.index.json   (one model.safetensors when small)
     DIR/generation_config.json          the base's, with GLM-4's stop ids in eos_token_id (GLM-4 #297)
     DIR/tokenizer_config.json           the base's; glmtune's chat template added when it has none
+    DIR/.glmtune-export.json            glmtune wrote this folder: infer.overwrite may replace it (targets.py)
 
 The files are the user's, not glmtune's: with the base's `auto_map` and modeling code, `AutoModelForCausalLM
 .from_pretrained(DIR, trust_remote_code=True)`, vLLM and PEFT see the official model. A base without them (the
@@ -22,6 +23,7 @@ import torch
 
 from ..models.chat_template import chat_template_for
 from ..rundir.atomic import folder_as_one_unit
+from .targets import mark_export, writing_export
 
 # transformers' units (10**9 bytes): glm-4-9b-chat's 18.8 GB of bf16 weights become 10 shards, as in the
 # official repository; a file per ~2 GB also keeps a failed download or copy cheap to redo.
@@ -45,7 +47,7 @@ def save_merged(model, tokenizer, out: str | Path, model_dir: str | Path | None 
                 shard_size: str | int = SHARD_SIZE) -> Path:
     """Write the merged `model` (glmtune's class, adapter already merged) and the files of its base folder
     (`model_dir`; by default the folder it was loaded from, which load_model records) into `out`, whole or not
-    at all (an existing folder is replaced only with infer.overwrite, checked by the caller)."""
+    at all (an existing folder is replaced only with infer.overwrite, checked by the caller: targets.py)."""
     folder, model_dir = Path(out), Path(model_dir or model.config.name_or_path)
     base_config = json.loads((model_dir / "config.json").read_text())
     dtype = _DTYPES.get(base_config.get("torch_dtype"), model.dtype)
@@ -54,7 +56,8 @@ def save_merged(model, tokenizer, out: str | Path, model_dir: str | Path | None 
     # Base 10000, as the official files store it: glmtune computes the buffer at load, so it is not in state_dict.
     state["transformer.rotary_pos_emb.inv_freq"] = (
         1.0 / 10000 ** (torch.arange(0, rotary.dim, 2, dtype=torch.float32) / rotary.dim)).to(dtype)
-    with folder_as_one_unit(folder) as tmp:
+    with writing_export("infer.merge_to", folder), folder_as_one_unit(folder) as tmp:
+        mark_export(tmp, "merged", base=model_dir)  # first: a merge killed from here on is found stale by its pid
         model.save_pretrained(tmp, state_dict=state, safe_serialization=True, max_shard_size=shard_size)
         tokenizer.save_pretrained(tmp)  # glmtune's files first: the base's own, copied next, replace them
         for file in base_files(model_dir):

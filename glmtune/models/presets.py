@@ -36,11 +36,22 @@ def ensure_tiny(family: str) -> Path:
     # Build beside the target and rename, so concurrent ranks never read a half-written folder.
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
     make_tiny_checkpoint(tmp, family=family)
+    plain_modes(tmp)
     try:
         tmp.rename(target)
     except OSError:  # another process won the race; its copy is identical
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def plain_modes(folder: Path) -> None:
+    """The modes plain open() gives (0644 under umask 022): safetensors writes 0600, which leaves the weights
+    unreadable to the group that shares the cache."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in folder.iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~mask)
 
 
 def resolve_model_dir(cfg: ModelConfig) -> Path:

@@ -42,8 +42,13 @@ def elastic_choices(recorded: Choices, planned: Choices, world: int, batch_set: 
     micro = planned.micro_batch_size if asked == global_batch else \
         max(m for m in range(1, min(planned.micro_batch_size, per_process) + 1) if per_process % m == 0)
     choices = replace(planned, micro_batch_size=micro, grad_accum=per_process // micro, world_size=world)
-    where = (f"on {world} process{'es' if world > 1 else ''} instead of {recorded.world_size}"
-             if world != recorded.world_size else f"with micro-batch {micro} instead of {recorded.micro_batch_size}")
+    changed = [f"on {world} data-parallel process{'es' if world > 1 else ''} instead of {recorded.world_size}"
+               if world != recorded.world_size else "",
+               f"with sequence parallelism {choices.sequence_parallel} instead of {recorded.sequence_parallel}"
+               if choices.sequence_parallel != recorded.sequence_parallel else "",
+               f"with micro-batch {micro} instead of {recorded.micro_batch_size}"
+               if micro != recorded.micro_batch_size else ""]
+    where = ", ".join(c for c in changed if c) or "with the same split"
     engine = "" if choices.zero_stage == recorded.zero_stage else \
         f", {'ZeRO-3' if choices.zero_stage == 3 else 'data parallel'} instead of " \
         f"{'ZeRO-3' if recorded.zero_stage == 3 else 'data parallel'}"

@@ -236,7 +236,7 @@ def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
         c = replace(c, offload_checkpoints=False)  # a later rung made the offload unneeded, and the host is short
     est = peak(c)
     host = sequence.host_figures(est, run, budget is not None)
-    ok = budget is None or (est.peak_bytes <= budget and host["fits"])
+    ok = (budget is None or est.peak_bytes <= budget) and host["fits"]
     reasons.update(_reasons(run, start, c, budget, weights_only, processes, ok))
     reasons.update(sequence.reasons(run, arch, c, processes, host))
     sources = term_sources(est.breakdown, run_shape(run, arch, c, data_max_tokens, packed))
@@ -245,7 +245,7 @@ def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
                 packing=packing_figures(run, arch, c, data_max_tokens, packed), host=host)
     if plan.packing:
         reasons["packed_attention"] = path_reason(run.train.packed_attention, plan.packing)
-    if not ok and advice:
+    if not ok and advice and budget is not None:  # the options are other cards and levers for a card budget
         plan.advice = _advice(run, arch, processes, c.max_length, data_max_tokens, margin, packed, data_tokens)
     return plan
 

@@ -70,7 +70,11 @@ def host_figures(est, run: RunConfig, gpu_plan: bool) -> dict:
     """plan.json's host block: one node's bytes, its budget, whether it fits, and the terms."""
     budget, source = host_budget(run.hw.host_memory_gib, run.hw.memory_gib is None)
     used = sum(est.host.values())
-    checked = gpu_plan and budget is not None  # a CPU run's RAM is its card budget (train/preflight.py)
+    # A CPU run's RAM is its card budget: this machine's MemAvailable is checked before training
+    # (train/preflight.py); a hw.host_memory_gib given for it must hold the estimate as well as the host terms.
+    checked = budget is not None and (gpu_plan or run.hw.host_memory_gib is not None)
+    if not gpu_plan:
+        used += est.peak_bytes
     return {"bytes": used, "budget_bytes": budget, "budget_source": source,
             "fits": not checked or used <= budget, "breakdown": dict(est.host)}
 

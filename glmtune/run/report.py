@@ -148,6 +148,10 @@ def no_fit_line(plan) -> str:
     """Exit 3's line: the best option's overrides where the line stays within a 120-column log (a sweep's record
     and a grep of the log keep them); the options themselves are the numbered list under the plan table."""
     host = getattr(plan, "host", None) or {}
+    if plan.budget_bytes is None:  # a CPU run: its RAM (hw.host_memory_gib) holds everything
+        return (f"the plan does not fit this machine's RAM: {host['bytes'] / GIB:.1f} GiB > "
+                f"{host['budget_bytes'] / GIB:.1f} GiB budget ({host['budget_source']}) — give hw.host_memory_gib "
+                "the RAM the run will have, or lower train.per_device_batch_size or data.max_length")
     if plan.peak_bytes <= plan.budget_bytes and not host.get("fits", True):  # the card fits; one node's RAM does not
         line = (f"the plan's host memory does not fit: {host['bytes'] / GIB:.1f} GiB per node > "
                 f"{host['budget_bytes'] / GIB:.1f} GiB budget; ")

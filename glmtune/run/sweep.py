@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import math
 import re
 import sys
@@ -189,6 +190,17 @@ def best_trial(trials: list[dict]) -> str:
             if best else "no trial has a loss (none trained, or all failed)")
 
 
+class RecordedFailures(logging.Filter):
+    """The optuna sweeper logs `Failed experiment: Return value must be float-castable. Got 'None'.` for every trial
+    run_trial returned None for: Hydra's words for a trial glmtune has already reported in its own line and
+    recorded. Dropped; any other failure the sweeper logs still shows."""
+
+    SWEEPER = "hydra_plugins.hydra_optuna_sweeper._impl"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "float-castable. Got 'None'" not in record.getMessage()
+
+
 class SweepDir(Callback):
     """A Hydra callback (conf/config.yaml hydra.callbacks): the sweep dir, known in the process that launches
     the sweep. With the basic launcher the trials run in that process and run_trial records it anyway; with the
@@ -197,6 +209,9 @@ class SweepDir(Callback):
 
     def on_multirun_start(self, config, **kwargs) -> None:
         global _SWEEP_DIR
+        sweeper_log = logging.getLogger(RecordedFailures.SWEEPER)
+        if not any(isinstance(f, RecordedFailures) for f in sweeper_log.filters):
+            sweeper_log.addFilter(RecordedFailures())
         _SWEEP_DIR = sweepstop.start(config)  # a stopped sweep of the same command continues in its dir
 
     def on_multirun_end(self, config, **kwargs) -> None:

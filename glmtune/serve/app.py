@@ -4,10 +4,15 @@
     POST /v1/chat/completions        a chat completion; `"stream": true` sends it as server-sent events
     GET  /health                     200 once the model is loaded (no key needed: for load balancers)
 
-Every error is OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with a 4xx status for
-anything the request did wrong (a bad body, unknown model, missing key, too long for the context); a 500
-only for a bug, with its traceback in the run dir's log. With serve.api_key set, /v1/* needs
-`Authorization: Bearer <key>` (401 otherwise, compared in constant time).
+Every request first passes guard.py (Host, Origin, Content-Type). Every error is OpenAI's shape,
+{"error": {"message", "type", "param", "code"}}, with a 4xx status for anything the request did wrong (a bad
+body, unknown model, missing key, too long for the context); a 500 only for a bug, with its traceback in the run
+dir's log. With serve.api_key set, /v1/* needs `Authorization: Bearer <key>` (401 otherwise, compared in
+constant time).
+
+The event loop only moves bytes: the body is read up to serve.max_body_mib as it arrives (chunked or not: the
+bytes read are counted, not the Content-Length promised), and parsing, validation and tokenization run on a
+thread of their own, so one large or slow request never holds up /health or another client's stream.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import json
 import logging
 import time
 import uuid
-from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 from starlette.applications import Starlette
@@ -28,10 +33,14 @@ from starlette.routing import Route
 
 from ..config import InferConfig
 from .engine import Engine, Job
-from .protocol import ApiError, forget_images, parse_chat
+from .guard import Guard, Hosts
+from .protocol import ApiError, ChatRequest, parse_chat, parse_json
 
 log = logging.getLogger("glmtune.serve")
-MAX_BODY = 64 << 20  # bytes; a GLM-4V image as base64 is a few MB, a 128K-token prompt well under 1 MB
+# After a body over the cap, the rest is read and dropped for up to this long (seconds) before the 413 goes
+# out: a client that sends its whole body before reading (most do) then gets the 413 instead of a reset
+# connection. Nothing is kept, so memory stays flat; a client still sending after that is cut off.
+DRAIN_S = 2.0
 
 
 def error_response(err: ApiError) -> JSONResponse:
@@ -41,10 +50,13 @@ def error_response(err: ApiError) -> JSONResponse:
 class Service:
     """What the routes share: the engine, the served model's id, the key, the server's infer.* defaults."""
 
-    def __init__(self, engine: Engine, model_id: str, api_key: str | None, infer: InferConfig, images_dir: Path):
+    def __init__(self, engine: Engine, model_id: str, api_key: str | None, infer: InferConfig, max_body: int):
         self.engine, self.model_id, self.api_key, self.infer = engine, model_id, api_key, infer
-        self.images_dir, self.created = images_dir, int(time.time())
+        self.max_body, self.created = max_body, int(time.time())  # bytes
         self.vision = bool(getattr(engine.model.config, "vision_config", None))
+        # One thread: requests are parsed one at a time, in arrival order (the tokenizer is not shared between
+        # threads beyond the engine's decoding), and never on the event loop.
+        self.parser = ThreadPoolExecutor(1, thread_name_prefix="glmtune-serve-parse")
 
     def check_key(self, request: Request) -> None:
         if self.api_key is None:
@@ -64,19 +76,10 @@ class Service:
 
     async def chat(self, request: Request) -> Response:
         self.check_key(request)
-        body = await read_json(request)
-        if isinstance(body, dict) and not isinstance(body.get("model"), str):
-            raise ApiError(400, f"model is required: this server serves `{self.model_id}`", "model", "missing_model")
-        if isinstance(body, dict) and body.get("model") != self.model_id:
-            raise ApiError(404, f"The model `{body.get('model')}` does not exist; this server serves "
-                                f"`{self.model_id}` (GET /v1/models)", "model", "model_not_found")
-        before = set(self.images_dir.iterdir())
-        chat = parse_chat(body, self.infer, self.engine.tokenizer, self.images_dir, self.vision)
-        try:
-            job = self.engine.admit(chat, asyncio.get_running_loop())
-        except ApiError:
-            forget_images(self.images_dir, before)
-            raise
+        raw = await read_body(request, self.max_body)
+        loop = asyncio.get_running_loop()
+        chat = await loop.run_in_executor(self.parser, self.parse, raw)
+        job = self.engine.admit(chat, loop)
         self.engine.submit(job)
         reply_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if chat.stream:
@@ -99,6 +102,16 @@ class Service:
                              "choices": [{"index": 0, "message": message, "logprobs": None,
                                           "finish_reason": result["finish_reason"]}],
                              "usage": usage(result)})
+
+    def parse(self, raw: bytearray) -> ChatRequest:
+        """The body checked whole (parser thread); ApiError names the first thing at fault."""
+        body = parse_json(raw)
+        if isinstance(body, dict) and not isinstance(body.get("model"), str):
+            raise ApiError(400, f"model is required: this server serves `{self.model_id}`", "model", "missing_model")
+        if isinstance(body, dict) and body.get("model") != self.model_id:
+            raise ApiError(404, f"The model `{body['model'][:200]}` does not exist; this server serves "
+                                f"`{self.model_id}` (GET /v1/models)", "model", "model_not_found")
+        return parse_chat(body, self.infer, self.engine.tokenizer, self.vision)
 
     async def sse(self, job: Job, reply_id: str, created: int) -> AsyncIterator[str]:
         """The reply as chat.completion.chunk events: the role, content deltas, a tool call, the finish."""
@@ -137,16 +150,25 @@ def usage(result: dict) -> dict:
             "total_tokens": result["prompt_tokens"] + result["completion_tokens"]}
 
 
-async def read_json(request: Request):
-    size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > MAX_BODY:
-        raise ApiError(413, f"the request body is over {MAX_BODY >> 20} MiB", None, "request_too_large")
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-        raise ApiError(400, "We could not parse the JSON body of your request: send a JSON object "
-                            "(Content-Type: application/json)", None, "invalid_json") from None
+async def read_body(request: Request, limit: int) -> bytearray:
+    """The body, or a 413 once more than `limit` bytes have arrived (or are announced)."""
+    size = request.headers.get("content-length", "")
+    chunks = request.stream()
+    body = bytearray()
+    if not (size.isdigit() and int(size) > limit):
+        async for chunk in chunks:
+            body += chunk
+            if len(body) > limit:
+                break
+        else:
+            return body
+    del body  # what was read of a refused body goes now, not after the drain
+    deadline = time.monotonic() + DRAIN_S
+    async for _ in chunks:
+        if time.monotonic() > deadline:
+            break
+    raise ApiError(413, f"the request body is over {limit / 2**20:g} MiB (serve.max_body_mib) — send a smaller "
+                        "image (e.g. JPEG) or raise serve.max_body_mib", None, "request_too_large")
 
 
 async def api_error(request: Request, err: ApiError) -> Response:
@@ -165,10 +187,10 @@ async def server_error(request: Request, err: Exception) -> Response:
     return error_response(ApiError(500, f"internal error: {type(err).__name__}: {err}", None, None, "server_error"))
 
 
-def make_app(service: Service) -> Starlette:
+def make_app(service: Service, hosts: Hosts, allow_origins: list[str]):
     routes = [Route("/v1/models", service.models, methods=["GET"]),
               Route("/v1/chat/completions", service.chat, methods=["POST"]),
               Route("/health", service.health, methods=["GET"])]
-    return Starlette(routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error,
-                                                        Exception: server_error})
-
+    app = Starlette(routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error,
+                                                       Exception: server_error})
+    return Guard(app, hosts, allow_origins)

@@ -21,7 +21,6 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
@@ -72,11 +71,9 @@ class Job:
         return ("sample", s.temperature, s.top_p, s.top_k, s.repetition_penalty)
 
 
-def release(jobs: list[Job]) -> None:
-    """Delete the decoded image files of jobs that are over (protocol.py wrote them)."""
-    for job in jobs:
-        if job.request.image:
-            Path(job.request.image).unlink(missing_ok=True)
+def shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down: the reply was not finished — send the request again once "
+                         "the server is back", None, "server_shutdown", "server_error")
 
 
 class RowStreamer(BaseStreamer):
@@ -132,6 +129,8 @@ class Engine:
         self.queue: queue.Queue[Job] = queue.Queue()
         self.pending: list[Job] = []  # taken from the queue, waiting for a batch with their settings
         self.stopping = False
+        self.closed = False  # the worker has answered every queued job and takes no more (under self.lock)
+        self.lock = threading.Lock()
         self.batches = 0
         self.thread = threading.Thread(target=self._work, name="glmtune-serve-engine", daemon=True)
 
@@ -159,7 +158,10 @@ class Engine:
         return Job(request, new, prompt, loop)
 
     def submit(self, job: Job) -> None:
-        self.queue.put(job)
+        with self.lock:
+            if self.closed:
+                raise shutting_down()
+            self.queue.put(job)
 
     def start(self) -> None:
         """Warm up, then take requests. The first generate() imports torch._dynamo (transformers asks whether it
@@ -172,9 +174,14 @@ class Engine:
                                 max_new_tokens=1, pad_token_id=tok.pad_token_id, do_sample=False)
         self.thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop decoding at the next token and end the worker; waiting requests get a 503."""
+    def halt(self) -> None:
+        """Stop decoding at the next token: the rows cut short and every waiting request get a 503 (the stream
+        of a streamed one ends with that error and [DONE]); returns at once, the worker ends on its own."""
         self.stopping = True
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """halt(), and wait for the worker to end."""
+        self.halt()
         if self.thread.is_alive():
             self.thread.join(timeout)
 
@@ -188,14 +195,15 @@ class Engine:
                 for job in self.pending:
                     job.post("error", ApiError(500, f"batching failed: {type(err).__name__}: {err}", None, None,
                                                "server_error"))
-                release(self.pending)
                 self.pending = []
                 continue
             if batch:
                 self._run(batch)
-        for job in self.pending + list(self.queue.queue):
-            job.post("error", ApiError(503, "the server is shutting down", None, "server_shutdown", "server_error"))
-        release(self.pending + list(self.queue.queue))
+        with self.lock:
+            self.closed = True
+            waiting, self.pending = self.pending + list(self.queue.queue), []
+        for job in waiting:
+            job.post("error", shutting_down())
 
     def _take(self) -> list[Job]:
         """The oldest job and every waiting one that can share its batch (settings, max_batch, memory)."""
@@ -210,7 +218,6 @@ class Engine:
                 self.pending.append(self.queue.get_nowait())
             except queue.Empty:
                 break
-        release([job for job in self.pending if job.cancelled])
         self.pending = [job for job in self.pending if not job.cancelled]
         if not self.pending:
             return []
@@ -252,10 +259,12 @@ class Engine:
             for job in batch:
                 job.post("error", ApiError(500, f"generation failed: {type(err).__name__}: {err}", None, None,
                                            "server_error"))
-        release(batch)
 
     def _finish(self, batch: list[Job]) -> None:
         for job in batch:
+            if self.stopping and job.finish is None:  # cut short by the stop: not a complete reply
+                job.post("error", shutting_down())
+                continue
             delta = job.reply.finish(self.tokenizer.decode(job.ids))
             if delta:
                 job.post("delta", delta)

@@ -5,57 +5,37 @@
     python -m glmtune mode=serve model.path=/models/glm-4-9b-mine serve.port=0   # a merged folder, any free port
     python -m glmtune mode=serve ... serve.host=0.0.0.0 serve.api_key='${oc.env:GLMTUNE_API_KEY}'
 
-The port is bound before the weights load, so a port in use is one line (exit 2) instead of minutes of loading
-first. One line says where the server listens and under which model name; Ctrl-C or SIGTERM stops it (exit 0):
-requests in flight get up to GRACE_S to finish, then decoding stops at the next token.
+The port is held (port.py) before the weights load, so a port in use is one line (exit 2) instead of minutes of
+loading first; while they load it answers 503. One line says where the server listens and under which model
+name. Ctrl-C or SIGTERM stops it (exit 0): requests in flight get serve.stop_grace_s to finish, then decoding
+stops at the next token and every unfinished reply ends with a 503 error (a stream: an error event and
+[DONE]) before the connections close.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import errno
 import importlib.util
-import shutil
 import signal
-import socket
-import tempfile
 from pathlib import Path
 
 import torch
 import uvicorn
 
-from ..config import ConfigError, RunConfig
+from ..config import RunConfig
 from ..infer.generate import RESERVE, inference_dtype, load_merged, load_quantized_adapter, place
 from ..infer.sampling import free_gpu_bytes
 from ..models import load_config
 from ..models.identity import check_adapter_base
-from ..plan.estimate import GIB
 from ..rundir.files import console
 from .app import Service, make_app
 from .engine import Engine
+from .guard import Hosts
+from .port import Loading, listen
 
-GRACE_S = 5  # seconds requests in flight may take to finish after Ctrl-C / SIGTERM
-
-
-def listen(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port (port 0: one the OS picks), or ConfigError saying what to change."""
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    except socket.gaierror as err:
-        raise ConfigError(f"serve.host={host}: not an address of this machine ({err.strerror}) — use 127.0.0.1 "
-                          "or 0.0.0.0") from None
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart may bind while old sockets linger
-    try:
-        # bound now, listening once the model is loaded (asyncio's create_server calls listen): until then a
-        # client is refused at once instead of waiting in the backlog for minutes
-        sock.bind((host, port))
-    except OSError as err:
-        sock.close()
-        why = {errno.EADDRINUSE: "is in use by another process", errno.EACCES: "needs privileges (ports < 1024)",
-               errno.EADDRNOTAVAIL: "is not an address of this machine"}.get(err.errno, err.strerror)
-        raise ConfigError(f"serve.port={port} on serve.host={host} {why} — choose another serve.port "
-                          "(0 = any free port)") from None
-    return sock
+# Seconds past serve.stop_grace_s that the replies cut by the stop get to reach their clients before uvicorn
+# cancels what is left (a generation step that is still running, a client that reads nothing).
+CLOSE_S = 10
 
 
 def model_id(run: RunConfig, model_dir: Path) -> str:
@@ -102,15 +82,17 @@ def free_bytes(memory_gib: float | None) -> int | None:
 
 def run_serve(run: RunConfig, model_dir: Path, tokenizer, run_dir: Path) -> None:
     cfg = run.serve
-    sock = listen(cfg.host, cfg.port)
-    images_dir = Path(tempfile.mkdtemp(prefix="glmtune-serve-images-"))
-    engine = None
+    sock = listen(cfg)
+    engine = server = None
     try:
-        model = load(run, model_dir)
-        name = model_id(run, model_dir)
-        engine = Engine(model, tokenizer, cfg.max_batch, free_bytes(run.hw.memory_gib), run.infer.max_new_tokens)
+        with Loading(sock):
+            model = load(run, model_dir)
+            name = model_id(run, model_dir)
+            engine = Engine(model, tokenizer, cfg.max_batch, free_bytes(run.hw.memory_gib), run.infer.max_new_tokens)
+            engine.start()
         port = sock.getsockname()[1]
-        where = "every interface" if cfg.host in ("0.0.0.0", "::") else "this machine only"
+        where = "this machine only" if cfg.host in ("127.0.0.1", "localhost", "::1") else \
+            "every interface" if cfg.host in ("0.0.0.0", "::") else cfg.host
         host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host  # an IPv6 address in a URL
         line = (f"glmtune serve: http://{host}:{port}/v1 ({where}) — model \"{name}\" = {model_dir}"
                 + (f" + adapter {run.infer.adapter}" if run.infer.adapter else "")
@@ -119,16 +101,16 @@ def run_serve(run: RunConfig, model_dir: Path, tokenizer, run_dir: Path) -> None
         gpu = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
         hint = vllm_hint(importlib.util.find_spec("vllm") is not None, weights, gpu, model_dir, run.infer.adapter,
                          name)
-        service = Service(engine, name, cfg.api_key, run.infer, images_dir)
-        server = QuietServer(uvicorn.Config(make_app(service), log_config=None, lifespan="off", ws="none",
-                                            timeout_graceful_shutdown=GRACE_S), [line] + ([hint] if hint else []))
-        engine.start()
+        service = Service(engine, name, cfg.api_key, run.infer, int(cfg.max_body_mib * 2**20))
+        app = make_app(service, Hosts.for_bind(cfg.host, cfg.allow_hosts), cfg.allow_origins)
+        server = QuietServer(uvicorn.Config(app, log_config=None, lifespan="off", ws="none",
+                                           timeout_graceful_shutdown=cfg.stop_grace_s + CLOSE_S),
+                             [line] + ([hint] if hint else []), engine, cfg.stop_grace_s)
         server.run(sockets=[sock])
     finally:
         if engine is not None:
             engine.stop()
         sock.close()
-        shutil.rmtree(images_dir, ignore_errors=True)
     how = f" by {server.stopped_by}" if server.stopped_by else ""
     console.print(f"glmtune serve: stopped{how} after {engine.batches} batches; the log is in {run_dir}",
                   markup=False)
@@ -137,17 +119,26 @@ def run_serve(run: RunConfig, model_dir: Path, tokenizer, run_dir: Path) -> None
 class QuietServer(uvicorn.Server):
     """uvicorn's server that prints glmtune's start line once it listens, and takes Ctrl-C / SIGTERM as the normal
     way to stop: uvicorn re-raises the signal after shutting down (so that a default handler ends the process),
-    where glmtune's own handler would report an interrupted run (exit 7)."""
+    where glmtune's own handler would report an interrupted run (exit 7). At the stop, the engine is halted once
+    the grace is over, so that every open reply ends with its error (a stream: an error event and [DONE]) and
+    its connection closes, instead of being cancelled mid-write by uvicorn (a traceback, a cut stream)."""
 
-    def __init__(self, config: uvicorn.Config, lines: list[str]):
+    def __init__(self, config: uvicorn.Config, lines: list[str], engine: Engine, grace_s: float):
         super().__init__(config)
-        self.lines, self.stopped_by = lines, None
+        self.lines, self.engine, self.grace_s, self.stopped_by = lines, engine, grace_s, None
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
         if self.started:
             for line in self.lines:
                 console.print(line, markup=False)
+
+    async def shutdown(self, sockets=None) -> None:
+        halt = asyncio.get_running_loop().call_later(self.grace_s, self.engine.halt)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            halt.cancel()
 
     @contextlib.contextmanager
     def capture_signals(self):

@@ -10,16 +10,18 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from ..rundir.atomic import folder_as_one_unit
+from ..rundir.lock import read_state, write_state
 from .checkpoints import mark_complete, rotate
 
 log = logging.getLogger(__name__)
 
 
 class CompleteMarker(TrainerCallback):
-    """After each save: wait for every rank's files, fsync and mark the checkpoint (rank 0), then rotate."""
+    """After each save: wait for every rank's files, fsync and mark the checkpoint (rank 0), record it in the
+    run dir's run_state.json (a kill -9 leaves no chance to write it later), then rotate."""
 
-    def __init__(self, output_dir: Path, keep: int):
-        self.output_dir, self.keep = output_dir, keep
+    def __init__(self, output_dir: Path, keep: int, run_dir: Path | None = None):
+        self.output_dir, self.keep, self.run_dir = output_dir, keep, run_dir
         self.last: Path | None = None
 
     def on_save(self, args, state, control, **kwargs):
@@ -27,6 +29,8 @@ class CompleteMarker(TrainerCallback):
         barrier()  # under ZeRO-3 each rank writes its own shard files into the folder
         if state.is_world_process_zero:
             mark_complete(folder, state.global_step)
+            if self.run_dir is not None and read_state(self.run_dir) is not None:
+                write_state(self.run_dir, step=state.global_step, checkpoint=str(folder))
             for old in rotate(self.output_dir, self.keep):
                 log.info("removed old checkpoint %s (train.keep_checkpoints=%d)", old, self.keep)
         barrier()  # no rank resumes work believing in a marker rank 0 has not written yet

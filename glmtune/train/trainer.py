@@ -187,7 +187,7 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
     guard = Guard(run.train.save_minutes, trainable_parameters(model))
     trainer = make_trainer(args, model, train_set, val_set, collator,
                            callbacks=[MetricsFile(run_dir / "metrics.jsonl", guard), timeline,
-                                      CompleteMarker(output_dir, run.train.keep_checkpoints), guard,
+                                      CompleteMarker(output_dir, run.train.keep_checkpoints, run_dir), guard,
                                       *swanlab_callback(run.train.report_to)],
                            generation_eval=generation_eval, best=best,
                            normalization=run.train.loss_normalization, packer=packer,
