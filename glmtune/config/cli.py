@@ -144,6 +144,12 @@ def chosen_mode(argv: list[str]) -> str:
     return modes[-1] if modes else "train"
 
 
+def emits(argv: list[str]) -> bool:
+    """Whether mode=plan is asked for cluster objects (plan.emit=...): they need a run dir that stays."""
+    values = [a.split("=", 1)[1] for a in argv if re.match(r"^\+{0,2}plan\.emit=", a)]
+    return bool(values) and values[-1] not in ("null", "")
+
+
 def wants_info(argv: list[str]) -> str | None:
     """The text for --help / -h or --version, printed instead of running; None for anything else."""
     if "--version" in argv:
