@@ -26,7 +26,8 @@ PLUGINS = {("hydra/sweeper", "optuna"): ("hydra_plugins.hydra_optuna_sweeper", "
                                                   "the SLURM launcher")}
 MODE_HELP = {
     "train": "plan, probe, then fine-tune; the adapter and metrics go to the run dir (default)",
-    "plan": "the memory plan only, no weights or GPU needed; writes nothing unless hydra.run.dir=DIR is given",
+    "plan": "the memory plan only, no weights or GPU needed; writes nothing unless hydra.run.dir=DIR is given "
+            "or plan.emit=trainjob (a Kubernetes TrainJob for the plan: README \"Run on Kubernetes\")",
     "probe": "plan, then a few real optimizer steps that measure the peak; no training",
     "chat": "talk to base + infer.adapter in the terminal (/reset, /exit); infer.prompt=... answers once",
     "infer": "generate for infer.prompts_file with the base model + infer.adapter (or merge: infer.merge_to=DIR)",
