@@ -182,7 +182,9 @@ def test_two_nodes_as_the_runtime_launches_them_train_torchruns_adapter_and_repo
     assert last["progressPercentage"] == 100 and last["estimatedRemainingSeconds"] == 0
     metrics = {m["name"]: m["value"] for m in last["metrics"]}
     assert metrics["step"] == metrics["total_steps"] == str(STEPS) and float(metrics["loss"]) > 0
-    assert any("estimatedRemainingSeconds" in s and s["progressPercentage"] < 100 for s in statuses)
+    # a post after some steps carries the time left (how many come between the first and the last depends on the
+    # machine's speed: the ETA itself is checked in test_trainjob.py)
+    assert all("estimatedRemainingSeconds" in s for s in statuses if 0 < s["progressPercentage"])
 
 
 @pytest.mark.slow

@@ -99,3 +99,34 @@ def test_plan_options_a_cluster_would_refuse_are_one_line_and_exit_2(tmp_path, a
     assert says in proc.stderr and "Traceback" not in proc.stderr
     assert len([line for line in proc.stderr.splitlines() if line.startswith("glmtune: error:")]) == 1
     assert not (tmp_path / "outputs").exists() or emitted(tmp_path) == []
+
+
+def test_the_progress_callback_reports_percent_time_left_and_logged_metrics_as_the_sdk_reads_them(monkeypatch):
+    """glmtune's TrainerCallback for Kubeflow Trainer, on transformers' own TrainerState (the HTTP side, the token, the
+    5 s spacing and a dead endpoint: test_scaleout.py, through real runs)."""
+    import time
+
+    from transformers import TrainerState
+
+    from glmtune.launch.trainjob_status import TrainJobStatus
+
+    callback = TrainJobStatus("http://127.0.0.1:9/status", None, None)
+    state = TrainerState(global_step=10, max_steps=40, is_world_process_zero=False)  # a resume at step 10
+    callback.on_train_begin(None, state, None)
+    callback.on_log(None, state, None, logs={"loss": 1.25, "learning_rate": 5e-4, "grad_norm": 0.5, "epoch": 0.25})
+    now = time.monotonic()
+    monkeypatch.setattr(time, "monotonic", lambda: now + 30.0)  # 30 s for the 10 steps of this launch
+    state.global_step, state.epoch = 20, 0.5
+    body = {"trainerStatus": callback.status(state)}
+    request = k.TrainerV1alpha1UpdateTrainJobStatusRequest.from_dict(body)
+    status = request.trainer_status
+    assert status.progress_percentage == 50
+    assert status.estimated_remaining_seconds == 60  # 20 steps left at this launch's 3 s a step
+    assert status.last_updated_time.tzinfo is not None
+    metrics = {m.name: m.value for m in status.metrics}
+    assert metrics == {"loss": "1.25", "learning_rate": "0.0005", "grad_norm": "0.5", "epoch": "0.5", "step": "20",
+                       "total_steps": "40"}
+    state.global_step = 40
+    assert callback.status(state, done=True) | {"lastUpdatedTime": None} == {
+        "lastUpdatedTime": None, "progressPercentage": 100, "estimatedRemainingSeconds": 0,
+        "metrics": [{"name": n, "value": v} for n, v in {**metrics, "step": "40"}.items()]}

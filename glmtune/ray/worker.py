@@ -38,7 +38,8 @@ LOCK_WAIT_S = 120  # a restarted group waits this long for the last group's rank
 
 
 class RankFailed(RuntimeError):
-    """A rank's exit that Ray should answer with a restart; carries the code and the rank's last glmtune line."""
+    """A rank that exited non-zero: raised so that Ray ends the worker group (and restarts it, within max_failures);
+    carries the code and the rank's last glmtune line for the driver."""
 
     def __init__(self, rank: int, code: int, line: str):
         super().__init__(f"rank {rank}: glmtune exited {code}" + (f": {line}" if line else ""))
