@@ -33,7 +33,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from .config import CONF_DIR, ConfigError, check_override_keys
-from .config.cli import check_command_line, chosen_mode, is_multirun, wants_info
+from .config.cli import check_command_line, chosen_mode, emits, is_multirun, wants_info
 from .config.compose import run_once
 from .launch import export_slurm_env, rank, run_name
 from .launch.signals import EXIT_INTERRUPTED, STOP, Interrupted
@@ -146,7 +146,8 @@ def cli() -> None:
     made = check_output_dirs(argv)
     multirun = is_multirun(argv)
     PLAN_SCRATCH = None
-    if chosen_mode(argv) == "plan" and not multirun and not any(a.startswith("hydra.run.dir=") for a in argv):
+    given_dir = any(a.startswith("hydra.run.dir=") for a in argv)
+    if chosen_mode(argv) == "plan" and not (multirun or given_dir or emits(argv)):  # emitted files need a real dir
         PLAN_SCRATCH = tempfile.mkdtemp(prefix="glmtune-plan-")
         sys.argv.append(f"hydra.run.dir={PLAN_SCRATCH}")
     # Hydra then raises its composition errors instead of printing them with exit code 1; below they become

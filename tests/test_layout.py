@@ -27,8 +27,10 @@ ALLOWED = {
     "probe": {"config", "launch", "models", "data", "plan", "train"},
     "infer": {"config", "rundir", "models", "data", "plan"},
     "serve": {"config", "launch", "rundir", "models", "data", "plan", "infer"},  # mode=serve's HTTP server
-    "run": {"config", "launch", "rundir", "models", "data", "plan", "probe", "train", "infer", "serve"},  # the modes
+    "scale": {"__init__", "config", "launch", "rundir", "models", "plan", "train"},  # a plan's cluster objects
+    "run": {"config", "launch", "rundir", "models", "data", "plan", "probe", "train", "infer", "serve", "scale"},
     "__main__": {"config", "launch", "rundir", "run"},
+    "ray": {"config", "launch", "rundir"},  # `python -m glmtune.ray`: Ray Train workers that are glmtune ranks
     "supervise": {"launch"},  # `python -m glmtune.supervise`: the documented name of launch/supervise.py
 }
 # Loose modules at the top of glmtune/ besides __init__.py and __main__.py: only one that truly belongs nowhere.

@@ -26,7 +26,8 @@ PLUGINS = {("hydra/sweeper", "optuna"): ("hydra_plugins.hydra_optuna_sweeper", "
                                                   "the SLURM launcher")}
 MODE_HELP = {
     "train": "plan, probe, then fine-tune; the adapter and metrics go to the run dir (default)",
-    "plan": "the memory plan only, no weights or GPU needed; writes nothing unless hydra.run.dir=DIR is given",
+    "plan": "the memory plan only, no weights or GPU needed; writes nothing unless hydra.run.dir=DIR is given "
+            "or plan.emit=trainjob (a Kubernetes TrainJob for the plan: README \"Run on Kubernetes\")",
     "probe": "plan, then a few real optimizer steps that measure the peak; no training",
     "chat": "talk to base + infer.adapter in the terminal (/reset, /exit); infer.prompt=... answers once",
     "infer": "generate for infer.prompts_file with the base model + infer.adapter (or merge: infer.merge_to=DIR)",
@@ -142,6 +143,12 @@ def chosen_mode(argv: list[str]) -> str:
     """The mode the command line selects (the last `mode=` wins, as in Hydra); train when none."""
     modes = [a.split("=", 1)[1] for a in argv if re.match(r"^\+{0,2}mode=", a)]
     return modes[-1] if modes else "train"
+
+
+def emits(argv: list[str]) -> bool:
+    """Whether mode=plan is asked for cluster objects (plan.emit=...): they need a run dir that stays."""
+    values = [a.split("=", 1)[1] for a in argv if re.match(r"^\+{0,2}plan\.emit=", a)]
+    return bool(values) and values[-1] not in ("null", "")
 
 
 def wants_info(argv: list[str]) -> str | None:

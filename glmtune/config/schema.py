@@ -158,6 +158,16 @@ class ServeConfig:
     stop_grace_s: float = 5.0  # seconds requests in flight get to finish after Ctrl-C / SIGTERM
 
 
+@dataclass
+class PlanConfig:
+    """mode=plan plan.emit=trainjob: the cluster objects that run this plan (glmtune/scale/trainjob.py)."""
+    emit: Optional[str] = None  # null: the plan only; trainjob: trainjob.yaml + glmtune-torch.yaml in the run dir
+    name: Optional[str] = None  # the TrainJob's name and its run dir's (outputs/<name>); null = <model>-lora-<6 hex>
+    image: Optional[str] = None  # an image with glmtune installed; null = glmtune:<version>, a name to build or retag
+    queue: Optional[str] = None  # Kueue LocalQueue (label kueue.x-k8s.io/queue-name); null = not queued by Kueue
+    volume: str = "glmtune"  # ReadWriteMany PersistentVolumeClaim mounted at /glmtune: run dirs and the data cache
+
+
 MODES = ("train", "plan", "probe", "infer", "chat", "serve")
 
 
@@ -174,6 +184,7 @@ class RunConfig:
     infer: InferConfig = field(default_factory=InferConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
 # Linear layers of the GLM-4 / ChatGLM3 language model, by their official names (the estimator knows each).

@@ -16,6 +16,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from .planemit import plan_problems
 from .schema import (CONF_DIR, EVAL_METRICS, GROUPS, LORA_TARGETS, MODES, DataConfig,  # noqa: F401
                             DistConfig, EvalConfig, HwConfig, InferConfig, LoraConfig, ModelConfig, ProbeConfig,
                             RunConfig, ServeConfig, TrainConfig)
@@ -77,8 +78,6 @@ def parse_config(raw: dict[str, Any]) -> RunConfig:
     if problems:
         raise ConfigError("invalid config: " + "; ".join(problems))
     return cfg
-
-
 
 
 def check_override_keys(argv: list[str]) -> None:
@@ -264,7 +263,7 @@ def _check_values(cfg: RunConfig) -> list[str]:
         problems += _mlflow_store_problem()
     if cfg.train.learning_rate <= 0:
         problems.append(f"train.learning_rate must be > 0, got {cfg.train.learning_rate}")
-    return problems + serve_problems(cfg)
+    return problems + serve_problems(cfg) + plan_problems(cfg)
 
 
 def train_files(cfg: DataConfig) -> list[str]:

@@ -19,6 +19,9 @@ import secrets
 import socket
 from datetime import datetime
 
+# A launch's own name for the run, first found wins: glmtune's, a Kubeflow TrainJob's name where the runtime exposes
+# one (the emitted TrainJob sets GLMTUNE_RUN_ID to it: scale/trainjob.py), torchrun's rendezvous id.
+RUN_IDS = ("GLMTUNE_RUN_ID", "TRAINJOB_NAME", "TORCHELASTIC_RUN_ID")
 # torchrun --standalone names a launch with a random uuid4 (32 hex digits, with or without dashes).
 _UUID = re.compile(r"^[0-9a-f]{8}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{12}$")
 
@@ -35,8 +38,7 @@ def run_name(now: str) -> str:
     """Hydra's resolver: `_run_name` for this launch's environment. Cached per (now, ids) because Hydra resolves
     the dir more than once and a unique name must come out the same each time; keyed on the ids so a process
     whose environment changes (a test, a sweep) gets its new name."""
-    ids = tuple(os.environ.get(v) for v in ("GLMTUNE_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_NTASKS",
-                                            "SLURM_STEP_ID"))
+    ids = tuple(os.environ.get(v) for v in (*RUN_IDS, "SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_STEP_ID"))
     return _run_name(now, ids)
 
 
@@ -45,13 +47,14 @@ def _run_name(now: str, ids: tuple) -> str:
     """The run dir's last part, identical on every rank of one launch, and never shared by two launches.
 
     torchrun gives every worker the same TORCHELASTIC_RUN_ID (a fresh id under --standalone, --rdzv_id
-    otherwise); other launchers set GLMTUNE_RUN_ID or pass hydra.run.dir. `now` is "DATE/TIME". A --standalone
+    otherwise; "none" under a static rendezvous such as a TrainJob's PET_* variables); other launchers set
+    GLMTUNE_RUN_ID (or TRAINJOB_NAME) or pass hydra.run.dir. `now` is "DATE/TIME". A --standalone
     uuid becomes "DATE/torchrun-<first 8 hex digits>": readable, and still the same on every rank (the time of
     day is not: workers start a second apart). Tasks of one SLURM job step share its ids, and a requeued
     (pre-empted) job gets the same ids back, so it lands in its own run dir and resumes. A lone process gets
     `unique_run_name`. Cached: Hydra resolves the dir more than once.
     """
-    for var in ("GLMTUNE_RUN_ID", "TORCHELASTIC_RUN_ID"):
+    for var in RUN_IDS:
         value = os.environ.get(var)
         if value and value != "none":
             if _UUID.match(value.lower()):

@@ -30,7 +30,7 @@ from ..plan.elastic import elastic_choices
 from ..plan.planner import Choices, make_plan
 from ..plan.table import format_plan
 from ..plan.sequence import set_tokens
-from .report import header, no_fit_line, report_probe, summary
+from .report import header, no_fit_line, plan_written, report_probe, summary
 from ..rundir.resume import check_inputs, input_fingerprints, refuse_training_run, resume_command
 from ..rundir.files import STOP_PREFIX, console, fail, probed_peak, remove_empty_dirs, write_run_files
 from ..rundir.lock import Start, decide, trim_metrics, write_state
@@ -98,7 +98,7 @@ def run_mode(prep: Prepared, run_dir: Path, plan_scratch: bool) -> float | None:
     plan, start = planned(prep, run_dir, plan_scratch)
     if prep.run.mode == "plan":
         if rank() == 0 and not plan_scratch:
-            console.print(f"plan written to {run_dir / 'plan.json'}", markup=False)
+            console.print(plan_written(prep.run, plan, prep.arch, prep.overrides, run_dir), markup=False)
         return None
     choices, peak, measured = probe_stage(prep, plan, start, run_dir)
     if prep.run.mode == "probe":

@@ -92,6 +92,16 @@ def header(run: RunConfig, plan: Plan, run_dir: Path | None, train_examples: int
                                    break_on_hyphens=False) for line in lines)
 
 
+def plan_written(run: RunConfig, plan: Plan, arch, overrides: list[str], run_dir: Path) -> str:
+    """mode=plan's closing lines: where plan.json is and, with plan.emit, the cluster objects that run the plan."""
+    line = f"plan written to {run_dir / 'plan.json'}"
+    if not run.plan.emit:
+        return line
+    from ..scale.trainjob import emit  # the Kubeflow SDK's models (~1 s to import): for plan.emit only
+
+    return f"{line}\n{emit(run, plan, arch, overrides, run_dir)}"
+
+
 def report_probe(report, run_dir: Path) -> None:
     """probe.json in the run dir and the predicted-vs-measured table on the console (rank 0)."""
     if rank() != 0:

@@ -22,6 +22,7 @@ from ..config import EVAL_METRICS, RunConfig, TrainConfig
 from ..models.identity import write_base_identity
 from ..launch import single_process_env
 from ..launch.quiet import prints_to_log
+from ..launch.trainjob_status import status_callbacks  # Kubeflow Trainer progress, inside a TrainJob only
 from .checkpoints import allow_numpy_rng_state, checkpoint_step, last_complete, remove_incomplete
 from .compile import compile_blocks, resolve_compile, resolve_packed_attention, set_packed_attention
 from .evaluation import BestTracker, GenerationEval, keep_best_adapter
@@ -188,7 +189,7 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
     trainer = make_trainer(args, model, train_set, val_set, collator,
                            callbacks=[MetricsFile(run_dir / "metrics.jsonl", guard), timeline,
                                       CompleteMarker(output_dir, run.train.keep_checkpoints, run_dir), guard,
-                                      *swanlab_callback(run.train.report_to)],
+                                      *swanlab_callback(run.train.report_to), *status_callbacks()],
                            generation_eval=generation_eval, best=best,
                            normalization=run.train.loss_normalization, packer=packer,
                            sequence_parallel=choices.sequence_parallel)  # the plan's degree
