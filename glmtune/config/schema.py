@@ -132,6 +132,9 @@ class InferConfig:
     repetition_penalty: float = 1.0  # 1.0 = off; > 1 discourages tokens already in the text
     seed: int = 42  # sampling seed: same seed, same prompts, same outputs
     overwrite: bool = False  # replace an existing output_file / merge_to; the inputs are never written
+    # merge_to's layout: remote = the base's own (official names, its modeling code); hf = HF-native GlmForCausalLM
+    merge_format: str = "remote"
+    adapter_for: Optional[str] = None  # peft | vllm: merge_to = the base unmerged + merge_to/adapter for that engine
 
 
 @dataclass
