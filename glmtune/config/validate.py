@@ -18,7 +18,7 @@ from typing import Any
 
 from .schema import (CONF_DIR, EVAL_METRICS, GROUPS, LORA_TARGETS, MODES, DataConfig,  # noqa: F401
                             DistConfig, EvalConfig, HwConfig, InferConfig, LoraConfig, ModelConfig, ProbeConfig,
-                            RunConfig, ServeConfig, TrainConfig)
+                            RunConfig, ServeConfig, TrainConfig, EXPORT_CHOICES)
 
 
 class ConfigError(ValueError):
@@ -26,7 +26,7 @@ class ConfigError(ValueError):
 
 
 _CHOICES = {
-    "mode": MODES,
+    "mode": MODES, **EXPORT_CHOICES,  # EXPORT_CHOICES: infer.merge_format, infer.adapter_for (issue 40)
     "model.quantize": ("none", "nf4", "int8"),
     "dist.strategy": ("auto", "ddp", "zero3"),
     "train.precision": ("auto", "bf16", "fp16", "fp32"),
@@ -209,7 +209,6 @@ def _check_values(cfg: RunConfig) -> list[str]:
     if cfg.mode == "infer" and not (cfg.infer.prompts_file or cfg.infer.merge_to or cfg.infer.prompt):
         problems.append("mode=infer needs infer.prompts_file=<jsonl> or infer.prompt=\"...\" "
                         "(and/or infer.merge_to=<folder>)")
-    problems += _export_problems(cfg.infer)
     if cfg.infer.prompts_file and cfg.infer.prompt:
         problems.append("set infer.prompts_file or infer.prompt, not both")
     if cfg.infer.batch_size < 0 or cfg.infer.top_k < 0 or cfg.eval.max_examples < 0:
@@ -277,25 +276,6 @@ def _serve_problems(cfg: RunConfig) -> list[str]:
         problems.append("serve.model_name is empty: give a name, or leave it null for the model folder's name")
     if cfg.mode == "serve" and not all(importlib.util.find_spec(m) for m in ("starlette", "uvicorn")):
         problems.append('mode=serve needs starlette and uvicorn: pip install "glmtune[serve]"')
-    return problems
-
-
-# infer.merge_format / infer.adapter_for (issue 40): which layout merge_to is written in, and for which engine
-# its adapter is converted (infer/hf_layout.py, adapter_export.py).
-MERGE_FORMATS = ("remote", "hf")
-ADAPTER_ENGINES = ("peft", "vllm")
-
-
-def _export_problems(cfg: InferConfig) -> list[str]:
-    problems = []
-    if cfg.merge_format not in MERGE_FORMATS:
-        problems.append(f"infer.merge_format={cfg.merge_format}: use remote (the base's own layout) or hf "
-                        "(HF-native GlmForCausalLM, GLM-4-9B-chat)")
-    if cfg.adapter_for is not None and cfg.adapter_for not in ADAPTER_ENGINES:
-        problems.append(f"infer.adapter_for={cfg.adapter_for}: use peft or vllm (or leave it unset to merge)")
-    elif cfg.adapter_for and not (cfg.merge_to and cfg.adapter):
-        problems.append(f"infer.adapter_for={cfg.adapter_for} exports infer.adapter beside its base: it needs "
-                        "infer.adapter=<run>/adapter and infer.merge_to=<folder>")
     return problems
 
 

@@ -48,13 +48,20 @@ def vllm_rank_flag(config: dict) -> int:
     return next(r for r in VLLM_LORA_RANKS if r >= rank)
 
 
-def check_adapter_for(cfg: InferConfig) -> None:
-    """What the engine refuses in adapter_config.json, as ConfigError, before any weights load."""
-    if not cfg.adapter_for:
+def check_adapter_for(cfg: InferConfig, layout: Layout, model_config) -> None:
+    """What the engine refuses in the adapter (its config, the modules its tensors adapt), as ConfigError, before
+    any weights load (the tensor names come from the safetensors header)."""
+    if cfg.adapter_for == "none":
         return
-    config = read_adapter_config(cfg.adapter)
-    if cfg.adapter_for != "vllm":
-        return
+    problems = vllm_problems(read_adapter_config(cfg.adapter)) if cfg.adapter_for == "vllm" else []
+    if problems:
+        raise ConfigError(f"infer.adapter_for=vllm: {cfg.adapter} cannot be served by vLLM: {'; '.join(problems)} "
+                          "— merge it instead (infer.adapter_for=none), or use infer.adapter_for=peft")
+    adapter_targets(_tensor_names(Path(cfg.adapter).expanduser()), cfg.adapter, layout, model_config, cfg.adapter_for)
+
+
+def vllm_problems(config: dict) -> list[str]:
+    """What vllm/lora/peft_helper.py refuses in an adapter_config.json."""
     problems = []
     if config.get("use_dora"):
         problems.append("it is a DoRA adapter (vLLM does not run DoRA)")
@@ -65,43 +72,72 @@ def check_adapter_for(cfg: InferConfig) -> None:
     if max_lora_rank(config) > VLLM_LORA_RANKS[-1]:
         problems.append(f"its rank {max_lora_rank(config)} is above vLLM's largest --max-lora-rank "
                         f"{VLLM_LORA_RANKS[-1]}")
-    if problems:
-        raise ConfigError(f"infer.adapter_for=vllm: {cfg.adapter} cannot be served by vLLM: {'; '.join(problems)} "
-                          "— merge it instead (leave infer.adapter_for unset), or use infer.adapter_for=peft")
+    return problems
+
+
+def _placed(key: str, layout: Layout, splits: dict, model_config, adapter) -> tuple[str, str, list | None]:
+    """(module in the layout, leaf, its split parts or None) of one adapter tensor name; module "" = dropped."""
+    found = _KEY.match(key)
+    if not found:
+        raise ConfigError(f"{adapter}: tensor {key} is not a LoRA weight glmtune can convert — merge this adapter "
+                          "instead (infer.adapter_for=none)")
+    module, leaf = found["module"], found["leaf"]
+    new = rename(layout, module + ".")
+    module = module if new is None else new.removesuffix(".")
+    last = module.rpartition(".")[2]
+    return module, leaf, (splits[last](model_config) if module and last in splits else None)
+
+
+def adapter_targets(keys, adapter, layout: Layout, model_config, engine: str) -> list[str]:
+    """The last module names the converted adapter has; ConfigError when the engine takes a LoRA on none of
+    some of them (vLLM refuses such an adapter at load: "expected target modules in ... but received ...")."""
+    splits = {**layout.splits, **layout.engine_splits.get(engine, {})}
+    targets = set()
+    for key in keys:
+        module, _, parts = _placed(key, layout, splits, model_config, adapter)
+        if module:
+            targets |= {name for name, _ in parts} if parts else {module.rpartition(".")[2]}
+    accepted = layout.engine_targets.get(engine)
+    if accepted is not None and targets - accepted:
+        raise ConfigError(f"infer.adapter_for={engine}: {adapter} adapts {', '.join(sorted(targets - accepted))}, "
+                          f"which {engine} applies no LoRA to in the {layout.name} layout (it takes "
+                          f"{', '.join(sorted(accepted))}) — retrain without it (lora.target_modules) or merge the "
+                          "adapter (infer.adapter_for=none)")
+    return sorted(targets)
+
+
+def _tensor_names(folder: Path) -> list[str]:
+    safe = folder / "adapter_model.safetensors"
+    if not safe.is_file():
+        return list(read_adapter_weights(folder))  # a .bin: read_adapter_weights checks it is only tensors
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(safe), framework="pt") as f:
+            return list(f.keys())
+    except (SafetensorError, OSError):
+        return list(read_adapter_weights(folder))  # its one-line error for a damaged file
 
 
 def convert_adapter(adapter: str | Path, out: Path, layout: Layout, model_config, engine: str,
                     base_path: str) -> dict:
     """Write the adapter in `layout`'s names for `engine` into `out`; returns its adapter_config."""
     weights = read_adapter_weights(Path(adapter).expanduser())
+    targets = adapter_targets(weights, adapter, layout, model_config, engine)
     splits = {**layout.splits, **layout.engine_splits.get(engine, {})}
     converted: dict[str, torch.Tensor] = {}
     for key, tensor in weights.items():
-        found = _KEY.match(key)
-        if not found:
-            raise ConfigError(f"{adapter}: tensor {key} is not a LoRA weight glmtune can convert — merge this "
-                              "adapter instead (leave infer.adapter_for unset)")
-        module, leaf = found["module"], found["leaf"]
-        new = rename(layout, module + ".")
-        module = module if new is None else new.removesuffix(".")
+        module, leaf, parts = _placed(key, layout, splits, model_config, adapter)
         if not module:
             continue
-        parent, _, last = module.rpartition(".")
-        if last not in splits:
+        if parts is None:
             converted[f"base_model.model.{module}.{leaf}"] = tensor
             continue
-        parts = splits[last](model_config)
-        pieces = ([(name, tensor) for name, _ in parts] if leaf == "lora_A.weight"  # A is shared by the parts
+        parent = module.rpartition(".")[0]
+        pieces = ([(name, tensor.clone()) for name, _ in parts] if leaf == "lora_A.weight"  # each part its copy of A
                   else split_rows(tensor, parts, model_config))
         for name, piece in pieces:
             converted[f"base_model.model.{parent}.{name}.{leaf}"] = piece.contiguous()
-    targets = sorted({_KEY.match(k)["module"].rpartition(".")[2] for k in converted})
-    accepted = layout.engine_targets.get(engine)
-    if accepted is not None and set(targets) - accepted:
-        raise ConfigError(f"infer.adapter_for={engine}: {adapter} adapts {', '.join(sorted(set(targets) - accepted))}"
-                          f", which {engine} does not apply a LoRA to in this layout (it takes "
-                          f"{', '.join(sorted(accepted))}) — retrain without it (lora.target_modules) or merge "
-                          "the adapter (leave infer.adapter_for unset)")
     config = read_adapter_config(adapter)
     if layout.renames:  # GLM-4V's vision-excluding regex only exists in the remote layout, kept there
         config["target_modules"] = targets

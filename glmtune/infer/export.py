@@ -63,7 +63,7 @@ def save_merged(model, tokenizer, out: str | Path, model_dir: str | Path | None 
 
 def export_folder(model, tokenizer, out: str | Path, model_dir: str | Path | None = None,
                   shard_size: str | int = SHARD_SIZE, cfg: InferConfig | None = None) -> tuple[Path, str]:
-    """Write `model` (glmtune's class; the adapter merged, or the base alone with cfg.adapter_for) and the files
+    """Write `model` (glmtune's class; the adapter merged, or the base alone with infer.adapter_for) and the files
     of its base folder (`model_dir`; by default the folder it was loaded from, which load_model records) into
     `out` in cfg.merge_format's layout, whole or not at all (an existing folder is replaced only with
     infer.overwrite, checked by the caller). Returns the folder and its vllm serve command."""
@@ -94,7 +94,7 @@ def export_folder(model, tokenizer, out: str | Path, model_dir: str | Path | Non
         _fast_tokenizer_config(tmp, tokenizer)
         write_generation_config(tmp, model_dir, tokenizer)
         rank = None
-        if cfg.adapter_for:
+        if cfg.adapter_for != "none":
             adapter = convert_adapter(cfg.adapter, tmp / "adapter", layout, model.config, cfg.adapter_for,
                                       str(folder.resolve()))
             rank = vllm_rank_flag(adapter) if cfg.adapter_for == "vllm" else None
@@ -156,3 +156,10 @@ def write_generation_config(folder: Path, model_dir: Path, tokenizer) -> None:
     fields["eos_token_id"] = eos + [i for i in tokenizer.stop_token_ids if i not in eos]
     fields.setdefault("pad_token_id", tokenizer.pad_token_id)
     GenerationConfig(**fields).save_pretrained(folder)
+
+
+def export_line(cfg: InferConfig) -> str:
+    """What infer.merge_to holds, as the line after an export names it."""
+    what = (f"base, with its adapter for {cfg.adapter_for}," if cfg.adapter_for != "none"
+            else "merged base + adapter" if cfg.adapter else "base")
+    return f"{what} ({cfg.merge_format} layout)"

@@ -41,6 +41,9 @@ def transformers_snippet(folder: Path, config: dict, adapter: bool) -> str:
     """Python lines that load the export: no remote code for the HF layout; the remote layout's model is the
     base's own modeling code (its tokenizer is tokenizer.json either way)."""
     folder = Path(folder).resolve()
+    if config.get("model_type") == "chatglm" and not config.get("auto_map"):
+        return (f"# transformers has no class for this folder without the base's modeling_chatglm.py (glmtune's tiny\n"
+                f"# checkpoints ship none); glmtune loads it: python -m glmtune mode=chat model.path={folder}")
     remote = ", trust_remote_code=True" if config.get("auto_map") else ""
     lines = ["from transformers import AutoModelForCausalLM, AutoTokenizer",
              f"tokenizer = AutoTokenizer.from_pretrained({str(folder)!r})",
@@ -55,12 +58,12 @@ def transformers_snippet(folder: Path, config: dict, adapter: bool) -> str:
     return "\n".join(lines)
 
 
-def serve_md(folder: Path, command: list[str], snippet: str, layout: str) -> str:
+def serve_md(folder: Path, command: list[str], snippet: str, config: dict) -> str:
     line = " ".join(shlex.quote(a) for a in command)
     how = ("HF-native layout (GlmForCausalLM): transformers >= 4.46, vLLM and SGLang load it without remote code"
-           if layout != "remote" else
-           "official layout (the base's config.json, modeling code and weight names): vLLM loads it with its own "
-           "ChatGLM model, transformers with trust_remote_code=True")
+           if config.get("model_type") != "chatglm" else
+           "official layout (the base's config.json and weight names): vLLM loads it with its own ChatGLM model"
+           + (", transformers with the base's modeling code (auto_map)" if config.get("auto_map") else ""))
     return (f"# Serving {Path(folder).resolve().name}\n\n{how}; the tokenizer is tokenizer.json (no tokenizer code), "
             "the chat template chat_template.jinja, the stop ids generation_config.json's eos_token_id.\n\n"
             f"## vLLM\n\n```bash\n{line}\n```\n\n## transformers\n\n```python\n{snippet}\n```\n")
@@ -71,8 +74,6 @@ def write_serve_md(folder: Path, final: Path, adapter_rank: int | None, name: st
     config = json.loads((folder / "config.json").read_text())
     name = name or Path(final).resolve().name
     command = vllm_command(final, name, config, adapter_rank)
-    layout = "hf" if config.get("model_type") != "chatglm" else "remote"
-    (folder / "SERVE.md").write_text(serve_md(final, command, transformers_snippet(final, config, adapter_rank is not None
-                                                                                   or (folder / "adapter").is_dir()),
-                                              layout))
+    snippet = transformers_snippet(final, config, (folder / "adapter").is_dir())
+    (folder / "SERVE.md").write_text(serve_md(final, command, snippet, config))
     return " ".join(shlex.quote(a) for a in command)

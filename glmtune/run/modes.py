@@ -115,9 +115,7 @@ def infer_mode(prep: Prepared, run_dir: Path) -> None:
     if run.infer.prompt and "predictions" in result:  # one-shot: the answer on the console too
         console.print(json.loads(Path(result["predictions"]).read_text().splitlines()[0])["output"], markup=False)
     if "merged" in result:
-        what = f"base, and its adapter for {run.infer.adapter_for}," if run.infer.adapter_for else "merged base + adapter"
-        console.print(f"{what} written to {result['merged']} ({run.infer.merge_format} layout); serve it with vLLM "
-                      f"(SERVE.md there has this and the transformers lines):\n{result['serve']}", markup=False)
+        console.print(result["merged_line"], markup=False)  # what and where, and the vllm serve command
     if "predictions" in result:  # the last line: where the outputs are
         console.print(f"{result['count']} predictions (batch {result['batch_size']}) written to {result['predictions']}; "
                       f"provenance in {result['provenance']}", markup=False)
