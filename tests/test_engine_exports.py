@@ -115,6 +115,16 @@ def test_printed_command_and_serve_md(tmp_path):
     assert tok(CHAT[1]["content"], add_special_tokens=False).input_ids == load_tokenizer(out).encode(CHAT[1]["content"])
 
 
+def test_glm4v_export_keeps_vision_and_names_vllms_glm4v_model(tmp_path):
+    """vLLM picks its GLM-4V model by the config's vision_config; its text ChatGLM refuses such a folder and says to
+    override the architecture, which the printed command does. (vLLM itself is not run on GLM-4V: README.)"""
+    out = tmp_path / "export"
+    proc = glmtune_in_process("mode=infer", "model=glm4v_tiny", f"infer.merge_to={out}", f"hydra.run.dir={tmp_path}/r")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((out / "config.json").read_text())["vision_config"]
+    assert proc.stdout.strip().endswith('--hf-overrides \'{"architectures": ["GLM4VForCausalLM"]}\'')
+
+
 def adapter(tmp_path, **lora) -> str:
     torch.manual_seed(0)
     folder = tmp_path / "adapter"
