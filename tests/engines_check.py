@@ -50,14 +50,16 @@ def run_transformers(spec: dict) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    prompt_ids = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)
+                  ["input_ids"] for c in spec["conversations"]]
+    if not spec.get("ids"):  # the tokenizer alone
+        return {"prompt_ids": prompt_ids, "tokenizer": type(tokenizer).__name__}
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     if spec.get("adapter"):
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, spec["adapter"])
     model.eval()
-    prompt_ids = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)
-                  ["input_ids"] for c in spec["conversations"]]
     with torch.no_grad():
         logits = [model(input_ids=torch.tensor([ids])).logits[0].tolist() for ids in spec["ids"]]
     return {"prompt_ids": prompt_ids, "logits": logits, "tokenizer": type(tokenizer).__name__,

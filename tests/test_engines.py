@@ -12,6 +12,7 @@ is the printed `vllm serve` command. Times: bench/RESULTS.md §22.
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -104,6 +105,17 @@ def family(root: Path, name: str, formats: list[str]) -> SimpleNamespace:
                        f"infer.merge_format={fmt}", *extra, f"hydra.run.dir={root / f'export-{kind}-{fmt}'}")
             getattr(out, kind)[fmt] = folder
             out.lines[(kind, fmt)] = proc.stdout
+    if name == "glm4":  # a base whose tokenizer_config.json names remote tokenizer code, as the official one does
+        official = root / "official-base"
+        shutil.copytree(base, official)
+        (official / "tokenization_chatglm.py").write_text("raise RuntimeError('remote tokenizer code was run')\n")
+        config = json.loads((official / "tokenizer_config.json").read_text())
+        config.update(tokenizer_class="ChatGLM4Tokenizer",
+                      auto_map={"AutoTokenizer": ["tokenization_chatglm.ChatGLM4Tokenizer", None]})
+        (official / "tokenizer_config.json").write_text(json.dumps(config))
+        out.official = root / "official-remote"
+        cli("mode=infer", f"model.path={official}", f"infer.merge_to={out.official}",
+            f"hydra.run.dir={root / 'export-official'}")
     out.expected = reference(base, adapter, out.tok)
     out.infer = infer_outputs(root, base, adapter)
     return out
@@ -128,6 +140,8 @@ def built(tmp_path_factory):
                      "conversations": CONVERSATIONS, "max_tokens": NEW_TOKENS} for n, m, a in engines],
            "transformers": [{"name": "hf", "model": str(g4.merged["hf"]), "adapter": None,
                              "conversations": CONVERSATIONS, "ids": full_ids},
+                            {"name": "official-tokenizer", "model": str(g4.official), "adapter": None,
+                             "conversations": CONVERSATIONS, "ids": None},
                             {"name": "hf-peft", "model": str(g4.lora["hf"]), "adapter": str(g4.lora["hf"] / "adapter"),
                              "conversations": CONVERSATIONS, "ids": full_ids}]}
     (root / "job.json").write_text(json.dumps(job, ensure_ascii=False))
@@ -176,6 +190,17 @@ def test_transformers5_on_hf_export_without_remote_code(built, name):
     key = "peft_logits" if name == "hf-peft" else "logits"  # glmtune's model + the run's adapter, unmerged for PEFT
     worst = max((torch.tensor(a) - torch.tensor(b[key])).abs().max().item() for a, b in zip(got["logits"], expected))
     assert worst < 1e-5, worst
+
+
+def test_remote_export_of_a_base_with_tokenizer_code_loads_tokenizer_json(built):
+    """The official tokenizer_config.json's auto_map stays (trust_remote_code=True still reaches the official class),
+    yet transformers 5 without trust_remote_code, as vLLM loads it, takes tokenizer.json: the stand-in
+    tokenization_chatglm.py, which raises when run, is not run, and the chat template's ids are glmtune's."""
+    got = built.result["transformers"]["official-tokenizer"]
+    assert got["tokenizer"] in ("TokenizersBackend", "PreTrainedTokenizerFast")
+    assert got["prompt_ids"] == [row["prompt_ids"] for row in built.fams["glm4"].expected]
+    config = json.loads((built.fams["glm4"].official / "tokenizer_config.json").read_text())
+    assert config["auto_map"]["AutoTokenizer"][0] == "tokenization_chatglm.ChatGLM4Tokenizer"
 
 
 def free_port() -> int:

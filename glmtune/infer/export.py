@@ -89,8 +89,7 @@ def export_folder(model, tokenizer, out: str | Path, model_dir: str | Path | Non
                                   safe_serialization=True, max_shard_size=shard_size)
             hf = {**layout.hf_config(model.config), "torch_dtype": str(dtype).removeprefix("torch.")}
             (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-            (tmp / "tokenizer.model").unlink()
-            _base_chat_template(tmp / "tokenizer_config.json", model_dir / "tokenizer_config.json")
+            (tmp / "tokenizer.model").unlink()  # (tokenizer_config.json: glmtune's, with the base's chat template)
         _fast_tokenizer_config(tmp, tokenizer)
         write_generation_config(tmp, model_dir, tokenizer)
         rank = None
@@ -110,14 +109,6 @@ def _drop_vision_keys(path: Path) -> None:
         for key in TEXT_MODEL_DROPS:
             config.pop(key, None)
         path.write_text(json.dumps(config, indent=2) + "\n")
-
-
-def _base_chat_template(path: Path, base: Path) -> None:
-    """The HF layout's tokenizer_config.json is glmtune's (fast tokenizer); the base's chat template goes in it."""
-    template = _read(base).get("chat_template")
-    if isinstance(template, (str, list)) and template:
-        path.write_text(json.dumps({**_read(path), "chat_template": template}, indent=2, ensure_ascii=False) + "\n",
-                        encoding="utf-8")
 
 
 def _read(path: Path) -> dict:

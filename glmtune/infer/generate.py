@@ -25,7 +25,7 @@ from .adapter import check_outputs, load_adapter
 from ..data.validate import Conversation, read_conversations
 from .devicemap import GIB, bytes_per_device, device_map
 from .adapter_export import check_adapter_for
-from .export import export_folder, export_line, save_merged  # noqa: F401 - save_merged: the name callers import from here
+from .export import export_folder, export_line, save_merged  # noqa: F401 - callers import save_merged here
 from .hf_layout import layout_for
 from ..models import load_config, load_model
 from ..models.generation import encode_prompt, generate
@@ -114,7 +114,8 @@ def run_infer(cfg: InferConfig, model_cfg: ModelConfig, memory_gib: float | None
         raise ConfigError(f"infer.adapter_for={cfg.adapter_for} exports infer.adapter beside its base: it needs "
                           "infer.adapter=<run>/adapter and infer.merge_to=<folder>")
     if cfg.merge_to:  # a layout or an adapter the engine cannot take: one line now, not after the weights load
-        check_adapter_for(cfg, layout_for(cfg.merge_format, load_config(model_dir), tokenizer), load_config(model_dir))
+        config = load_config(model_dir)
+        check_adapter_for(cfg, layout_for(cfg.merge_format, config, tokenizer), config)
     quantized = model_cfg.quantize != "none"
     result: dict = {}
     if cfg.merge_to and unmerged:  # the base alone, in its own dtype; the adapter is written beside it
