@@ -106,9 +106,12 @@ GLM = Layout(
 # output_layer is a ParallelLMHead there, which vLLM's LoRA does not adapt.
 REMOTE = Layout(name="remote", hf_config=lambda config: {}, renames=(),
                 engine_targets={"vllm": frozenset({"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"})})
-# GLM-4-0414 (Glm4ForCausalLM) plugs in here: HF names already (renames ()), gate_up_proj fused in the checkpoint,
-# engine_splits={"vllm": {"gate_up_proj": _gate_up}} (vLLM's glm4.py expands it to gate_proj + up_proj).
+# A family plugs in with a Layout here, keyed by what family_of() returns for it. GLM-4-0414 (Glm4ForCausalLM) has
+# HF names already: renames=((r"(.+)", r"\1"),), splits={}, its own hf_config, gate_up_proj fused in the checkpoint
+# and engine_splits={"vllm": {"gate_up_proj": _gate_up}} (vLLM's glm4.py expands it to gate_proj + up_proj), and
+# the same Layout in REMOTE_OF (its own layout is the HF one).
 LAYOUTS = {"glm4": GLM}
+REMOTE_OF: dict[str, Layout] = {}  # family -> its `remote` layout when that is not the official ChatGLM one
 NOT_HF = {"chatglm3": "ChatGLM3 has no HF-native class in transformers",
           "glm4v": "GLM-4V-9B has no HF-native class in transformers"}
 
@@ -121,9 +124,9 @@ def family_of(config, tokenizer) -> str:
 
 def layout_for(fmt: str, config, tokenizer) -> Layout:
     """The Layout to export `config` in (`fmt`: remote | hf), or ConfigError saying why hf cannot be."""
-    if fmt == "remote":
-        return REMOTE
     family = family_of(config, tokenizer)
+    if fmt == "remote":
+        return REMOTE_OF.get(family, REMOTE)
     layout = LAYOUTS.get(family)
     why = NOT_HF.get(family, f"no HF-native layout is known for {family}") if layout is None else \
         layout.refusal(config)
