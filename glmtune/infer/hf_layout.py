@@ -57,9 +57,7 @@ def glm_config(config) -> dict:
         "rope_theta": 10000.0 * config.rope_ratio, "partial_rotary_factor": 0.5, "initializer_range": 0.02,
         "tie_word_embeddings": bool(config.tie_word_embeddings), "use_cache": True,
         "pad_token_id": config.pad_token_id, "eos_token_id": config.eos_token_id, "bos_token_id": None,
-        "torch_dtype": config.torch_dtype if isinstance(config.torch_dtype, str) else
-        str(config.torch_dtype).removeprefix("torch."),
-    }
+    }  # torch_dtype: the exported weights' (export.py)
 
 
 def _glm_refusal(config) -> str | None:
