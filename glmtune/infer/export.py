@@ -89,7 +89,8 @@ def export_folder(model, tokenizer, out: str | Path, model_dir: str | Path | Non
                                   safe_serialization=True, max_shard_size=shard_size)
             hf = {**layout.hf_config(model.config), "torch_dtype": str(dtype).removeprefix("torch.")}
             (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-            (tmp / "tokenizer.model").unlink()  # (tokenizer_config.json: glmtune's, with the base's chat template)
+            # tokenizer_config.json stays glmtune's (it holds the base's chat template); tokenizer.model only glmtune reads
+            (tmp / "tokenizer.model").unlink(missing_ok=True)
         _fast_tokenizer_config(tmp, tokenizer)
         write_generation_config(tmp, model_dir, tokenizer)
         rank = None
