@@ -60,8 +60,8 @@ def pytest_collection_finish(session):
 
 # The files whose tests wait longest on launched processes (torchrun, signals, resumes), longest first: under
 # `--dist loadfile` each file runs whole on one worker, so these start first instead of being the last to finish.
-LONG_FIRST = ("test_scaleout.py", "test_durable.py", "test_distributed.py", "test_sweeps.py", "test_evaluation.py",
-              "test_cli.py")
+LONG_FIRST = ("test_scaleout.py", "test_engines.py", "test_durable.py", "test_distributed.py", "test_sweeps.py",
+              "test_evaluation.py", "test_cli.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -132,6 +132,9 @@ class InferConfig:
     repetition_penalty: float = 1.0  # 1.0 = off; > 1 discourages tokens already in the text
     seed: int = 42  # sampling seed: same seed, same prompts, same outputs
     overwrite: bool = False  # replace an existing output_file / merge_to; the inputs are never written
+    # merge_to's layout: remote = the base's own (official names, its modeling code); hf = HF-native GlmForCausalLM
+    merge_format: str = "remote"
+    adapter_for: str = "none"  # peft | vllm: merge_to = the base unmerged + merge_to/adapter for that engine
 
 
 @dataclass
@@ -169,6 +172,8 @@ class PlanConfig:
 
 
 MODES = ("train", "plan", "probe", "infer", "chat", "serve")
+# infer.merge_format / infer.adapter_for (issue 40): checked with the other choices (validate.py _CHOICES)
+EXPORT_CHOICES = {"infer.merge_format": ("remote", "hf"), "infer.adapter_for": ("none", "peft", "vllm")}
 
 
 @dataclass

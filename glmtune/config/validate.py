@@ -19,7 +19,7 @@ from typing import Any
 from .planemit import plan_problems
 from .schema import (CONF_DIR, EVAL_METRICS, GROUPS, LORA_TARGETS, MODES, DataConfig,  # noqa: F401
                             DistConfig, EvalConfig, HwConfig, InferConfig, LoraConfig, ModelConfig, ProbeConfig,
-                            RunConfig, ServeConfig, TrainConfig)
+                            RunConfig, ServeConfig, TrainConfig, EXPORT_CHOICES)
 from .serving import serve_problems
 
 
@@ -28,7 +28,7 @@ class ConfigError(ValueError):
 
 
 _CHOICES = {
-    "mode": MODES,
+    "mode": MODES, **EXPORT_CHOICES,  # EXPORT_CHOICES: infer.merge_format, infer.adapter_for (issue 40)
     "model.quantize": ("none", "nf4", "int8"),
     "dist.strategy": ("auto", "ddp", "zero3"),
     "train.precision": ("auto", "bf16", "fp16", "fp32"),

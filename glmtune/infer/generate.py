@@ -24,7 +24,9 @@ from ..config import ConfigError, InferConfig, ModelConfig
 from .adapter import check_outputs, load_adapter
 from ..data.validate import Conversation, read_conversations
 from .devicemap import GIB, bytes_per_device, device_map
-from .export import save_merged
+from .adapter_export import check_adapter_for
+from .export import export_folder, export_line, save_merged  # noqa: F401 - callers import save_merged here
+from .hf_layout import layout_for
 from ..models import load_config, load_model
 from ..models.generation import encode_prompt, generate
 from ..models.quantize import load_quantized, weight_storage_bytes
@@ -107,14 +109,27 @@ def run_infer(cfg: InferConfig, model_cfg: ModelConfig, memory_gib: float | None
     check_context(cfg, load_config(model_dir))
     if cfg.adapter:
         check_adapter_base(cfg.adapter, model_dir, load_config(model_dir))
+    unmerged = cfg.adapter_for != "none"  # the base is exported alone, the adapter converted beside it
+    if unmerged and not (cfg.merge_to and cfg.adapter):
+        raise ConfigError(f"infer.adapter_for={cfg.adapter_for} exports infer.adapter beside its base: it needs "
+                          "infer.adapter=<run>/adapter and infer.merge_to=<folder>")
+    if cfg.merge_to:  # a layout or an adapter the engine cannot take: one line now, not after the weights load
+        config = load_config(model_dir)
+        check_adapter_for(cfg, layout_for(cfg.merge_format, config, tokenizer), config)
     quantized = model_cfg.quantize != "none"
     result: dict = {}
-    if cfg.merge_to or not quantized:
+    if cfg.merge_to and unmerged:  # the base alone, in its own dtype; the adapter is written beside it
+        result["merged"], result["serve"] = map(str, export_folder(
+            load_merged(model_dir, None, model_cfg, None), tokenizer, cfg.merge_to, model_dir, cfg=cfg))
+    if (cfg.merge_to and not unmerged) or (prompts and not quantized):
         # With a quantized base the merge still goes into the full-precision weights (on the CPU, in the
         # checkpoint's own dtype: bf16 for GLM-4), so merge_to is an official-layout checkpoint like any other.
         model = load_merged(model_dir, cfg.adapter, model_cfg, None if quantized else inference_dtype())
+    if cfg.merge_to and not unmerged:
+        result["merged"], result["serve"] = map(str, export_folder(model, tokenizer, cfg.merge_to, model_dir, cfg=cfg))
     if cfg.merge_to:
-        result["merged"] = str(save_merged(model, tokenizer, cfg.merge_to, model_dir))
+        result["merged_line"] = (f"{export_line(cfg)} written to {result['merged']}; serve it with vLLM (SERVE.md "
+                                 f"there has this and the transformers lines):\n{result['serve']}")
     if prompts:
         if quantized:  # one device: a quantized 9B model fits one card, so infer.gpus does not split it
             model = None

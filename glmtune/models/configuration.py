@@ -11,6 +11,10 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 
+# Keys of GLM-4V only; a text checkpoint's config.json leaves them out (GLMConfig.to_dict, infer/export.py).
+TEXT_MODEL_DROPS = ("vision_config", "boi_token_id", "eoi_token_id")
+
+
 class GLMConfig(PretrainedConfig):
     # "chatglm" is what the official config.json says; transformers 4.40.2 does not know it, which is
     # fine because glmtune never goes through the Auto classes.
@@ -76,6 +80,15 @@ class GLMConfig(PretrainedConfig):
         # The official files default to tie_word_embeddings=False (separate output_layer).
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
+
+    def to_dict(self) -> dict:
+        """config.json as written: a text model carries no vision keys at all. Engines read the presence of
+        `vision_config` (even null) as "this is GLM-4V": vLLM's text ChatGLM then refuses to load the folder."""
+        out = super().to_dict()
+        if out.get("vision_config") is None:
+            for key in TEXT_MODEL_DROPS:
+                out.pop(key, None)
+        return out
 
     @property
     def kv_groups(self) -> int:

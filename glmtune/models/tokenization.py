@@ -58,6 +58,10 @@ class ChatTokenizer:
     def _config(self) -> dict[str, Any]:
         raise NotImplementedError
 
+    def tokenizer_json(self) -> dict[str, Any]:
+        """The same tokenizer as tokenizer.json data (tokenizer_json.py): engines load it without code."""
+        raise NotImplementedError
+
     # --- shared behaviour -------------------------------------------------------------------------------
     def __len__(self) -> int:
         return self.vocab_size
@@ -119,7 +123,11 @@ class ChatTokenizer:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         self._write_model_file(out / "tokenizer.model")
-        config = {"family": self.family, **self._config(), "padding_side": "left",  # the official _pad asserts left
+        (out / "tokenizer.json").write_text(json.dumps(self.tokenizer_json(), ensure_ascii=False) + "\n",
+                                            encoding="utf-8")
+        # PreTrainedTokenizerFast: what tokenizer.json is to every HF loader; glmtune itself reads tokenizer.model
+        config = {"family": self.family, "tokenizer_class": "PreTrainedTokenizerFast", **self._config(),
+                  "padding_side": "left", "clean_up_tokenization_spaces": False,  # decode as is, no space edits
                   "added_tokens_decoder": {str(i): {"content": s, "special": True} for s, i in self.specials.items()}}
         if self.chat_template is not None:
             config["chat_template"] = self.chat_template

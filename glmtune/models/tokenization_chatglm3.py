@@ -79,8 +79,13 @@ class ChatGLM3Tokenizer(ChatTokenizer):
         path.write_bytes(self.model_proto)
 
     def _config(self) -> dict[str, Any]:
-        return {"tokenizer_class": "ChatGLMTokenizer", "eos_token": self.sp.id_to_piece(self.eos_token_id),
+        return {"eos_token": self.sp.id_to_piece(self.eos_token_id),
                 "pad_token": self.sp.id_to_piece(self.pad_token_id)}
+
+    def tokenizer_json(self) -> dict[str, Any]:
+        from .tokenizer_json import chatglm3_tokenizer_json
+
+        return chatglm3_tokenizer_json(self.sp, self.model_proto, self.specials)
 
 
 @lru_cache(maxsize=2)

@@ -152,7 +152,12 @@ class GLM4Tokenizer(ChatTokenizer):
         path.write_text("".join(lines))
 
     def _config(self) -> dict[str, Any]:
-        return {"tokenizer_class": "ChatGLM4Tokenizer", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}
+        return {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}
+
+    def tokenizer_json(self) -> dict[str, Any]:
+        from .tokenizer_json import glm4_tokenizer_json
+
+        return glm4_tokenizer_json(self.ranks, self.specials, PAT_STR)
 
 
 def train_byte_bpe(text: str, n_merges: int) -> dict[bytes, int]:

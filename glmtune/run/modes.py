@@ -115,7 +115,7 @@ def infer_mode(prep: Prepared, run_dir: Path) -> None:
     if run.infer.prompt and "predictions" in result:  # one-shot: the answer on the console too
         console.print(json.loads(Path(result["predictions"]).read_text().splitlines()[0])["output"], markup=False)
     if "merged" in result:
-        console.print(f"merged base + adapter written to {result['merged']}", markup=False)
+        console.print(result["merged_line"], markup=False)  # what and where, and the vllm serve command
     if "predictions" in result:  # the last line: where the outputs are
         console.print(f"{result['count']} predictions (batch {result['batch_size']}) written to {result['predictions']}; "
                       f"provenance in {result['provenance']}", markup=False)
