@@ -203,9 +203,10 @@ def test_vllm_hint_only_when_installed_and_it_fits(tmp_path):
     from glmtune.serve.server import vllm_hint
 
     gib = 2**30
-    assert vllm_hint(False, gib, 80 * gib, tmp_path, None, "m") is None
-    assert vllm_hint(True, gib, None, tmp_path, None, "m") is None  # no GPU
-    assert vllm_hint(True, 79 * gib, 80 * gib, tmp_path, None, "m") is None  # no room left for the KV cache
-    line = vllm_hint(True, gib, 80 * gib, tmp_path, None, "m")
-    assert f"vllm serve {tmp_path} " in line and "--served-model-name m" in line
-    assert "infer.merge_to=DIR" in vllm_hint(True, gib, 80 * gib, tmp_path, "run/adapter", "m")
+    assert vllm_hint(False, gib, 80 * gib, None, "m") is None
+    assert vllm_hint(True, gib, None, None, "m") is None  # no GPU
+    assert vllm_hint(True, 79 * gib, 80 * gib, None, "m") is None  # no room left for the KV cache
+    line = vllm_hint(True, gib, 80 * gib, None, "m")
+    # an export first (its tokenizer.json, stop ids and SERVE.md), never the remote-code base folder
+    assert "infer.merge_to=DIR" in line and "--served-model-name m" in line and "--trust-remote-code" not in line
+    assert "infer.adapter=run/adapter infer.merge_to=DIR" in vllm_hint(True, gib, 80 * gib, "run/adapter", "m")

@@ -46,15 +46,16 @@ def model_id(run: RunConfig, model_dir: Path) -> str:
     return base + ("-lora" if run.infer.adapter else "")
 
 
-def vllm_hint(installed: bool, weight_bytes: int, gpu_bytes: int | None, model_dir: Path, adapter: str | None,
-              name: str) -> str | None:
+def vllm_hint(installed: bool, weight_bytes: int, gpu_bytes: int | None, adapter: str | None, name: str) -> str | None:
     """One line on serving the same model with vLLM, when it is installed and the weights fit one GPU (90 %)."""
     if not installed or not gpu_bytes or weight_bytes > 0.9 * gpu_bytes:
         return None
-    folder = "DIR" if adapter else str(model_dir)
-    merge = f"merge first (mode=infer infer.adapter={adapter} infer.merge_to=DIR), then " if adapter else ""
-    return (f"vLLM is installed and the model fits one GPU: for more throughput under load, {merge}"
-            f"vllm serve {folder} --trust-remote-code --served-model-name {name}")
+    adapter_arg = f" infer.adapter={adapter}" if adapter else ""
+    # An export, not the base folder: the official folders' tokenizer needs their remote code, an export ships
+    # tokenizer.json, the stop ids and the chat template, and SERVE.md holds the exact command (infer/serve_command.py).
+    return (f"vLLM is installed and the model fits one GPU: for more throughput under load, export it "
+            f"(mode=infer{adapter_arg} infer.merge_to=DIR) and run the `vllm serve` command it prints "
+            f"(DIR/SERVE.md), with --served-model-name {name}")
 
 
 def load(run: RunConfig, model_dir: Path):
@@ -99,8 +100,7 @@ def run_serve(run: RunConfig, model_dir: Path, tokenizer, run_dir: Path) -> None
                 + ("; API key required" if cfg.api_key else "") + "; Ctrl-C stops")
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         gpu = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
-        hint = vllm_hint(importlib.util.find_spec("vllm") is not None, weights, gpu, model_dir, run.infer.adapter,
-                         name)
+        hint = vllm_hint(importlib.util.find_spec("vllm") is not None, weights, gpu, run.infer.adapter, name)
         service = Service(engine, name, cfg.api_key, run.infer, int(cfg.max_body_mib * 2**20))
         app = make_app(service, Hosts.for_bind(cfg.host, cfg.allow_hosts), cfg.allow_origins)
         server = QuietServer(uvicorn.Config(app, log_config=None, lifespan="off", ws="none",
