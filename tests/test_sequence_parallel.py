@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from glmtune.train.sequence import shard_batch
-from glmtune.models.ulysses import SequenceGroup
+from glmtune.models.kernels.ulysses import SequenceGroup
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -28,7 +28,7 @@ import torch
 
 from ..config import DataConfig, train_files
 # The message encoding is the tokenizers' chat template (models/template.py); the rest is re-exported for the probe.
-from ..models.template import (IMAGE_PLACEHOLDERS, MessageTokenizer, encode_one, image_message_ids,  # noqa: F401
+from ..models.chatglm.template import (IMAGE_PLACEHOLDERS, MessageTokenizer, encode_one, image_message_ids,  # noqa: F401
                                process_message)
 from .sources import is_rows, where
 from .stats import DataStats, FileStats, SplitStats, format_stats, longest_length, split_stats  # noqa: F401
@@ -139,7 +139,7 @@ def build_datasets(cfg: DataConfig, tokenizer: MessageTokenizer, vision_config: 
 def _per_image(vision_config: Optional[dict]) -> int:
     if not vision_config:
         return 0
-    from ..models.vision import num_image_tokens  # the vision tower's module, only for a vision model
+    from ..models.chatglm.vision import num_image_tokens  # the vision tower's module, only for a vision model
 
     return num_image_tokens(vision_config) + 2  # boi + N patches + eoi
 
@@ -212,7 +212,7 @@ class DataCollator:
         return batch
 
     def _load(self, path: str) -> torch.Tensor:
-        from ..models.vision import load_image  # only for data with images (see _load_split)
+        from ..models.chatglm.vision import load_image  # only for data with images (see _load_split)
 
         try:
             return load_image(path, self.image_size)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..models.chat_template import chat_template_for
+from ..models.chatglm.chat_template import chat_template_for
 from ..rundir.atomic import folder_as_one_unit
 
 # transformers' units (10**9 bytes): glm-4-9b-chat's 18.8 GB of bf16 weights become 10 shards, as in the

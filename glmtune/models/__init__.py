@@ -1,16 +1,20 @@
-"""glmtune's own GLM-4 / ChatGLM3 models and tokenizers: official checkpoints, no remote code. Also what training
-and inference share: the chat template (`template.py`), generation (`generation.py`) and the identity of the base
-checkpoint an adapter was trained on (`identity.py`).
+"""glmtune's own GLM models and tokenizers: official checkpoints, no remote code. One folder per architecture
+family (`chatglm/`: GLM-4-9B-chat, GLM-4V-9B, ChatGLM3-6B), the kernels every family's decoder shares
+(`kernels/`: Ulysses, masks, per-document attention, the tiled MLP), and beside them what training and inference
+share whatever the family: checkpoint loading (`loading.py`), quantized loading (`quantize.py`), the presets
+(`presets.py`), generation (`generation.py`, `kvcache.py`), a folder's tokenizer (`tokenizer_files.py`) and the
+identity of the base checkpoint an adapter was trained on (`identity.py`).
 
 The names below load their module on first use (PEP 562): `mode=plan` reads an architecture (GLMConfig) and
 must not pay for the model code, the tokenizers or accelerate.
 """
 import importlib
 
-_WHERE = {"RELEASED": "configuration", "GLMConfig": "configuration", "released_config": "configuration",
+_WHERE = {"RELEASED": "chatglm.configuration", "GLMConfig": "chatglm.configuration",
+          "released_config": "chatglm.configuration",
           "build_meta_model": "loading", "enable_checkpointing": "loading", "load_config": "loading",
           "load_model": "loading", "make_tiny_checkpoint": "loading",
-          "ChatGLMForConditionalGeneration": "modeling_glm4", "ChatGLMModel": "modeling_glm4"}
+          "ChatGLMForConditionalGeneration": "chatglm.modeling", "ChatGLMModel": "chatglm.modeling"}
 
 
 def __getattr__(name: str):

@@ -10,8 +10,8 @@ import torch
 
 from ..config import InferConfig
 from .kvcache import preallocated_kv_cache
-from .template import encode_one
-from .vision import load_image
+from .chatglm.template import encode_one
+from .chatglm.vision import load_image
 
 CPU_BATCH = 8  # prompts per generate() batch without a GPU (infer/sampling.py sizes GPU batches)
 

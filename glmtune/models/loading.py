@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError
-from .configuration import GLMConfig
+from .chatglm.configuration import GLMConfig
 
 # The model code (and transformers' modeling, accelerate) is imported where a model is built: reading a
 # config.json or checking weight files, as mode=plan and the data stage do, needs none of it.
@@ -116,7 +116,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None, 
         return build_meta_model(config, dtype)
     from transformers.integrations import is_deepspeed_zero3_enabled
 
-    from .modeling_glm4 import ChatGLMForConditionalGeneration
+    from .chatglm.modeling import ChatGLMForConditionalGeneration
 
     try:
         model, info = ChatGLMForConditionalGeneration.from_pretrained(
@@ -152,7 +152,7 @@ def _load_error(path, err: BaseException) -> str:
 
 
 def build_meta_model(config: GLMConfig, dtype: torch.dtype | None = None) -> torch.nn.Module:
-    from .modeling_glm4 import ChatGLMForConditionalGeneration
+    from .chatglm.modeling import ChatGLMForConditionalGeneration
 
     with torch.device("meta"):
         model = ChatGLMForConditionalGeneration(config)
@@ -210,7 +210,7 @@ def make_tiny_checkpoint(out_dir: str | os.PathLike, family: str = "glm4", seed:
 
     `arch` overrides TINY_ARCH (e.g. hidden_size=768, num_layers=12 for a ~100M-parameter model).
     """
-    from .modeling_glm4 import ChatGLMForConditionalGeneration
+    from .chatglm.modeling import ChatGLMForConditionalGeneration
     from .tokenizer_files import load_tokenizer, write_tiny_tokenizer
 
     if family not in _FAMILY:

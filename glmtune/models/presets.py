@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 from ..config import ConfigError, ModelConfig
-from .configuration import RELEASED, GLMConfig, released_config
+from .chatglm.configuration import RELEASED, GLMConfig, released_config
 from .loading import _FAMILY, TINY_ARCH, load_config, make_tiny_checkpoint
 
 TINY = {"glm4_tiny": "glm4", "chatglm3_tiny": "chatglm3", "glm4v_tiny": "glm4v"}
@@ -28,7 +28,8 @@ def ensure_tiny(family: str) -> Path:
     """Build the tiny checkpoint once; a changed architecture gets a new folder (hash in the name)."""
     # The tokenizer sources (tokenization*.py, and tokenizer_files.py with the tiny corpus) are part of what the
     # tiny checkpoint depends on.
-    sources = [p.read_text() for p in sorted(Path(__file__).parent.glob("tokeni*.py"))]
+    here = Path(__file__).parent
+    sources = [p.read_text() for p in sorted([*here.glob("tokeni*.py"), *here.glob("chatglm/tokeni*.py")])]
     recipe = json.dumps([TINY_ARCH, _FAMILY[family], sources], sort_keys=True)
     target = cache_root() / f"tiny-{family}-{hashlib.sha256(recipe.encode()).hexdigest()[:10]}"
     if (target / "model.safetensors").is_file():

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from .loading import _as_dtype, load_config
-from .modeling_glm4 import ChatGLMForConditionalGeneration
+from .chatglm.modeling import ChatGLMForConditionalGeneration
 
 QUANTIZED = ("nf4", "int8")
 # LLM.int8()'s outlier threshold (Dettmers et al. 2022; transformers' default): input columns with a

@@ -7,8 +7,8 @@ import json
 import os
 from pathlib import Path
 
-from .tokenization_chatglm3 import ChatGLM3Tokenizer, tiny_chatglm3_tokenizer
-from .tokenization_glm4 import GLM4Tokenizer, looks_like_rank_file, tiny_glm4_tokenizer
+from .chatglm.tokenization_chatglm3 import ChatGLM3Tokenizer, tiny_chatglm3_tokenizer
+from .chatglm.tokenization_glm4 import GLM4Tokenizer, looks_like_rank_file, tiny_glm4_tokenizer
 
 
 def load_tokenizer(path: str | os.PathLike) -> GLM4Tokenizer | ChatGLM3Tokenizer:

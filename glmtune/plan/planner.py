@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from ..config import RunConfig
-from ..models.docattention import packed_path, path_figures, path_reason
+from ..models.kernels.docattention import packed_path, path_figures, path_reason
 from .advice import advise
 from .estimate import GIB, RunShape, estimate, gpu_family, image_extra_tokens
 from .packrows import fullest_micro_step, most_rows

@@ -23,7 +23,7 @@ def measure_lora_step(arch, shape, seed: int = 0, sequence=None) -> tuple[int, i
     from ..train.optim import make_optimizer
     from ..plan.estimate import BYTES
     from ..models import ChatGLMForConditionalGeneration, enable_checkpointing
-    from ..models.tiling import set_mlp_tile_tokens
+    from ..models.kernels.tiling import set_mlp_tile_tokens
 
     dtype = {2: torch.bfloat16, 4: torch.float32}[BYTES[shape.dtype]]
     torch.manual_seed(seed)

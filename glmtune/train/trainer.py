@@ -36,7 +36,7 @@ from .optim import HF_NAMES
 from .timeline import MemoryTimeline
 from .tracking import TrackerRuns, launch_params, run_label
 from ..models import enable_checkpointing, load_model
-from ..models.tiling import set_mlp_tile_tokens
+from ..models.kernels.tiling import set_mlp_tile_tokens
 from ..models.quantize import load_quantized
 from ..config import userds
 from ..plan.planner import Choices

@@ -28,9 +28,9 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from .configuration import GLMConfig
-from .docattention import DocumentSpans, segment_attention
-from .tiling import tiled
-from .ulysses import SequenceGroup, heads_for_attention, heads_to_sequence
+from ..kernels.docattention import DocumentSpans, segment_attention
+from ..kernels.tiling import tiled
+from ..kernels.ulysses import SequenceGroup, heads_for_attention, heads_to_sequence
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key, value), each [batch, kv_groups, seq, head_dim]
 

@@ -25,10 +25,10 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration import GLMConfig
-from .docattention import document_spans, packed_path
-from .masks import build_attention_mask, document_block_mask, document_mask  # noqa: F401 (re-exported)
+from ..kernels.docattention import document_spans, packed_path
+from ..kernels.masks import build_attention_mask, document_block_mask, document_mask  # noqa: F401 (re-exported)
 from .layers import Embedding, GLMBlock, GLMTransformer, RMSNorm, RotaryEmbedding, SelfAttention, no_early_stop
-from .ulysses import PAD_FILL, SequenceGroup, gather_sequence, pad_and_shard, shift_labels
+from ..kernels.ulysses import PAD_FILL, SequenceGroup, gather_sequence, pad_and_shard, shift_labels
 from .vision import EVA2CLIPModel, splice_images
 
 
