@@ -45,7 +45,7 @@ def measure_lora_step(arch, shape, seed: int = 0, sequence=None) -> tuple[int, i
         from ..train.sequence import shard_batch
 
         batch = shard_batch(batch, sequence)
-        model.get_base_model().transformer.set_sequence_group(sequence)
+        model.get_base_model().set_sequence_group(sequence)
 
     # shape.autocast: bf16 autocast as the Trainer runs mixed precision (on CPU too, with train.precision=bf16).
     amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=shape.autocast)
