@@ -51,7 +51,11 @@ def terminator_id(tokenizer: MessageTokenizer) -> int:
 
 def encode_conversation(messages: list[dict[str, Any]], tokenizer: MessageTokenizer
                         ) -> tuple[list[int], list[int]]:
-    """Untruncated (input_ids, labels) of one conversation; labels are -100 where no loss is taken."""
+    """Untruncated (input_ids, labels) of one conversation; labels are -100 where no loss is taken. A tokenizer
+    that renders its checkpoint's jinja template (GLM-4-0414: models/glm4_0414/template.py) encodes the whole
+    conversation itself, by the same rule: the assistant's tokens and the token after each reply are targets."""
+    if hasattr(tokenizer, "encode_conversation"):
+        return tokenizer.encode_conversation(messages)
     input_ids = list(tokenizer.prefix_ids())  # a copy: it is extended below
     loss_mask = [False] * len(input_ids)
     for message in messages:

@@ -48,12 +48,13 @@ def save_merged(model, tokenizer, out: str | Path, model_dir: str | Path | None 
     at all (an existing folder is replaced only with infer.overwrite, checked by the caller)."""
     folder, model_dir = Path(out), Path(model_dir or model.config.name_or_path)
     base_config = json.loads((model_dir / "config.json").read_text())
-    dtype = _DTYPES.get(base_config.get("torch_dtype"), model.dtype)
-    rotary = model.transformer.rotary_pos_emb
+    dtype = _DTYPES.get(base_config.get("torch_dtype") or base_config.get("dtype"), model.dtype)  # 5.x: dtype
     state = {name: (t.to(dtype) if t.is_floating_point() else t) for name, t in model.state_dict().items()}
-    # Base 10000, as the official files store it: glmtune computes the buffer at load, so it is not in state_dict.
-    state["transformer.rotary_pos_emb.inv_freq"] = (
-        1.0 / 10000 ** (torch.arange(0, rotary.dim, 2, dtype=torch.float32) / rotary.dim)).to(dtype)
+    if hasattr(model, "transformer"):  # the ChatGLM family (GLM-4-0414's HF-native files carry no rotary buffer)
+        rotary = model.transformer.rotary_pos_emb
+        # Base 10000, as the official files store it: glmtune computes the buffer at load, not in state_dict.
+        state["transformer.rotary_pos_emb.inv_freq"] = (
+            1.0 / 10000 ** (torch.arange(0, rotary.dim, 2, dtype=torch.float32) / rotary.dim)).to(dtype)
     with folder_as_one_unit(folder) as tmp:
         model.save_pretrained(tmp, state_dict=state, safe_serialization=True, max_shard_size=shard_size)
         tokenizer.save_pretrained(tmp)  # glmtune's files first: the base's own, copied next, replace them

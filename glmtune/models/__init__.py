@@ -11,10 +11,11 @@ must not pay for the model code, the tokenizers or accelerate.
 import importlib
 
 _WHERE = {"RELEASED": "chatglm.configuration", "GLMConfig": "chatglm.configuration",
-          "released_config": "chatglm.configuration",
+          "Glm4Config": "glm4_0414.configuration", "released_config": "presets",
           "build_meta_model": "loading", "enable_checkpointing": "loading", "load_config": "loading",
           "load_model": "loading", "make_tiny_checkpoint": "loading",
-          "ChatGLMForConditionalGeneration": "chatglm.modeling", "ChatGLMModel": "chatglm.modeling"}
+          "ChatGLMForConditionalGeneration": "chatglm.modeling", "ChatGLMModel": "chatglm.modeling",
+          "Glm4ForCausalLM": "glm4_0414.modeling"}
 
 
 def __getattr__(name: str):
@@ -25,11 +26,12 @@ def __getattr__(name: str):
     return value
 
 
-def load_tokenizer(path):
-    """Tokenizer of a checkpoint folder (GLM-4 tiktoken or ChatGLM3 SentencePiece), without remote code."""
+def load_tokenizer(path, thinking: str = "keep"):
+    """Tokenizer of a checkpoint folder (GLM-4-0414 tokenizer.json, GLM-4 tiktoken or ChatGLM3 SentencePiece),
+    without remote code; `thinking`: data.thinking (GLM-Z1's template)."""
     from .tokenizer_files import load_tokenizer as _load
 
-    return _load(path)
+    return _load(path, thinking)
 
 
 __all__ = [*_WHERE, "load_tokenizer"]

@@ -102,7 +102,7 @@ def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:
     dynamic=None: the first shape compiles static, a second shape recompiles once with symbolic lengths."""
     count = 0
     for module in model.modules():
-        if type(module).__name__ == "GLMBlock":
+        if type(module).__name__ in ("GLMBlock", "Glm4DecoderLayer"):  # ChatGLM's block, GLM-4-0414's
             module.compile(backend=backend)
             count += 1
     return count

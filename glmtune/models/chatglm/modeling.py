@@ -133,6 +133,9 @@ class ChatGLMModel(GLMPreTrainedModel):
 
 
 class ChatGLMForConditionalGeneration(GLMPreTrainedModel):
+    # The decoder blocks (quantize.py: their Linears take NF4/int8 weights; the vision tower's do not).
+    block_prefix = "transformer.encoder."
+
     def __init__(self, config: GLMConfig):
         super().__init__(config)
         self.transformer = ChatGLMModel(config)
