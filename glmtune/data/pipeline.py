@@ -28,8 +28,8 @@ import torch
 
 from ..config import DataConfig, train_files
 # The message encoding is the tokenizers' chat template (models/template.py); the rest is re-exported for the probe.
-from ..models.chatglm.template import (IMAGE_PLACEHOLDERS, MessageTokenizer, encode_one, image_message_ids,  # noqa: F401
-                               process_message)
+from ..models.chatglm.template import (IMAGE_PLACEHOLDERS, MessageTokenizer, encode_one,  # noqa: F401
+                                       image_message_ids, process_message)
 from .sources import is_rows, where
 from .stats import DataStats, FileStats, SplitStats, format_stats, longest_length, split_stats  # noqa: F401
 from .validate import DataError, check_file, locate

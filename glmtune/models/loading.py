@@ -134,6 +134,9 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None, 
     """
     dtype = _as_dtype(dtype)
     if trust_remote_code:
+        if load_config(path).model_type == "glm4":
+            raise ConfigError(f"{path}: model.trust_remote_code=true, but a GLM-4-0414 checkpoint ships no remote code "
+                              "(transformers >= 4.51.3 has its class) — leave model.trust_remote_code=false")
         return _load_remote_code(path, dtype, device)
     config = load_config(path)
     if str(device) == "meta":

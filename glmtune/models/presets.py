@@ -1,8 +1,8 @@
 """The `model` config group: which checkpoint folder a preset name means.
 
 Released models (glm4_9b_chat, glm4v_9b, chatglm3_6b; glm4_9b_0414, glm4_32b_0414, glmz1_9b_0414,
-glmz1_32b_0414) need `model.path` to train, and nothing to plan: their architecture is built in. The tiny presets are random checkpoints glmtune writes itself, once,
-into a cache folder ($GLMTUNE_CACHE, default ~/.cache/glmtune), so a fresh clone runs with no download.
+glmz1_32b_0414) need `model.path` to train, and nothing to plan: their architecture is built in.
+The tiny presets are random checkpoints glmtune writes itself, once, into a cache folder ($GLMTUNE_CACHE, default ~/.cache/glmtune), so a fresh clone runs with no download.
 """
 from __future__ import annotations
 

@@ -67,8 +67,8 @@ class ChatGLMModel(GLMPreTrainedModel):
         self.post_init()
 
     def set_sequence_group(self, sp: SequenceGroup | None) -> None:
-        """Share each sequence over the ranks of `sp` (models/kernels/ulysses.py): from then on forward takes this rank's
-        contiguous 1/N of every row (ids, position ids, seq ids, mask), and returns the hidden states of those
+        """Share each sequence over the ranks of `sp` (models/kernels/ulysses.py): from then on forward takes this
+        rank's contiguous 1/N of every row (ids, position ids, seq ids, mask), and returns the hidden states of those
         tokens; rows with images come whole and are cut after the merge (merge_images). None: this process holds
         whole sequences again."""
         if sp is self.sequence_group:  # set before every training micro-step: nothing to walk through again
