@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 import torch
 
 from ..config import DataConfig, train_files
-# The message encoding is the tokenizers' chat template (models/template.py); the rest is re-exported for the probe.
+# The message encoding is the tokenizers' chat template (models/chatglm/template.py); the rest is re-exported for the
+# probe. GLM-4-0414's tokenizer renders its checkpoint's own template (encode_conversation below).
 from ..models.chatglm.template import (IMAGE_PLACEHOLDERS, MessageTokenizer, encode_one,  # noqa: F401
                                        image_message_ids, process_message)
 from .sources import is_rows, where
