@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from glmtune.models.configuration import GLMConfig
+from glmtune.models.chatglm.configuration import GLMConfig
 from glmtune.models.loading import _FAMILY, TINY_ARCH
-from glmtune.models.modeling_glm4 import ChatGLMForConditionalGeneration
+from glmtune.models.chatglm.modeling import ChatGLMForConditionalGeneration
 
 VOCAB = 128
 

@@ -46,13 +46,25 @@ def checkpoint(preset: str, family: str, work: Path, tiny: bool, timeout: int = 
     folder = work / f"ckpt-{preset}"
     code = ("import sys, torch; from pathlib import Path; sys.path.insert(0, {bench!r}); from quantized import "
             "write_checkpoint; from glmtune.models import released_config; "
-            "from glmtune.models.tokenizer_files import write_tiny_tokenizer; from gpu_cli import fix_image_ids; "
-            "folder = Path({folder!r}); "
+            "from gpu_cli import fix_image_ids, write_tokenizer; folder = Path({folder!r}); "
             "write_checkpoint(released_config({preset!r}), folder, 'cuda:0', torch.bfloat16); "
-            "write_tiny_tokenizer(folder, {family!r}); fix_image_ids(folder)")
+            "write_tokenizer(folder, {family!r}); fix_image_ids(folder)")
     subprocess.run([sys.executable, "-c", code.format(bench=str(BENCH), folder=str(folder), preset=preset,
                                                       family=family)], check=True, timeout=timeout, cwd=REPO)
     return folder
+
+
+def write_tokenizer(folder: Path, family: str) -> None:
+    """The tiny tokenizer of `family` beside the random weights: GLM-4-0414's as tokenizer.json with its template."""
+    if family == "glm4_0414":
+        from glmtune.models.glm4_0414.tiny import CHAT_TEMPLATE
+        from glmtune.models.tokenizer_files import write_tiny_fast_tokenizer
+
+        write_tiny_fast_tokenizer(folder, CHAT_TEMPLATE)
+    else:
+        from glmtune.models.tokenizer_files import write_tiny_tokenizer
+
+        write_tiny_tokenizer(folder, family)
 
 
 def fix_image_ids(folder: Path) -> None:

@@ -4,10 +4,13 @@
     python bench/gpu_memory.py --grid check --out r.jsonl
     python bench/gpu_memory.py --one '{"model": "glm4_9b_chat", "seq": 8192, "ckpt": true, "chunk": 256}'
     python bench/gpu_memory.py --table r.jsonl          # re-print a table from saved results (any machine)
+    python bench/gpu_memory.py --grid 0414              # GLM-4-0414: 9B, 32B in bf16 and 32B nf4 under a 24 GB cap
 
 Each configuration runs in a fresh process (so the CUDA context, allocator state and NVML reading are its
 own): the model is built straight on the GPU from the released config.json facts with random bf16 weights
-(memory and speed do not depend on the values), under deepspeed.zero.Init for ZeRO-3 rows. Then glmtune's
+(memory and speed do not depend on the values), under deepspeed.zero.Init for ZeRO-3 rows; a quantized row's
+weights are made one tensor at a time on the GPU and quantized as they arrive (models.quantize.load_quantized), so
+GLM-4-32B-0414's 65 GB never touch a disk, and `cap_gib` caps the allocator at a smaller card's memory. Then glmtune's
 own path runs it: `train.trainer.prepare_model` (LoRA, fp32 adapters, checkpointing, loss chunk,
 checkpoint offload), `training_args` + `make_trainer` (the HF Trainer, the DeepSpeed engine for ZeRO-3) for
 `steps` optimizer steps on worst-case batches (every token a target; GLM-4V rows carry a 1120 px image), then
@@ -33,10 +36,11 @@ ALL = ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
 
 
 def row(model="glm4_9b_chat", seq=512, batch=1, ckpt=False, chunk=0, targets=QKV, image=False, eval_batch=0,
-        zero=0, offload=False, offck=False, alloc="expandable", steps=3, zero_knobs=None, tag="", r=8):
+        zero=0, offload=False, offck=False, alloc="expandable", steps=3, zero_knobs=None, tag="", r=8,
+        quantize="none", cap_gib=None):
     return dict(model=model, seq=seq, batch=batch, ckpt=ckpt, chunk=chunk, targets=targets, image=image, r=r,
                 eval_batch=eval_batch, zero=zero, offload=offload, offck=offck, alloc=alloc, steps=steps,
-                zero_knobs=zero_knobs or {}, tag=tag)
+                zero_knobs=zero_knobs or {}, tag=tag, quantize=quantize, cap_gib=cap_gib)
 
 
 GRIDS = {
@@ -72,6 +76,14 @@ GRIDS = {
             zero_knobs={"MAX_REUSE_DISTANCE": 0, "MAX_LIVE_PARAMETERS": 100_000_000}),
         row(seq=2048, ckpt=True, chunk=1024, zero=3, offload=True, steps=2, tag="reuse 0, live 1e8, prefetch 1e7",
             zero_knobs={"MAX_REUSE_DISTANCE": 0, "MAX_LIVE_PARAMETERS": 100_000_000, "PREFETCH_BUCKET": 10_000_000}),
+    ],
+    # GLM-4-0414 (issue 41): lora=default is q/k/v_proj there. 32B bf16 needs > 65 GB (an H200); its nf4 row is the
+    # plan's choice for one RTX 4090 at 500 tokens (checkpointing, 1,024-token chunk) under a 24 GB cap.
+    "0414": [
+        row(model="glm4_9b_0414", seq=8192, ckpt=True, chunk=1024),
+        row(model="glm4_32b_0414", seq=2048, ckpt=True, chunk=1024, steps=2),
+        row(model="glm4_32b_0414", seq=500, ckpt=True, chunk=1024, steps=2, quantize="nf4", cap_gib=24,
+            tag="QLoRA, 24 GB cap"),
     ],
 }
 
@@ -145,11 +157,11 @@ def plan_for(cfg: dict):
     from glmtune.plan.planner import Choices, run_shape
 
     arch = released_config(cfg["model"])
-    run = RunConfig(model=ModelConfig(name=cfg["model"]),
+    run = RunConfig(model=ModelConfig(name=cfg["model"], quantize=cfg.get("quantize", "none")),
                     lora=LoraConfig(r=cfg.get("r", 8), target_modules=list(cfg["targets"])),
                     data=DataConfig(max_length=cfg["seq"], val_file="eval" if cfg["eval_batch"] else None),
                     train=TrainConfig(per_device_batch_size=cfg["batch"], eval_batch_size=max(1, cfg["eval_batch"])),
-                    hw=HwConfig(name="h100_80g", memory_gib=79.1))
+                    hw=HwConfig(name="h100_80g", memory_gib=cfg.get("cap_gib") or 79.1))
     choices = Choices(dtype="bf16", gradient_checkpointing=cfg["ckpt"], zero_stage=cfg["zero"],
                       offload_params=cfg["offload"], offload_optimizer=False, micro_batch_size=cfg["batch"],
                       grad_accum=1, max_length=cfg["seq"], world_size=1, eval_batch_size=max(1, cfg["eval_batch"]),
@@ -165,7 +177,7 @@ def run_one(cfg: dict) -> dict:
     from transformers import TrainerCallback
 
     from glmtune.data.pipeline import DataCollator
-    from glmtune.models import ChatGLMForConditionalGeneration
+    from glmtune.models.loading import model_class
     from glmtune.plan.estimate import estimate
     from glmtune.probe.probe import _probe_image
     from glmtune.train import zero3
@@ -186,11 +198,17 @@ def run_one(cfg: dict) -> dict:
         import deepspeed
 
         with deepspeed.zero.Init(config_dict_or_path=args.hf_deepspeed_config.config, dtype=torch.bfloat16):
-            model = ChatGLMForConditionalGeneration(arch)
+            model = model_class(arch)(arch)
+    elif cfg.get("quantize", "none") != "none":
+        torch.set_default_dtype(torch.float32)
+        model = random_quantized(arch, cfg["quantize"], scratch / cfg["model"])
     else:
         with torch.device("cuda"):
-            model = ChatGLMForConditionalGeneration(arch)
+            model = model_class(arch)(arch)
     torch.set_default_dtype(torch.float32)
+    if cfg.get("cap_gib"):  # the smaller card: the allocator may not hold more than its memory
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cfg["cap_gib"] * GIB / total))
     model = prepare_model(model, run, choices)
     build_s = time.perf_counter() - t0
     after_build = torch.cuda.memory_allocated()
@@ -241,6 +259,27 @@ def run_one(cfg: dict) -> dict:
                          "transformers": transformers.__version__, **_versions()}}
 
 
+def random_quantized(arch, quantize: str, folder: Path):
+    """The architecture with random weights, each made on the GPU as the loader asks for it and quantized there:
+    the bf16 model never exists whole (one tensor at a time, as models.quantize loads a checkpoint)."""
+    import torch
+
+    from glmtune.models import build_meta_model
+    from glmtune.models.quantize import load_quantized
+
+    folder.mkdir(parents=True, exist_ok=True)
+    arch.to_json_file(str(folder / "config.json"))  # the architecture the loader reads; no weight file
+
+    def tensors():
+        for name, param in build_meta_model(arch).named_parameters():
+            if name.endswith("norm.weight"):
+                yield name, torch.ones(param.shape, device="cuda", dtype=torch.bfloat16)
+            else:
+                yield name, torch.randn(param.shape, device="cuda", dtype=torch.bfloat16) * 0.02
+
+    return load_quantized(folder, quantize, torch.bfloat16, device="cuda", tensors=tensors())
+
+
 def _versions() -> dict:
     from importlib.metadata import version
 
@@ -284,7 +323,8 @@ def short(r: dict) -> str:
 
 def label(r: dict) -> str:
     bits = [r["model"], f"{r['seq']}x{r['batch']}", f"r {r['r']}" if r.get("r", 8) != 8 else "", "ckpt" if r["ckpt"] else "", f"chunk {r['chunk']}" if r["chunk"] else "",
-            "offck" if r["offck"] else "", "all4" if len(r["targets"]) == 4 else "", "img" if r["image"] else "",
+            "offck" if r["offck"] else "", "all4" if len(r["targets"]) == 4 else "",
+            r["quantize"] if r.get("quantize", "none") != "none" else "", "img" if r["image"] else "",
             f"eval {r['eval_batch']}" if r["eval_batch"] else "", f"zero3{'+offload' if r['offload'] else ''}"
             if r["zero"] else "", "" if r["alloc"] == "expandable" else "default alloc", r.get("tag", "")]
     return " ".join(b for b in bits if b)

@@ -9,6 +9,9 @@
                                              # per-phase peaks on random-weight checkpoints (bench/gpu_cli.py)
     python bench/gpu_pending.py --part 4     # long context on one GPU (issue 30): glm-4-9b-chat at 64K and 128K
                                              # with the tiled MLP, probe + steps, planned vs measured peak
+    python bench/gpu_pending.py --part 0414  # GLM-4-0414 (issue 41): 9B and 32B bf16, 32B nf4 under a 24 GB cap
+                                             # (estimate vs measured, bench/gpu_memory.py --grid 0414), then
+                                             # 9B-0414 through the command: probe + 3 steps at 8K, 40 GB card
     python bench/gpu_pending.py --tiny --part N   # the same steps on CPU with the tiny model (the test suite)
 
 Each step is the existing bench script (or the glmtune command) in its own process with its own time limit, so
@@ -42,9 +45,11 @@ REPO = BENCH.parent
 PART_LIMIT_S = 540  # 9 minutes per call
 
 
-def steps(part: int, tiny: bool, work: Path) -> list[tuple[str, list[str], int]]:
+def steps(part: int | str, tiny: bool, work: Path) -> list[tuple[str, list[str], int]]:
     """(title, command, time limit in s) for one part."""
     py, glmtune = [sys.executable], [sys.executable, "-m", "glmtune"]
+    if part == "0414":
+        return steps_0414(tiny, work, py, glmtune)
     if part == 1:
         if tiny:  # the grid needs CUDA; on CPU the table code runs on the recorded rows
             return [("memory grid (recorded rows, CPU)",
@@ -90,6 +95,29 @@ def steps(part: int, tiny: bool, work: Path) -> list[tuple[str, list[str], int]]
             ("generation speed", py + [str(BENCH / "generate_speed.py")], 150)]
 
 
+def steps_0414(tiny: bool, work: Path, py: list[str], glmtune: list[str]) -> list[tuple[str, list[str], int]]:
+    """GLM-4-0414 (issue 41), within ~4 minutes on an H200: the memory rows need no disk (32B's 65 GB would not
+    fit the machine's 64 GiB): random weights made on the GPU, nf4 quantized as they are made. Then 9B-0414 through
+    the command on a random bf16 checkpoint written from the GPU (18.8 GB) with the tiny 0414 tokenizer beside it.
+    On CPU (--tiny): the 32B plans, and the command on the tiny 0414 model."""
+    if tiny:
+        plans = [(f"plan: 32B {' '.join(extra)}", glmtune + ["mode=plan", "model=glm4_32b_0414", *extra], 60)
+                 for extra in (["+hw=a100_80g"], ["+hw=rtx4090_24g", "model.quantize=nf4"])]
+        ckpt, card, length, steps_n = checkpoint("glm4_0414_tiny", "glm4_0414", work, True), [], 256, 2
+    else:
+        plans = [("memory: 9B-0414 and 32B-0414 bf16, 32B nf4 under a 24 GB cap (estimate vs measured)",
+                  py + [str(BENCH / "gpu_memory.py"), "--grid", "0414", "--out", str(work / "0414.jsonl"),
+                        "--budget-s", "120"], 150)]
+        ckpt = checkpoint("glm4_9b_0414", "glm4_0414", work, False, 120)
+        card, length, steps_n = ["+hw=a100_40g"], 8192, 3
+    data = long_conversations(work / "data-0414.jsonl", 8, 300 if tiny else 6000)
+    return plans + [(f"9B-0414: probe + {steps_n} steps at {length} tokens{'' if tiny else ', 40 GB card'}",
+                     glmtune + ["model=glm4_9b_0414", f"model.path={ckpt}", *card, f"data.train_file={data}",
+                                "data.val_file=null", f"data.max_length={length}", f"train.max_steps={steps_n}",
+                                "train.logging_steps=1", "train.save_minutes=0", "train.report_to=[]",
+                                f"hydra.run.dir={work / 'probe-run'}"], 120 if tiny else 110)]
+
+
 def header() -> str:
     import torch
 
@@ -105,7 +133,7 @@ def header() -> str:
     return f"{date.today().isoformat()}, {device}, driver {driver}; {versions}"
 
 
-def run_part(part: int, tiny: bool, work: Path) -> int:
+def run_part(part: int | str, tiny: bool, work: Path) -> int:
     work.mkdir(parents=True, exist_ok=True)
     for old in [work / "probe-run", *work.glob("long-*")]:  # each call measures fresh runs
         shutil.rmtree(old, ignore_errors=True)
@@ -132,7 +160,7 @@ def run_part(part: int, tiny: bool, work: Path) -> int:
         if rc != 0:
             failures += 1
             report += ["    " + line for line in (err or out).strip().splitlines()[-15:]]
-    for run_dir in ([work / "probe-run"] if part == 2 else sorted(work.glob("long-*")) if part == 4 else []):
+    for run_dir in ([work / "probe-run"] if part in (2, "0414") else sorted(work.glob("long-*")) if part == 4 else []):
         probe = run_dir / "probe.json"  # the probe's attempts: planned vs measured peak
         if probe.is_file():
             report.append(f"{run_dir.name} probe attempts: "
@@ -143,7 +171,7 @@ def run_part(part: int, tiny: bool, work: Path) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=("1", "2", "3", "4", "cli"), required=True)
+    ap.add_argument("--part", choices=("1", "2", "3", "4", "cli", "0414"), required=True)
     ap.add_argument("--tiny", action="store_true", help="CPU, tiny model: every step of the part, small")
     ap.add_argument("--work", default=None, help="scratch folder (checkpoint, data, run dirs); default /tmp/glmtune-pending")
     args = ap.parse_args()
@@ -152,7 +180,7 @@ def main() -> None:
         from gpu_cli import run_cli
 
         sys.exit(run_cli(args.tiny, work, header()))
-    sys.exit(run_part(int(args.part), args.tiny, work))
+    sys.exit(run_part(args.part if args.part == "0414" else int(args.part), args.tiny, work))
 
 
 if __name__ == "__main__":

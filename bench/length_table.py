@@ -2,9 +2,11 @@
 
     python bench/length_table.py            # the README's table (markdown), ~1 min on one CPU core
     python bench/length_table.py --detail   # one row per cell: SP degree, rungs, host RAM, tokens/s
+    python bench/length_table.py --models glm4_9b_0414 glm4_32b_0414   # some rows only
 
 No GPU and no weights: every cell is `plan.planner.make_plan` called in-process, exactly as `mode=plan` plans
-(LoRA r 8 on query_key_value, micro-batch 1, no evaluation set, the preset's hw.margin and host RAM), with a
+(LoRA r 8 on query_key_value, i.e. q/k/v_proj on GLM-4-0414;
+micro-batch 1, no evaluation set, the preset's hw.margin and host RAM), with a
 binary search over data.max_length in multiples of 1,024 up to 1M tokens (">= 1024K": the search's top). GPUs
 beyond hw.gpus_per_node are whole nodes (8 RTX 4090s: 2 nodes of 4); host RAM is per node. dist.sequence_parallel
 is auto, so a cell names the smallest sequence-parallel degree that fits. A length that fits is what the
@@ -36,7 +38,7 @@ from glmtune.plan.archsize import frozen_params  # noqa: E402
 from glmtune.plan.estimate import GIB  # noqa: E402
 from glmtune.plan.planner import make_plan  # noqa: E402
 
-MODELS = ("glm4_9b_chat", "glm4v_9b", "chatglm3_6b")
+MODELS = ("glm4_9b_chat", "glm4v_9b", "chatglm3_6b", "glm4_9b_0414", "glm4_32b_0414")
 BASES = ("none", "nf4")
 GPUS = (1, 2, 4, 8)
 CARDS = ("rtx4090_24g", "a100_40g", "a100_80g")
@@ -110,8 +112,10 @@ def short(n: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--detail", action="store_true", help="one row per cell instead of the README's grid")
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS, help="rows of these presets only")
     args = ap.parse_args()
-    cells = {(m, b, g, k): cell(m, b, g, k) for m in MODELS for b in BASES for k in CARDS for g in GPUS}
+    models = args.models
+    cells = {(m, b, g, k): cell(m, b, g, k) for m in models for b in BASES for k in CARDS for g in GPUS}
     if args.detail:
         print("| model | base | card | GPUs | longest max_length | SP | rungs | host GiB/node | est. tokens/s |")
         print("|---|---|---|---|---|---|---|---|---|")
@@ -124,7 +128,7 @@ def main() -> None:
         return
     print("| model | base | card | " + " | ".join(f"{g} GPU{'s' if g > 1 else ''}" for g in GPUS) + " |")
     print("|---|---|---|" + "---|" * len(GPUS))
-    for m in MODELS:
+    for m in models:
         for b in BASES:
             for k in CARDS:
                 row = []

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from glmtune.config import LoraConfig
-from glmtune.models import ChatGLMForConditionalGeneration, GLMConfig, enable_checkpointing, load_model, released_config
-from glmtune.models.loading import TINY_ARCH
+from glmtune.models import GLMConfig, enable_checkpointing, load_model, released_config
+from glmtune.models.loading import TINY_ARCH, model_class
 from glmtune.models.quantize import load_quantized, weight_storage_bytes, weight_tensors
 from glmtune.plan.estimate import RunShape, estimate, gpu_family
 from glmtune.probe.track import LiveTensorTracker, optimizer_state_tensors
@@ -41,7 +41,7 @@ def write_checkpoint(arch: GLMConfig, folder: Path, device: str, dtype: torch.dt
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):  # random init on the GPU: seconds for 9B parameters instead of minutes
-            model = ChatGLMForConditionalGeneration(arch)
+            model = model_class(arch)(arch)
     finally:
         torch.set_default_dtype(torch.float32)
     model.save_pretrained(folder, safe_serialization=True)

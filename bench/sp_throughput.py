@@ -37,10 +37,10 @@ def worker(seq: int, steps: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from glmtune.models import ulysses
-    from glmtune.models.configuration import GLMConfig
+    from glmtune.models.kernels import ulysses
+    from glmtune.models.chatglm.configuration import GLMConfig
     from glmtune.models.loading import _FAMILY, TINY_ARCH
-    from glmtune.models.modeling_glm4 import ChatGLMForConditionalGeneration
+    from glmtune.models.chatglm.modeling import ChatGLMForConditionalGeneration
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

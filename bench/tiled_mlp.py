@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from glmtune.models import ChatGLMForConditionalGeneration, GLMConfig, enable_checkpointing  # noqa: E402
-from glmtune.models.tiling import set_mlp_tile_tokens  # noqa: E402
+from glmtune.models.kernels.tiling import set_mlp_tile_tokens  # noqa: E402
 from glmtune.train.livebytes import LiveTensorTracker  # noqa: E402
 from glmtune.train.lora import apply_lora, trainable_parameters  # noqa: E402
 from glmtune.config import LoraConfig  # noqa: E402

@@ -16,10 +16,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from glmtune.models.configuration import GLMConfig
+from glmtune.models.chatglm.configuration import GLMConfig
 from glmtune.models.loading import _FAMILY, TINY_ARCH
-from glmtune.models.modeling_glm4 import ChatGLMForConditionalGeneration
-from glmtune.models.ulysses import SequenceGroup, shard
+from glmtune.models.chatglm.modeling import ChatGLMForConditionalGeneration
+from glmtune.models.kernels.ulysses import SequenceGroup, shard
 import sp_worker  # this folder is the script's: first on sys.path
 from sp_worker import rel
 from test_docattention import packed

@@ -9,7 +9,7 @@ import sys
 import torch.distributed as dist
 
 from glmtune.models import GLMConfig
-from glmtune.models.ulysses import SequenceGroup
+from glmtune.models.kernels.ulysses import SequenceGroup
 from glmtune.plan.estimate import RunShape
 from glmtune.probe.track import measure_lora_step
 

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from glmtune.models.configuration import GLMConfig
+from glmtune.models.chatglm.configuration import GLMConfig
 from glmtune.models.loading import _FAMILY, TINY_ARCH
-from glmtune.models.modeling_glm4 import ChatGLMForConditionalGeneration
-from glmtune.models.ulysses import SequenceGroup, pad_and_shard, shard
+from glmtune.models.chatglm.modeling import ChatGLMForConditionalGeneration
+from glmtune.models.kernels.ulysses import SequenceGroup, pad_and_shard, shard
 
 B, S, VOCAB = 2, 24, 128
 

@@ -13,7 +13,7 @@ import pytest
 from glmtune.config import DataConfig
 from glmtune.data.pipeline import DataCollator, DataError, build_datasets, encode_conversation
 from glmtune.data.validate import read_conversations
-from glmtune.models.configuration import released_config
+from glmtune.models.chatglm.configuration import released_config
 from glmtune.models.tokenizer_files import load_tokenizer, write_tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]

@@ -19,10 +19,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from glmtune.models.configuration import GLMConfig
-from glmtune.models.docattention import DENSE_MASK_MAX, document_spans, packed_path
+from glmtune.models.chatglm.configuration import GLMConfig
+from glmtune.models.kernels.docattention import DENSE_MASK_MAX, document_spans, packed_path
 from glmtune.models.loading import _FAMILY, TINY_ARCH
-from glmtune.models.modeling_glm4 import ChatGLMForConditionalGeneration
+from glmtune.models.chatglm.modeling import ChatGLMForConditionalGeneration
 
 VOCAB = 128
 LONG = DENSE_MASK_MAX + 256  # a row auto must run without any [S, S] tensor

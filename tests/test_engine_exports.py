@@ -12,8 +12,8 @@ from tokenizers import Tokenizer
 from glmtune.infer.adapter_export import convert_adapter
 from glmtune.infer.hf_layout import GLM, hf_state_dict, split_rows
 from glmtune.models import load_model, load_tokenizer
-from glmtune.models.configuration import GLMConfig
-from glmtune.models.layers import SelfAttention
+from glmtune.models.chatglm.configuration import GLMConfig
+from glmtune.models.chatglm.layers import SelfAttention
 from glmtune.models.presets import ensure_tiny
 from glmtune.models.tokenizer_files import TINY_CORPUS
 

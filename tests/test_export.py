@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from glmtune.infer.export import save_merged
 from glmtune.models import load_model, load_tokenizer
-from glmtune.models.chat_template import chat_template_for
+from glmtune.models.chatglm.chat_template import chat_template_for
 from glmtune.models.presets import ensure_tiny
 from glmtune.models.tokenizer_files import write_tiny_tokenizer
 
@@ -20,13 +20,13 @@ from conftest import glmtune_in_process
 
 # Stand-ins for the official checkpoint's remote code: what `auto_map` names, importable by transformers'
 # dynamic-module loader. They build glmtune's model under the official class names and constructor signature.
-CONFIGURATION = '''from glmtune.models.configuration import GLMConfig
+CONFIGURATION = '''from glmtune.models.chatglm.configuration import GLMConfig
 
 
 class ChatGLMConfig(GLMConfig):
     model_type = "chatglm"
 '''
-MODELING = '''from glmtune.models.modeling_glm4 import ChatGLMForConditionalGeneration as _GLM
+MODELING = '''from glmtune.models.chatglm.modeling import ChatGLMForConditionalGeneration as _GLM
 
 from .configuration_chatglm import ChatGLMConfig
 

@@ -77,7 +77,7 @@ def test_generate_speed_bench_runs_tiny(repo):
 def test_grouped_decode_step_equals_the_expanded_attention():
     """One cached decode step (query heads grouped over the stored KV groups) against the same token in a full
     forward (KV expanded to every head), with a left-padded row."""
-    from glmtune.models.modeling_glm4 import build_attention_mask
+    from glmtune.models.chatglm.modeling import build_attention_mask
 
     model, _ = _tiny()
     attn = model.transformer.encoder.layers[0].self_attention.double().eval()

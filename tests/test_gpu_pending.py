@@ -52,3 +52,13 @@ def test_part_4_long_rows_with_the_tiled_mlp(repo, tmp_path):
     assert out.count("tiled MLP on (") == 2 and out.count("adapter saved") == 2, out
     attempts = [line for line in out.splitlines() if "probe attempts: " in line]
     assert len(attempts) == 2 and all('"mlp_tile_tokens": 128' in a and '"outcome": "fits"' in a for a in attempts)
+
+
+@pytest.mark.slow  # ~40 s on 2 cores: two plans of GLM-4-32B-0414 and a probed run of the tiny GLM-4-0414
+def test_part_0414_plans_32b_and_trains_the_0414_model(repo, tmp_path):
+    out = subprocess.run([sys.executable, "bench/gpu_pending.py", "--tiny", "--part", "0414", "--work", str(tmp_path)],
+                         cwd=repo, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.startswith("## gpu_pending part 0414 (tiny, CPU): ")
+    assert out.stdout.count("exit 0)") == 3, out.stdout
+    assert "adapter saved" in out.stdout and '"outcome": "fits"' in out.stdout

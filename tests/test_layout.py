@@ -35,6 +35,10 @@ ALLOWED = {
 }
 # Loose modules at the top of glmtune/ besides __init__.py and __main__.py: only one that truly belongs nowhere.
 MAX_LOOSE = 2
+# Inside glmtune/models: one folder per architecture family (chatglm, ...) and `kernels`, what every family's decoder
+# shares. A family imports the kernels and nothing of another family; the kernels import no model code; the modules
+# beside them (loading, presets, quantize, generation, ...) pick a family from a checkpoint and may import any.
+MODEL_KERNELS = "kernels"
 
 
 def modules(root: Path = ROOT) -> dict[str, Path]:
@@ -134,6 +138,30 @@ def test_top_level_holds_packages():
     for package in (p for p in ROOT.iterdir() if (p / "__init__.py").is_file()):
         doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text()))
         assert doc, f"glmtune/{package.name}/__init__.py: a docstring saying what the package owns"
+
+
+def model_room(module: str) -> str | None:
+    """A glmtune.models module's folder (a family, or the kernels), "shared" for the modules beside them, None
+    outside glmtune.models."""
+    pieces = module.split(".")
+    if pieces[:2] != ["glmtune", "models"]:
+        return None
+    return pieces[2] if len(pieces) > 2 and (ROOT / "models" / pieces[2]).is_dir() else "shared"
+
+
+def test_model_families_import_only_the_kernels():
+    rooms = {model_room(m) for m in modules()} - {None, "shared"}
+    assert {MODEL_KERNELS, "chatglm"} <= rooms, f"glmtune/models has no kernels or chatglm folder: {sorted(rooms)}"
+    bad = []
+    for module, targets in import_graph().items():
+        room = model_room(module)
+        for target in targets:
+            other = model_room(target)
+            if room in (None, "shared") or other in (None, room):
+                continue
+            if room == MODEL_KERNELS or other != MODEL_KERNELS:  # the kernels import no model code; families only them
+                bad.append(f"{module} imports {target}")
+    assert not bad, "\n".join(sorted(bad))
 
 
 def test_cycle_finder_finds_a_planted_cycle(tmp_path):

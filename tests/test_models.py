@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from glmtune.models import (ChatGLMForConditionalGeneration, GLMConfig, build_meta_model, enable_checkpointing,
                             load_model, make_tiny_checkpoint, released_config)
-from glmtune.models.layers import MLP, RMSNorm, RotaryEmbedding, SelfAttention, apply_rotary
+from glmtune.models.chatglm.layers import MLP, RMSNorm, RotaryEmbedding, SelfAttention, apply_rotary
 from glmtune.models.loading import TINY_ARCH
 
 

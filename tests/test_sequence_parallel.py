@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from glmtune.train.sequence import shard_batch
-from glmtune.models.ulysses import SequenceGroup
+from glmtune.models.kernels.ulysses import SequenceGroup
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -77,6 +77,17 @@ def steps_of(ranks: dict[int, dict[int, list[int]]], sp: int) -> dict[int, list[
     return {step: sorted(ids) for step, ids in sorted(steps.items())}
 
 
+def stop_at_checkpoint(proc: subprocess.Popen, out: Path, step: int) -> None:
+    """SIGTERM the launch `proc` once its checkpoint-<step> is complete; it must stop with exit 7."""
+    deadline = time.monotonic() + 600
+    while not list((out / "checkpoints").glob(f"checkpoint-{step}/COMPLETE")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 7, err[-3000:]
+
+
 def assert_same_adapter(mine: dict, ref: dict, name: str) -> None:
     assert mine.keys() == ref.keys(), name
     for key in ref:
@@ -118,14 +129,7 @@ def test_a_run_stopped_under_sp2_resumes_in_one_process(tmp_path):
     whole = tmp_path / "whole"
     launch(whole, 1, *args)
     out = tmp_path / "stopped"
-    proc = launch(out, 2, *args, "dist.sequence_parallel=2", wait=False)
-    deadline = time.monotonic() + 600
-    while not list((out / "checkpoints").glob("checkpoint-2/COMPLETE")):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 7, err[-3000:]
+    stop_at_checkpoint(launch(out, 2, *args, "dist.sequence_parallel=2", wait=False), out, 2)
     state = json.loads((out / "run_state.json").read_text())
     assert state["status"] != "done" and 2 <= state["step"] < steps, state
     launch(out, 1, *args)  # the same run dir, one process, sequence parallelism off: it resumes

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from glmtune.config import LoraConfig
 from glmtune.models import ChatGLMForConditionalGeneration, GLMConfig, enable_checkpointing
 from glmtune.models.loading import TINY_ARCH
-from glmtune.models.tiling import set_mlp_tile_tokens
+from glmtune.models.kernels.tiling import set_mlp_tile_tokens
 from glmtune.plan.estimate import RunShape, estimate
 from glmtune.probe.track import measure_lora_step
 from glmtune.train.lora import apply_lora, trainable_parameters

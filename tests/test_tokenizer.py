@@ -11,8 +11,8 @@ import regex
 import sentencepiece
 
 from glmtune.models.tokenizer_files import TINY_CORPUS, load_tokenizer, write_tiny_tokenizer
-from glmtune.models.tokenization_chatglm3 import ChatGLM3Tokenizer, tiny_chatglm3_tokenizer
-from glmtune.models.tokenization_glm4 import GLM4Tokenizer, tiny_glm4_tokenizer
+from glmtune.models.chatglm.tokenization_chatglm3 import ChatGLM3Tokenizer, tiny_chatglm3_tokenizer
+from glmtune.models.chatglm.tokenization_glm4 import GLM4Tokenizer, tiny_glm4_tokenizer
 
 # Tiny GLM-4: 1,266 ranks, so the 14 specials are 1266..1279.
 G_EOT, G_GMASK, G_SOP, G_SYSTEM, G_USER, G_ASSISTANT, G_OBSERVATION = 1266, 1268, 1270, 1272, 1273, 1274, 1275

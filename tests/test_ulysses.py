@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from glmtune.models.ulysses import SequenceGroup, shard
+from glmtune.models.kernels.ulysses import SequenceGroup, shard
 
 BIN = Path(sys.executable).parent
 WORKER = Path(__file__).with_name("sp_worker.py")

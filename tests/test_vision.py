@@ -17,7 +17,7 @@ from glmtune.train.lora import _targets, apply_lora
 from glmtune.plan.estimate import frozen_params, image_extra_tokens, vision_params
 from glmtune.models import build_meta_model, load_config, load_model, load_tokenizer, released_config
 from glmtune.models.presets import ensure_tiny
-from glmtune.models.vision import CLIP_MEAN, CLIP_STD, load_image, num_image_tokens
+from glmtune.models.chatglm.vision import CLIP_MEAN, CLIP_STD, load_image, num_image_tokens
 from glmtune.plan.planner import make_plan
 from glmtune.train.trainer import train
 

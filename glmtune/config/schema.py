@@ -36,6 +36,9 @@ class DataConfig:
     format: str = "auto"  # auto | glm | alpaca | sharegpt | openai: how records map onto GLM messages (data/formats.py)
     mix: Optional[list[float]] = None  # with several train files: each file's share of the training examples; None = all of each
     val_size: float = 0.0  # hold out this fraction (< 1) or count (>= 1) of the train examples as the val set; 0 = none
+    # GLM-Z1 (a chat template whose generation prompt opens <think>): the last assistant turn's reasoning is trained
+    # (keep) or left out (drop: <think></think> then the answer); earlier turns follow the template (issue 41)
+    thinking: str = "keep"
 
 
 @dataclass
@@ -192,8 +195,11 @@ class RunConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
 
 
-# Linear layers of the GLM-4 / ChatGLM3 language model, by their official names (the estimator knows each).
-LORA_TARGETS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "output_layer")
+# Linear layers of the GLM language models, by their official names (the estimator knows each): the ChatGLM family's
+# (GLM-4-9B-chat, GLM-4V, ChatGLM3), then GLM-4-0414's HF names; on GLM-4-0414 the ChatGLM names of the lora presets
+# mean the Linears that take their place (query_key_value: q_proj, k_proj, v_proj; models/glm4_0414/configuration.py).
+LORA_TARGETS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "output_layer",
+                "q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 
 GROUPS = ("model", "data", "lora", "dist", "train", "hw", "hparams_search")
 # Metrics an evaluation reports (eval.generate adds the generation ones); True = higher is better.

@@ -40,7 +40,7 @@ _CHOICES = {
     "data.packing": ("auto", "on", "off"),
     "hw.interconnect": ("pcie", "nvlink", "none"),
     "train.resume": ("auto", "always", "restart"),
-    "data.format": ("auto", "glm", "alpaca", "sharegpt", "openai"),
+    "data.format": ("auto", "glm", "alpaca", "sharegpt", "openai"), "data.thinking": ("keep", "drop"),
     "train.optimizer": ("adamw_torch", "adamw_8bit"),
     # HF scheduler names that need no arguments beyond warmup (reduce_lr_on_plateau needs a metric per step).
     "train.lr_scheduler": ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant",

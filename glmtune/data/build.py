@@ -100,7 +100,14 @@ def encode_rows(batch: dict[str, list], tokenizer: Any, max_length: int, folder:
             row = (line_no, [], [], 0, 0, 0, None, result.what, result.fix)
         else:
             image = next((m["image"] for m in result if "image" in m), None)
-            ids, labels, untruncated, targets = encode(result, tokenizer, max_length)
+            try:
+                ids, labels, untruncated, targets = encode(result, tokenizer, max_length)
+            except ValueError as err:  # what the checkpoint's own chat template cannot render (glm4_0414/template.py)
+                out_row = (line_no, [], [], 0, 0, 0, None, str(err), "change this conversation so the model's chat "
+                           "template can render it, or leave it out")
+                for key, value in zip(out, out_row):
+                    out[key].append(value)
+                continue
             if not targets:  # dropped: only its line and lengths are kept, for the stats
                 row = (line_no, [], [], len(ids), untruncated, 0, image, None, None)
             else:

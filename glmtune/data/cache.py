@@ -45,8 +45,9 @@ from .validate import DataError, _read_bytes, file_format, locate
 
 FORMAT = 1  # the entry layout (tokenized.COLUMNS, meta.json); bump on a change the source hash would not catch
 # Code whose change changes the rows: its source text is part of the key (no version number to forget).
-_CODE = ("data/validate.py", "data/pipeline.py", "data/build.py", "data/formats.py", "data/sources.py", "models/tokenization.py",
-         "models/tokenization_glm4.py", "models/tokenization_chatglm3.py")
+_CODE = ("data/validate.py", "data/pipeline.py", "data/build.py", "data/formats.py", "data/sources.py",
+         "models/chatglm/tokenization.py", "models/chatglm/tokenization_glm4.py",
+         "models/chatglm/tokenization_chatglm3.py", "models/glm4_0414/tokenization.py", "models/glm4_0414/template.py")
 log = logging.getLogger(__name__)
 
 

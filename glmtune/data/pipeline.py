@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 import torch
 
 from ..config import DataConfig, train_files
-# The message encoding is the tokenizers' chat template (models/template.py); the rest is re-exported for the probe.
-from ..models.template import (IMAGE_PLACEHOLDERS, MessageTokenizer, encode_one, image_message_ids,  # noqa: F401
-                               process_message)
+# The message encoding is the tokenizers' chat template (models/chatglm/template.py); the rest is re-exported for the
+# probe. GLM-4-0414's tokenizer renders its checkpoint's own template (encode_conversation below).
+from ..models.chatglm.template import (IMAGE_PLACEHOLDERS, MessageTokenizer, encode_one,  # noqa: F401
+                                       image_message_ids, process_message)
 from .sources import is_rows, where
 from .stats import DataStats, FileStats, SplitStats, format_stats, longest_length, split_stats  # noqa: F401
 from .validate import DataError, check_file, locate
@@ -51,7 +52,11 @@ def terminator_id(tokenizer: MessageTokenizer) -> int:
 
 def encode_conversation(messages: list[dict[str, Any]], tokenizer: MessageTokenizer
                         ) -> tuple[list[int], list[int]]:
-    """Untruncated (input_ids, labels) of one conversation; labels are -100 where no loss is taken."""
+    """Untruncated (input_ids, labels) of one conversation; labels are -100 where no loss is taken. A tokenizer
+    that renders its checkpoint's jinja template (GLM-4-0414: models/glm4_0414/template.py) encodes the whole
+    conversation itself, by the same rule: the assistant's tokens and the token after each reply are targets."""
+    if hasattr(tokenizer, "encode_conversation"):
+        return tokenizer.encode_conversation(messages)
     input_ids = list(tokenizer.prefix_ids())  # a copy: it is extended below
     loss_mask = [False] * len(input_ids)
     for message in messages:
@@ -139,7 +144,7 @@ def build_datasets(cfg: DataConfig, tokenizer: MessageTokenizer, vision_config: 
 def _per_image(vision_config: Optional[dict]) -> int:
     if not vision_config:
         return 0
-    from ..models.vision import num_image_tokens  # the vision tower's module, only for a vision model
+    from ..models.chatglm.vision import num_image_tokens  # the vision tower's module, only for a vision model
 
     return num_image_tokens(vision_config) + 2  # boi + N patches + eoi
 
@@ -212,7 +217,7 @@ class DataCollator:
         return batch
 
     def _load(self, path: str) -> torch.Tensor:
-        from ..models.vision import load_image  # only for data with images (see _load_split)
+        from ..models.chatglm.vision import load_image  # only for data with images (see _load_split)
 
         try:
             return load_image(path, self.image_size)

@@ -43,9 +43,26 @@ def _nbytes(module: nn.Module, dtype: torch.dtype | None) -> int:
                for t in tensors)
 
 
+def _hf_units(model: nn.Module, dtype: torch.dtype | None) -> list[Unit] | None:
+    """GLM-4-0414's tree (transformers' names): embed_tokens, rotary_emb, each decoder layer, norm, lm_head; None for
+    the ChatGLM family."""
+    found = next(((name, module) for name, module in model.named_modules() if name.endswith("lm_head")), None)
+    if found is None:
+        return None
+    p = found[0][: -len("lm_head")]
+    core = model.get_submodule(p + "model")
+    order = [("model.embed_tokens", core.embed_tokens), ("model.rotary_emb", core.rotary_emb)]
+    order += [(f"model.layers.{i}", layer) for i, layer in enumerate(core.layers)]
+    order += [("model.norm", core.norm), ("lm_head", found[1])]
+    return [Unit(p + name, _nbytes(module, dtype)) for name, module in order]
+
+
 def units(model: nn.Module, dtype: torch.dtype | None = None) -> list[Unit]:
     """Placement units in execution order: vision tower (GLM-4V), embedding, rotary table, each GLMBlock,
     final norm, output layer. dtype None = the tensors' own dtype (a meta model built in bf16 gives bf16)."""
+    hf = _hf_units(model, dtype)
+    if hf is not None:
+        return hf
     p = _prefix(model)
     core = model.get_submodule(p + "transformer")
     order = [("vision", getattr(core, "vision", None)), ("embedding", core.embedding),

@@ -8,7 +8,7 @@
     DIR/tokenizer_config.json           the base's; glmtune's chat template added when it has none; its
                                         tokenizer_class PreTrainedTokenizerFast (auto_map kept, see below)
     DIR/tokenizer.json, chat_template.jinja   the tokenizer as data and the template as a file: no engine needs
-                                        tokenizer code (models/tokenizer_json.py)
+                                        tokenizer code (models/chatglm/tokenizer_json.py)
     DIR/.glmtune-export.json            glmtune wrote this folder: infer.overwrite may replace it (targets.py)
     DIR/SERVE.md                        the vllm serve command and transformers lines for DIR (serve_command.py)
 
@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from ..config import InferConfig
-from ..models.chat_template import chat_template_for
-from ..models.configuration import TEXT_MODEL_DROPS
+from ..models.chatglm.chat_template import chat_template_for
+from ..models.chatglm.configuration import TEXT_MODEL_DROPS
 from ..rundir.atomic import folder_as_one_unit
 from .adapter_export import convert_adapter, vllm_rank_flag
 from .hf_layout import REMOTE, hf_state_dict, layout_for
@@ -73,7 +73,7 @@ def export_folder(model, tokenizer, out: str | Path, model_dir: str | Path | Non
     folder, model_dir = Path(out), Path(model_dir or model.config.name_or_path)
     layout = layout_for(cfg.merge_format, model.config, tokenizer)
     base_config = json.loads((model_dir / "config.json").read_text())
-    dtype = _DTYPES.get(base_config.get("torch_dtype"), model.dtype)
+    dtype = _DTYPES.get(base_config.get("torch_dtype") or base_config.get("dtype"), model.dtype)  # 5.x: dtype
     state = {name: (t.to(dtype) if t.is_floating_point() else t) for name, t in model.state_dict().items()}
     with writing_export("infer.merge_to", folder), folder_as_one_unit(folder) as tmp:
         mark_export(tmp, "merged" if cfg.adapter_for == "none" else "base+adapter", base=model_dir,

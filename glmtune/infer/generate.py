@@ -30,7 +30,7 @@ from .hf_layout import layout_for
 from ..models import load_config, load_model
 from ..models.generation import encode_prompt, generate
 from ..models.quantize import load_quantized, weight_storage_bytes
-from ..models.template import reference_text
+from ..models.chatglm.template import reference_text
 from ..models.identity import check_adapter_base, write_provenance
 from .sampling import auto_batch_size, check_context, free_gpu_bytes, settings
 

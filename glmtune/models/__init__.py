@@ -1,16 +1,21 @@
-"""glmtune's own GLM-4 / ChatGLM3 models and tokenizers: official checkpoints, no remote code. Also what training
-and inference share: the chat template (`template.py`), generation (`generation.py`) and the identity of the base
-checkpoint an adapter was trained on (`identity.py`).
+"""glmtune's own GLM models and tokenizers: official checkpoints, no remote code. One folder per architecture
+family (`chatglm/`: GLM-4-9B-chat, GLM-4V-9B, ChatGLM3-6B), the kernels every family's decoder shares
+(`kernels/`: Ulysses, masks, per-document attention, the tiled MLP), and beside them what training and inference
+share whatever the family: checkpoint loading (`loading.py`), quantized loading (`quantize.py`), the presets
+(`presets.py`), generation (`generation.py`, `kvcache.py`), a folder's tokenizer (`tokenizer_files.py`) and the
+identity of the base checkpoint an adapter was trained on (`identity.py`).
 
 The names below load their module on first use (PEP 562): `mode=plan` reads an architecture (GLMConfig) and
 must not pay for the model code, the tokenizers or accelerate.
 """
 import importlib
 
-_WHERE = {"RELEASED": "configuration", "GLMConfig": "configuration", "released_config": "configuration",
+_WHERE = {"RELEASED": "chatglm.configuration", "GLMConfig": "chatglm.configuration",
+          "Glm4Config": "glm4_0414.configuration", "released_config": "presets",
           "build_meta_model": "loading", "enable_checkpointing": "loading", "load_config": "loading",
           "load_model": "loading", "make_tiny_checkpoint": "loading",
-          "ChatGLMForConditionalGeneration": "modeling_glm4", "ChatGLMModel": "modeling_glm4"}
+          "ChatGLMForConditionalGeneration": "chatglm.modeling", "ChatGLMModel": "chatglm.modeling",
+          "Glm4ForCausalLM": "glm4_0414.modeling"}
 
 
 def __getattr__(name: str):
@@ -21,11 +26,12 @@ def __getattr__(name: str):
     return value
 
 
-def load_tokenizer(path):
-    """Tokenizer of a checkpoint folder (GLM-4 tiktoken or ChatGLM3 SentencePiece), without remote code."""
+def load_tokenizer(path, thinking: str = "keep"):
+    """Tokenizer of a checkpoint folder (GLM-4-0414 tokenizer.json, GLM-4 tiktoken or ChatGLM3 SentencePiece),
+    without remote code; `thinking`: data.thinking (GLM-Z1's template)."""
     from .tokenizer_files import load_tokenizer as _load
 
-    return _load(path)
+    return _load(path, thinking)
 
 
 __all__ = [*_WHERE, "load_tokenizer"]

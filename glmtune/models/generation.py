@@ -10,8 +10,8 @@ import torch
 
 from ..config import InferConfig
 from .kvcache import preallocated_kv_cache
-from .template import encode_one
-from .vision import load_image
+from .chatglm.template import encode_one
+from .chatglm.vision import load_image
 
 CPU_BATCH = 8  # prompts per generate() batch without a GPU (infer/sampling.py sizes GPU batches)
 
@@ -27,6 +27,9 @@ def generation_kwargs(cfg: InferConfig) -> dict:
 
 
 def encode_prompt(messages: list[dict], tokenizer) -> tuple[list[int], str | None]:
+    """(prompt ids, image path or None). GLM-4-0414's tokenizer renders its checkpoint's template itself."""
+    if hasattr(tokenizer, "encode_prompt"):
+        return tokenizer.encode_prompt(messages), None
     ids = list(tokenizer.prefix_ids())
     for message in messages:
         ids += encode_one(message, tokenizer)

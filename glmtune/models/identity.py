@@ -21,7 +21,8 @@ BASE_FILE = "glmtune_base.json"
 # Keys of config.json that change with the tool that wrote it, not with the model.
 _VOLATILE = ("_name_or_path", "name_or_path", "transformers_version", "torch_dtype", "use_cache", "architectures",
              "auto_map")
-_SAMPLE_TENSOR = "transformer.output_layer.weight"
+# The output layer, by the family's name: ChatGLM's, GLM-4-0414's (HF).
+_SAMPLE_TENSORS = ("transformer.output_layer.weight", "lm_head.weight")
 _SAMPLE_ROWS = 4
 
 
@@ -38,14 +39,15 @@ def weights_sample_hash(model_dir: Path) -> str | None:
     folder = Path(model_dir)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        name = json.loads(index.read_text())["weight_map"].get(_SAMPLE_TENSOR)
-        files = [folder / name] if name else []
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [folder / weight_map[n] for n in _SAMPLE_TENSORS if n in weight_map][:1]
     else:
         files = sorted(folder.glob("*.safetensors"))
     for file in files:
         with safe_open(str(file), "pt") as f:
-            if _SAMPLE_TENSOR in f.keys():
-                tensor = f.get_slice(_SAMPLE_TENSOR)[:_SAMPLE_ROWS]
+            name = next((n for n in _SAMPLE_TENSORS if n in f.keys()), None)
+            if name is not None:
+                tensor = f.get_slice(name)[:_SAMPLE_ROWS]
                 return hashlib.sha256(tensor.float().numpy().tobytes()).hexdigest()[:16]
     return None
 
@@ -112,8 +114,10 @@ def _check_shapes(folder: Path, config: Any) -> None:
         if "lora_A" in name and ".layers." in name and number.isdigit():
             index = int(number)
             d_in = shape[1] if len(shape) == 2 else None
-            expected = config.ffn_hidden_size if "dense_4h_to_h" in name else (
-                config.num_attention_heads * config.kv_channels if name.endswith("dense.lora_A.weight") else h)
+            # The Linears whose input is not the hidden state: the MLP's down projection, attention's output.
+            expected = config.ffn_hidden_size if ("dense_4h_to_h" in name or "down_proj" in name) else (
+                config.num_attention_heads * config.kv_channels
+                if name.endswith(("dense.lora_A.weight", "o_proj.lora_A.weight")) else h)
             if index >= layers or d_in != expected:
                 raise ConfigError(f"infer.adapter={folder}: {name} takes {d_in} inputs but this base "
                                   f"({layers} layers, hidden {h}) has {expected} there — the adapter was "

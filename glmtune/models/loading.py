@@ -1,9 +1,10 @@
-"""Load official GLM-4 / ChatGLM3 checkpoint folders natively, and write tiny random ones.
+"""Load official GLM checkpoint folders natively, and write tiny random ones.
 
 A checkpoint folder holds config.json plus `model*.safetensors` or `pytorch_model*.bin` (sharded with an
-index json or not) and tokenizer files. glmtune reads the weights into its own model class and never
-imports the Python files the folder ships (`modeling_chatglm.py`, ...); `trust_remote_code=True` is an
-explicit opt-in that does run them.
+index json or not) and tokenizer files. config.json's `model_type` picks the family: `glm4` (GLM-4-0414,
+GLM-Z1-0414: models/glm4_0414), anything else the ChatGLM architecture (GLM-4-9B-chat, GLM-4V, ChatGLM3:
+models/chatglm). glmtune reads the weights into its own model class and never imports the Python files the
+folder ships (`modeling_chatglm.py`, ...); `trust_remote_code=True` is an explicit opt-in that does run them.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError
-from .configuration import GLMConfig
+from .chatglm.configuration import GLMConfig
 
 # The model code (and transformers' modeling, accelerate) is imported where a model is built: reading a
 # config.json or checking weight files, as mode=plan and the data stage do, needs none of it.
@@ -32,16 +33,39 @@ def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 
 
 def load_config(path: str | os.PathLike) -> GLMConfig:
+    """The architecture in a folder's config.json: a Glm4Config (model_type glm4) or a GLMConfig (ChatGLM)."""
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file}: no config.json — point model.path at a GLM-4/ChatGLM3 checkpoint folder")
     try:
-        return GLMConfig.from_json_file(str(config_file))
+        data = json.loads(config_file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
         raise ConfigError(f"{config_file}:{err.lineno}: invalid JSON ({err.msg}, column {err.colno}) — restore the "
                           "checkpoint's config.json (re-download it)") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{config_file}: not UTF-8 text — restore the checkpoint's config.json") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{config_file}: not a JSON object — restore the checkpoint's config.json")
+    if data.get("model_type") != "glm4":
+        return GLMConfig(**data)
+    from .glm4_0414.configuration import Glm4Config
+
+    config = Glm4Config(**data)
+    problem = config.check()
+    if problem:
+        raise ConfigError(f"{config_file}: {problem}")
+    return config
+
+
+def model_class(config) -> type:
+    """glmtune's causal LM class for an architecture (load_config's answer)."""
+    if getattr(config, "model_type", None) == "glm4":
+        from .glm4_0414.modeling import Glm4ForCausalLM
+
+        return Glm4ForCausalLM
+    from .chatglm.modeling import ChatGLMForConditionalGeneration
+
+    return ChatGLMForConditionalGeneration
 
 
 def check_weight_files(path: str | os.PathLike) -> list[Path]:
@@ -110,16 +134,17 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None, 
     """
     dtype = _as_dtype(dtype)
     if trust_remote_code:
+        if load_config(path).model_type == "glm4":
+            raise ConfigError(f"{path}: model.trust_remote_code=true, but a GLM-4-0414 checkpoint ships no remote code "
+                              "(transformers >= 4.51.3 has its class) — leave model.trust_remote_code=false")
         return _load_remote_code(path, dtype, device)
     config = load_config(path)
     if str(device) == "meta":
         return build_meta_model(config, dtype)
     from transformers.integrations import is_deepspeed_zero3_enabled
 
-    from .modeling_glm4 import ChatGLMForConditionalGeneration
-
     try:
-        model, info = ChatGLMForConditionalGeneration.from_pretrained(
+        model, info = model_class(config).from_pretrained(
             str(path), config=config, torch_dtype=dtype or "auto", output_loading_info=True,
             # ZeRO-3 builds the model inside deepspeed.zero.Init, which low_cpu_mem_usage would bypass.
             low_cpu_mem_usage=not is_deepspeed_zero3_enabled(),
@@ -152,10 +177,8 @@ def _load_error(path, err: BaseException) -> str:
 
 
 def build_meta_model(config: GLMConfig, dtype: torch.dtype | None = None) -> torch.nn.Module:
-    from .modeling_glm4 import ChatGLMForConditionalGeneration
-
     with torch.device("meta"):
-        model = ChatGLMForConditionalGeneration(config)
+        model = model_class(config)(config)
     return model.to(dtype) if dtype is not None else model
 
 
@@ -205,18 +228,40 @@ _FAMILY = {
 }
 
 
+# The GLM-4-0414 family's tiny checkpoints (models/glm4_0414/tiny.py): its template, or GLM-Z1's.
+HF_FAMILIES = ("glm4_0414", "glmz1_0414")
+
+
+def tiny_recipe(family: str) -> list:
+    """What a tiny checkpoint of `family` is built from, for presets.ensure_tiny's folder name."""
+    if family in HF_FAMILIES:
+        from .glm4_0414 import tiny
+
+        return [tiny.TINY_ARCH, tiny.CHAT_TEMPLATE_Z1 if family == "glmz1_0414" else tiny.CHAT_TEMPLATE]
+    return [TINY_ARCH, _FAMILY[family]]
+
+
 def make_tiny_checkpoint(out_dir: str | os.PathLike, family: str = "glm4", seed: int = 0, **arch) -> Path:
     """Write a small random checkpoint in the official layout: config.json, model.safetensors, tokenizer files.
 
-    `arch` overrides TINY_ARCH (e.g. hidden_size=768, num_layers=12 for a ~100M-parameter model).
+    `arch` overrides TINY_ARCH (e.g. hidden_size=768, num_layers=12 for a ~100M-parameter model), or for the
+    GLM-4-0414 families glm4_0414/tiny.TINY_ARCH (HF names: num_key_value_heads=4, attention_bias=False, ...).
     """
-    from .modeling_glm4 import ChatGLMForConditionalGeneration
-    from .tokenizer_files import load_tokenizer, write_tiny_tokenizer
+    from .chatglm.modeling import ChatGLMForConditionalGeneration
+    from .tokenizer_files import load_tokenizer, write_tiny_fast_tokenizer, write_tiny_tokenizer
 
-    if family not in _FAMILY:
-        raise ValueError(f"unknown family {family!r}; use one of {', '.join(_FAMILY)}")
+    if family not in (*_FAMILY, *HF_FAMILIES):
+        raise ValueError(f"unknown family {family!r}; use one of {', '.join((*_FAMILY, *HF_FAMILIES))}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if family in HF_FAMILIES:
+        from .glm4_0414 import tiny
+
+        vocab = write_tiny_fast_tokenizer(out, tiny_recipe(family)[1])
+        tok = load_tokenizer(out)
+        tiny.write_model(out, vocab, list(tok.stop_token_ids), tok.pad_token_id, seed, **arch)
+        (out / "glmtune_tiny.json").write_text(json.dumps({"family": family, "seed": seed}) + "\n")
+        return out
     vocab = write_tiny_tokenizer(out, family)
     tok = load_tokenizer(out)
     config = GLMConfig(**{**TINY_ARCH, **_FAMILY[family], **arch},

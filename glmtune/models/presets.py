@@ -1,8 +1,8 @@
 """The `model` config group: which checkpoint folder a preset name means.
 
-Released models (glm4_9b_chat, glm4v_9b, chatglm3_6b) need `model.path` to train, and nothing to plan:
-their architecture is built in. The tiny presets are random checkpoints glmtune writes itself, once,
-into a cache folder ($GLMTUNE_CACHE, default ~/.cache/glmtune), so a fresh clone runs with no download.
+Released models (glm4_9b_chat, glm4v_9b, chatglm3_6b; glm4_9b_0414, glm4_32b_0414, glmz1_9b_0414,
+glmz1_32b_0414) need `model.path` to train, and nothing to plan: their architecture is built in.
+The tiny presets are random checkpoints glmtune writes itself, once, into a cache folder ($GLMTUNE_CACHE, default ~/.cache/glmtune), so a fresh clone runs with no download.
 """
 from __future__ import annotations
 
@@ -13,11 +13,21 @@ import shutil
 from pathlib import Path
 
 from ..config import ConfigError, ModelConfig
-from .configuration import RELEASED, GLMConfig, released_config
-from .loading import _FAMILY, TINY_ARCH, load_config, make_tiny_checkpoint
+from .chatglm.configuration import RELEASED as RELEASED_CHATGLM
+from .chatglm.configuration import GLMConfig
+from .chatglm.configuration import released_config as released_chatglm
+from .glm4_0414.configuration import RELEASED as RELEASED_0414
+from .glm4_0414.configuration import released_config as released_0414
+from .loading import load_config, make_tiny_checkpoint, tiny_recipe
 
-TINY = {"glm4_tiny": "glm4", "chatglm3_tiny": "chatglm3", "glm4v_tiny": "glm4v"}
+TINY = {"glm4_tiny": "glm4", "chatglm3_tiny": "chatglm3", "glm4v_tiny": "glm4v", "glm4_0414_tiny": "glm4_0414"}
+RELEASED = sorted([*RELEASED_CHATGLM, *RELEASED_0414])
 KNOWN = sorted([*RELEASED, *TINY])
+
+
+def released_config(name: str):
+    """Architecture of a released model by preset name (either family), without any download."""
+    return released_0414(name) if name in RELEASED_0414 else released_chatglm(name)
 
 
 def cache_root() -> Path:
@@ -28,8 +38,10 @@ def ensure_tiny(family: str) -> Path:
     """Build the tiny checkpoint once; a changed architecture gets a new folder (hash in the name)."""
     # The tokenizer sources (tokenization*.py, and tokenizer_files.py with the tiny corpus) are part of what the
     # tiny checkpoint depends on.
-    sources = [p.read_text() for p in sorted(Path(__file__).parent.glob("tokeni*.py"))]
-    recipe = json.dumps([TINY_ARCH, _FAMILY[family], sources], sort_keys=True)
+    here = Path(__file__).parent
+    sources = [p.read_text() for p in sorted([*here.glob("tokeni*.py"), *here.glob("*/tokeni*.py"),
+                                             here / "glm4_0414" / "tiny.py"])]
+    recipe = json.dumps([*tiny_recipe(family), sources], sort_keys=True)
     target = cache_root() / f"tiny-{family}-{hashlib.sha256(recipe.encode()).hexdigest()[:10]}"
     if (target / "model.safetensors").is_file():
         return target

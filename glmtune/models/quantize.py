@@ -34,29 +34,38 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from .chatglm.modeling import ChatGLMForConditionalGeneration
+from .glm4_0414.modeling import Glm4ForCausalLM
 from .loading import _as_dtype, load_config
-from .modeling_glm4 import ChatGLMForConditionalGeneration
 
 QUANTIZED = ("nf4", "int8")
 # LLM.int8()'s outlier threshold (Dettmers et al. 2022; transformers' default): input columns with a
 # magnitude above 6 run in 16-bit, the rest in int8. Only the CUDA kernel uses it; CPU dequantizes.
 INT8_THRESHOLD = 6.0
-_BLOCKS = "transformer.encoder."  # the GLM blocks: query_key_value, dense, dense_h_to_4h, dense_4h_to_h
 
 
 def quantized_linear_names(model: nn.Module) -> list[str]:
-    """Linears that take quantized weights: those of the GLM blocks (not the vision tower, not output_layer)."""
-    return [n for n, m in model.named_modules() if n.startswith(_BLOCKS) and isinstance(m, nn.Linear)]
+    """Linears that take quantized weights: those of the decoder blocks (the model's `block_prefix`: ChatGLM's
+    transformer.encoder., GLM-4-0414's model.layers.), not the vision tower, not the LM head."""
+    return [n for n, m in model.named_modules() if n.startswith(model.block_prefix) and isinstance(m, nn.Linear)]
 
 
-class QuantizedGLM(ChatGLMForConditionalGeneration):
-    """glmtune's model with bitsandbytes Linears. transformers 4.40's `num_parameters` (the Trainer's FLOP count)
-    reads 4-bit weights through an `hf_quantizer` that only its own loader sets, and refuses without CUDA."""
+class _QuantizedCount:
+    """transformers 4.40's `num_parameters` (the Trainer's FLOP count) reads 4-bit weights through an `hf_quantizer`
+    that only its own loader sets, and refuses without CUDA: count them from their quantization state."""
 
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
         skip = {f"{n}.weight" for n, m in self.named_modules() if exclude_embeddings and isinstance(m, nn.Embedding)}
         return sum(p.quant_state.shape.numel() if getattr(p, "quant_state", None) is not None else p.numel()
                    for n, p in self.named_parameters() if n not in skip and (p.requires_grad or not only_trainable))
+
+
+class QuantizedGLM(_QuantizedCount, ChatGLMForConditionalGeneration):
+    """glmtune's ChatGLM model with bitsandbytes Linears."""
+
+
+class QuantizedGlm4(_QuantizedCount, Glm4ForCausalLM):
+    """glmtune's GLM-4-0414 model with bitsandbytes Linears."""
 
 
 def _bnb():
@@ -170,10 +179,12 @@ def _tensors(files: list[Path]):
 
 
 def load_quantized(path: str | os.PathLike, quantize: str, dtype: torch.dtype | str,
-                   device: str | torch.device | None = None, double_quant: bool = True) -> nn.Module:
+                   device: str | torch.device | None = None, double_quant: bool = True, tensors=None) -> nn.Module:
     """glmtune's model with NF4 or int8 weights in the GLM blocks; `dtype` is the compute dtype of everything.
 
-    device None: cuda:LOCAL_RANK when there is a GPU (each data-parallel rank holds its own copy), else CPU."""
+    device None: cuda:LOCAL_RANK when there is a GPU (each data-parallel rank holds its own copy), else CPU.
+    tensors: (name, tensor) pairs to load instead of the folder's weight files (whose config.json still gives
+    the architecture): bench/gpu_memory.py's random weights, made one tensor at a time on the GPU."""
     from accelerate import init_empty_weights
 
     if quantize not in QUANTIZED:
@@ -184,14 +195,14 @@ def load_quantized(path: str | os.PathLike, quantize: str, dtype: torch.dtype | 
     device = torch.device(device)
     config = load_config(path)
     with init_empty_weights(include_buffers=False):  # parameters on meta; the rotary buffer is computed
-        model = QuantizedGLM(config)
+        model = (QuantizedGlm4 if config.model_type == "glm4" else QuantizedGLM)(config)
     names = set(quantized_linear_names(model))
     for name in names:
         parent, child = name.rsplit(".", 1)
         setattr(model.get_submodule(parent), child,
                 _quantized_layer(model.get_submodule(name), quantize, dtype, double_quant))
     params, unexpected = dict(model.named_parameters()), []
-    for name, tensor in _tensors(weight_files(path)):
+    for name, tensor in tensors if tensors is not None else _tensors(weight_files(path)):
         if name not in params:
             unexpected.append(name)
             continue

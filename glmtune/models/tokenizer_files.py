@@ -1,5 +1,6 @@
-"""A checkpoint folder's tokenizer, chosen by the format of its tokenizer.model, and the tiny tokenizers
-that the tiny test checkpoints use (trained on TINY_CORPUS, deterministic, well under a second)."""
+"""A checkpoint folder's tokenizer, chosen by its files (GLM-4-0414's tokenizer.json, or the format of the ChatGLM
+family's tokenizer.model), and the tiny tokenizers that the tiny test checkpoints use (trained on TINY_CORPUS,
+deterministic, well under a second)."""
 from __future__ import annotations
 
 import hashlib
@@ -7,18 +8,24 @@ import json
 import os
 from pathlib import Path
 
-from .tokenization_chatglm3 import ChatGLM3Tokenizer, tiny_chatglm3_tokenizer
-from .tokenization_glm4 import GLM4Tokenizer, looks_like_rank_file, tiny_glm4_tokenizer
+from .chatglm.tokenization_chatglm3 import ChatGLM3Tokenizer, tiny_chatglm3_tokenizer
+from .chatglm.tokenization_glm4 import (PAT_STR, SPECIAL_TOKENS, GLM4Tokenizer, looks_like_rank_file,
+                                        tiny_glm4_tokenizer)
 
 
-def load_tokenizer(path: str | os.PathLike) -> GLM4Tokenizer | ChatGLM3Tokenizer:
-    """The tokenizer of a checkpoint folder, chosen by the format of its tokenizer.model.
+def load_tokenizer(path: str | os.PathLike, thinking: str = "keep"):
+    """The tokenizer of a checkpoint folder: GLM-4-0414's fast tokenizer when it has a tokenizer.json and no
+    tokenizer.model (`thinking`: data.thinking, for GLM-Z1's template), else by the format of its tokenizer.model.
 
     Nothing in the folder is imported or executed: GLM-4's tokenizer.model is a text file of
-    "<base64 token bytes> <rank>" lines, ChatGLM3's a SentencePiece protobuf.
+    "<base64 token bytes> <rank>" lines, ChatGLM3's a SentencePiece protobuf, tokenizer.json is JSON.
     """
     folder = Path(path)
     model_file = folder / "tokenizer.model"
+    if not model_file.exists() and (folder / "tokenizer.json").is_file():
+        from .glm4_0414.tokenization import Glm4Tokenizer
+
+        return Glm4Tokenizer(folder, thinking)
     try:
         data = model_file.read_bytes()
     except OSError as e:
@@ -55,6 +62,51 @@ def write_tiny_tokenizer(out_dir: str | os.PathLike, family: str) -> int:
     tokenizer = builders[family](TINY_CORPUS)
     tokenizer.save_pretrained(out_dir)
     return tokenizer.vocab_size
+
+
+def write_tiny_fast_tokenizer(out_dir: str | os.PathLike, chat_template: str) -> int:
+    """The tiny GLM-4 tokenizer's vocabulary as a GLM-4-0414 tokenizer.json (byte-level BPE, merges rebuilt from the
+    ranks: each token's splits into two lower-ranked tokens, in rank order; specials after the ordinary ids) and a
+    tokenizer_config.json with `chat_template`. Written by tokenizers 0.19, so its merges are "a b" strings; returns
+    the vocab size."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    ranks = tiny_glm4_tokenizer(TINY_CORPUS).ranks
+    char = _byte_chars()
+    text = {token: "".join(char[b] for b in token) for token in ranks}
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+        splits = [(token[:i], token[i:]) for i in range(1, len(token))
+                  if ranks.get(token[:i], rank) < rank and ranks.get(token[i:], rank) < rank]
+        merges += [(text[a], text[b]) for a, b in sorted(splits, key=lambda ab: (ranks[ab[0]], ranks[ab[1]]))]
+    backend = Tokenizer(models.BPE(vocab={text[t]: r for t, r in ranks.items()}, merges=merges))
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PAT_STR), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(list(SPECIAL_TOKENS))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    backend.save(str(out / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
+              "padding_side": "left", "clean_up_tokenization_spaces": False, "model_max_length": 8192,
+              "chat_template": chat_template}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    return backend.get_vocab_size()
+
+
+def _byte_chars() -> list[str]:
+    """Byte-level BPE's printable stand-in for each byte value (the GPT-2 table tokenizers' ByteLevel uses): the
+    printable Latin-1 bytes stand for themselves, the others take code points from 256 up, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
 
 
 # Training text for the tiny tokenizers, written for glmtune: the mix of Chinese, English, JSON and code that

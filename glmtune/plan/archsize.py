@@ -9,11 +9,13 @@ VISION_LAYER_TOKENS = 6401  # ViT: 80x80 patches + CLS at 1120 px
 
 
 def block_params(arch: GLMConfig) -> int:
+    """One decoder block: QKV (fused, or GLM-4-0414's q/k/v_proj: the same shapes), output projection, SwiGLU MLP,
+    and its RMSNorms (2; GLM-4-0414's "sandwich" block has 4)."""
     h, f = arch.hidden_size, arch.ffn_hidden_size
     qkv_bias = arch.qkv_out if (arch.add_qkv_bias or arch.add_bias_linear) else 0
     bias = arch.add_bias_linear
     return (h * arch.qkv_out + qkv_bias + arch.num_attention_heads * arch.kv_channels * h + h * bias
-            + h * 2 * f + 2 * f * bias + f * h + h * bias + 2 * h)
+            + h * 2 * f + 2 * f * bias + f * h + h * bias + getattr(arch, "norms_per_layer", 2) * h)
 
 
 def vision_params(arch: GLMConfig) -> int:

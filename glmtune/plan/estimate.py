@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from ..models import GLMConfig
 from . import longctx, quantized, tiledmlp, variants
 from .reserve import phase_reserves
-from .variants import BYTES, linear_shapes, peft_adapter_dtype  # noqa: F401 (shared with the variants' terms)
+from .variants import BYTES, HEADS, linear_shapes, peft_adapter_dtype, roles  # noqa: F401 (shared with variants)
 from .archsize import (IMAGE_TOKENS, VISION_LAYER_TOKENS, block_params, frozen_params,  # noqa: F401 (re-exported)
                        image_extra_tokens, vision_params, vision_working)
 
@@ -104,8 +104,8 @@ class Estimate:
 
 def lora_params(arch: GLMConfig, shape: RunShape) -> int:
     shapes = linear_shapes(arch)
-    per = sum(shape.lora_r * (shapes[t][0] + shapes[t][1]) for t in shape.lora_targets if t != "output_layer")
-    head = shape.lora_r * sum(shapes["output_layer"]) if "output_layer" in shape.lora_targets else 0
+    per = sum(shape.lora_r * (shapes[t][0] + shapes[t][1]) for t in shape.lora_targets if t not in HEADS)
+    head = sum(shape.lora_r * sum(shapes[t]) for t in shape.lora_targets if t in HEADS)
     return arch.num_layers * per + head
 
 
@@ -119,18 +119,30 @@ def _lora_saved(tokens: int, d_in: int, shape: RunShape, a: int) -> int:
     return tokens * d_in * (saved + mask) + tokens * shape.lora_r * saved
 
 
+def _lora_inputs(tokens: int, d_in: int, layers: int, shape: RunShape, a: int) -> int:
+    """`layers` LoRA branches on one input (GLM-4-0414's q, k and v_proj): each keeps its own dropped-out (or
+    cast) copy, except without dropout in the adapters' own dtype, where all keep the input itself."""
+    one = _lora_saved(tokens, d_in, shape, a)
+    if shape.lora_dropout == 0 and not shape.autocast and BYTES[shape.dtype] == a:
+        return one + (layers - 1) * tokens * shape.lora_r * a
+    return layers * one
+
+
 def block_saved(arch: GLMConfig, shape: RunShape, tokens: int, input_requires_grad: bool) -> int:
     """Bytes one GLMBlock keeps for backward (no checkpointing inside it)."""
     e, a = BYTES[shape.dtype], BYTES[shape.adapter_dtype or peft_adapter_dtype(shape.dtype)]
     h, f, heads, g, d = (arch.hidden_size, arch.ffn_hidden_size, arch.num_attention_heads, arch.kv_groups,
                          arch.kv_channels)
     fp32_copy = 4 * tokens * h if e != 4 else 0  # RMSNorm's x.to(float32), kept by pow
-    targets = set(shape.lora_targets)
+    norm = e * tokens * h + fp32_copy  # an RMSNorm's input (kept by the mul) + its fp32 copy
+    sandwich = getattr(arch, "norms_per_layer", 2) > 2  # GLM-4-0414: a norm after attention and after the MLP
+    targets = roles(shape.lora_targets)
+    qkv = sum(t in ("query_key_value", "q_proj", "k_proj", "v_proj") for t in shape.lora_targets)
     rg, total = input_requires_grad, 0
     if rg:
-        total += e * tokens * h + fp32_copy  # input_layernorm: input (kept by the mul) + fp32 copy
-    if "query_key_value" in targets:
-        total += _lora_saved(tokens, h, shape, a)
+        total += norm  # input_layernorm
+    if qkv:
+        total += _lora_inputs(tokens, h, qkv, shape, a)
         rg = True
     if rg:  # attention: q after rotary, K and V expanded to all heads, output, fp32 log-sum-exp
         kv = 2 * e * tokens * heads * d if g != heads else e * tokens * (arch.qkv_out + g * d)
@@ -138,12 +150,15 @@ def block_saved(arch: GLMConfig, shape: RunShape, tokens: int, input_requires_gr
     if "dense" in targets:
         total += _lora_saved(tokens, heads * d, shape, a)
         rg = True
-    if rg:  # post_attention_layernorm: residual sum + fp32 copy
-        total += e * tokens * h + fp32_copy
+    if rg:  # post_attention_layernorm on the residual sum (and GLM-4-0414's post_self_attn_layernorm before it)
+        total += norm * (2 if sandwich else 1)
+    mlp_rg = rg or bool(targets & {"dense_h_to_4h", "dense_4h_to_h"})
     if tiledmlp.tile_in_force(shape, tokens):  # the tiles keep their input; the rest is recomputed per tile
-        total += tiledmlp.saved(e, tokens, h, rg or bool(targets & {"dense_h_to_4h", "dense_4h_to_h"}))
+        total += tiledmlp.saved(e, tokens, h, mlp_rg)
     else:
         total += mlp_saved(arch, shape, tokens, rg)
+    if sandwich and mlp_rg:  # post_mlp_layernorm on the MLP's output
+        total += norm
     return total + quantized.saved_bytes(arch, shape.quantize, e, tokens) + variants.dora_saved(arch, shape, tokens,
                                                                                                 input_requires_grad)
 
@@ -151,13 +166,13 @@ def block_saved(arch: GLMConfig, shape: RunShape, tokens: int, input_requires_gr
 def mlp_saved(arch: GLMConfig, shape: RunShape, tokens: int, rg: bool) -> int:
     """Bytes the untiled MLP keeps for backward (rg: its input needs grad)."""
     e, a, f = BYTES[shape.dtype], BYTES[shape.adapter_dtype or peft_adapter_dtype(shape.dtype)], arch.ffn_hidden_size
-    total = 0
-    if "dense_h_to_4h" in shape.lora_targets:
+    total, targets = 0, roles(shape.lora_targets)
+    if "dense_h_to_4h" in targets:
         total += _lora_saved(tokens, arch.hidden_size, shape, a)
         rg = True
     if rg:  # SwiGLU: fused [gate|up] output and silu(gate)
         total += 3 * e * tokens * f
-    if "dense_4h_to_h" in shape.lora_targets:
+    if "dense_4h_to_h" in targets:
         total += _lora_saved(tokens, f, shape, a)
     return total
 

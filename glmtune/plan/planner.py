@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from ..config import RunConfig
-from ..models.docattention import packed_path, path_figures, path_reason
+from ..models.kernels.docattention import packed_path, path_figures, path_reason
 from .advice import advise
 from .estimate import GIB, RunShape, estimate, gpu_family, image_extra_tokens
 from .packrows import fullest_micro_step, most_rows
@@ -119,7 +119,8 @@ def run_shape(run: RunConfig, arch, c: Choices, data_max_tokens: int | None = No
         images = layout.per_row if arch.vision_config else 0  # the probe's examples each carry an image
     on_gpu = run.hw.memory_gib is not None or torch.cuda.is_available()
     return RunShape(dtype=c.dtype, micro_batch=micro_batch, seq_len=seq,
-                    lora_r=run.lora.r, lora_targets=tuple(run.lora.target_modules), lora_dropout=run.lora.dropout,
+                    lora_r=run.lora.r, lora_targets=arch.lora_modules(run.lora.target_modules),
+                    lora_dropout=run.lora.dropout,
                     gradient_checkpointing=c.gradient_checkpointing, loss_chunk_tokens=c.loss_chunk_tokens,
                     offload_checkpoints=c.offload_checkpoints, autocast=c.dtype != "fp32",
                     zero_stage=c.zero_stage, offload_params=c.offload_params, offload_optimizer=c.offload_optimizer,

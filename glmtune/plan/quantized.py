@@ -26,8 +26,11 @@ NESTED_CODE = 256 * 4 + 4  # double quantization: 8-bit dynamic code table + the
 
 
 def quantized_linears(arch: GLMConfig) -> list[tuple[int, int]]:
-    """(in, out) features of the quantized Linears of one GLM block."""
+    """(in, out) features of the quantized Linears of one GLM block (GLM-4-0414: q, k and v_proj apart)."""
     h, f, attn = arch.hidden_size, arch.ffn_hidden_size, arch.num_attention_heads * arch.kv_channels
+    if getattr(arch, "split_qkv", False):
+        kv = arch.kv_groups * arch.kv_channels
+        return [(h, attn), (h, kv), (h, kv), (attn, h), (h, 2 * f), (f, h)]
     return [(h, arch.qkv_out), (attn, h), (h, 2 * f), (f, h)]
 
 

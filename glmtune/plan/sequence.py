@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..config import ConfigError, RunConfig
-from ..models.ulysses import SequenceGroup
+from ..models.kernels.ulysses import SequenceGroup
 from .longctx import host_budget
 
 MAX_DEGREE = 64  # no GLM has more than 32 query heads

@@ -23,14 +23,28 @@ BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes' min_8bit_size default: smaller tensors get 32-bit states
 BNB_BLOCK = 256  # elements per absmax block of the blockwise 8-bit states
 BNB_QMAPS = 2 * 256 * 4  # the dynamic code tables for m and v, one copy per optimizer
-_ORDER = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")  # as a GLM block runs them
+# As a GLM block runs them: the ChatGLM names, then GLM-4-0414's (HF) names.
+_ORDER = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h",
+          "q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
+# GLM-4-0414's Linears by the ChatGLM layer whose place they take (q/k/v_proj split query_key_value).
+ROLE = {"q_proj": "query_key_value", "k_proj": "query_key_value", "v_proj": "query_key_value", "o_proj": "dense",
+        "gate_up_proj": "dense_h_to_4h", "down_proj": "dense_4h_to_h", "lm_head": "output_layer"}
+HEADS = ("output_layer", "lm_head")  # the one LM head, not one per layer
 
 
 def linear_shapes(arch: GLMConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) features of each LoRA-targetable linear, by official module name."""
+    """(in, out) features of each LoRA-targetable linear, by official module name (both families' names)."""
     h, f = arch.hidden_size, arch.ffn_hidden_size
-    return {"query_key_value": (h, arch.qkv_out), "dense": (arch.num_attention_heads * arch.kv_channels, h),
-            "dense_h_to_4h": (h, 2 * f), "dense_4h_to_h": (f, h), "output_layer": (h, arch.padded_vocab_size)}
+    q, kv = arch.num_attention_heads * arch.kv_channels, arch.kv_groups * arch.kv_channels
+    return {"query_key_value": (h, arch.qkv_out), "dense": (q, h), "dense_h_to_4h": (h, 2 * f),
+            "dense_4h_to_h": (f, h), "output_layer": (h, arch.padded_vocab_size),
+            "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_up_proj": (h, 2 * f),
+            "down_proj": (f, h), "lm_head": (h, arch.padded_vocab_size)}
+
+
+def roles(targets) -> set[str]:
+    """The ChatGLM layer each target sits in (its own name for the ChatGLM family)."""
+    return {ROLE.get(t, t) for t in targets}
 
 
 def peft_adapter_dtype(dtype: str) -> str:
@@ -50,7 +64,7 @@ def lora_tensor_sizes(arch: GLMConfig, shape) -> list[int]:
     shapes, sizes = linear_shapes(arch), []
     for target in shape.lora_targets:
         d_in, d_out = shapes[target]
-        layers = 1 if target == "output_layer" else arch.num_layers
+        layers = 1 if target in HEADS else arch.num_layers
         sizes += [shape.lora_r * d_in, d_out * shape.lora_r] * layers
         sizes += [d_out] * layers if getattr(shape, "use_dora", False) else []
     return sizes
@@ -59,7 +73,7 @@ def lora_tensor_sizes(arch: GLMConfig, shape) -> list[int]:
 def dora_params(arch: GLMConfig, shape) -> int:
     if not getattr(shape, "use_dora", False):
         return 0
-    return sum(linear_shapes(arch)[t][1] * (1 if t == "output_layer" else arch.num_layers) for t in shape.lora_targets)
+    return sum(linear_shapes(arch)[t][1] * (1 if t in HEADS else arch.num_layers) for t in shape.lora_targets)
 
 
 def optimizer_state_bytes(arch: GLMConfig, shape, adapter_bytes: int) -> int:
@@ -93,9 +107,9 @@ def dora_saved(arch: GLMConfig, shape, tokens: int, input_requires_grad: bool) -
 
 
 def dora_last_saved(arch: GLMConfig, shape, tokens: int) -> int:
-    """What dora_saved holds for a block's last Linear (dense_4h_to_h when adapted): in a recomputed block its
-    backward runs first and frees these before the block's backward peak (fitted on the CPU grid)."""
-    if not getattr(shape, "use_dora", False) or "dense_4h_to_h" not in shape.lora_targets:
+    """What dora_saved holds for a block's last Linear (dense_4h_to_h / down_proj when adapted): in a recomputed
+    block its backward runs first and frees these before the block's backward peak (fitted on the CPU grid)."""
+    if not getattr(shape, "use_dora", False) or "dense_4h_to_h" not in roles(shape.lora_targets):
         return 0
     e, m = _dtypes(shape)
     d_in, d_out = arch.ffn_hidden_size, arch.hidden_size

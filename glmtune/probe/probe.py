@@ -130,7 +130,7 @@ def _attempt(run: RunConfig, choices: Choices, model_dir: Path, examples: list[d
             trainer.train()
         finally:
             trainer.phases.close()
-            trainer.glm.transformer.set_sequence_group(None)
+            trainer.glm.set_sequence_group(None)
         peaks = trainer.phases.peaks()
         detail = {"phase_peak_bytes": peaks, "first_training_peak_bytes": trainer.phases.first_training_peak()}
         worst = max(trainer.phases.details, key=lambda p: peaks.get(p, 0), default=None)

@@ -22,12 +22,13 @@ def measure_lora_step(arch, shape, seed: int = 0, sequence=None) -> tuple[int, i
     from ..train.lora import apply_lora, trainable_parameters
     from ..train.optim import make_optimizer
     from ..plan.estimate import BYTES
-    from ..models import ChatGLMForConditionalGeneration, enable_checkpointing
-    from ..models.tiling import set_mlp_tile_tokens
+    from ..models import enable_checkpointing
+    from ..models.loading import model_class
+    from ..models.kernels.tiling import set_mlp_tile_tokens
 
     dtype = {2: torch.bfloat16, 4: torch.float32}[BYTES[shape.dtype]]
     torch.manual_seed(seed)
-    model = ChatGLMForConditionalGeneration(arch).to(dtype)
+    model = model_class(arch)(arch).to(dtype)
     model.config.use_cache = False
     model.loss_chunk_tokens = shape.loss_chunk_tokens
     model = apply_lora(model, LoraConfig(r=shape.lora_r, alpha=2 * shape.lora_r, dropout=shape.lora_dropout,
@@ -45,7 +46,7 @@ def measure_lora_step(arch, shape, seed: int = 0, sequence=None) -> tuple[int, i
         from ..train.sequence import shard_batch
 
         batch = shard_batch(batch, sequence)
-        model.get_base_model().transformer.set_sequence_group(sequence)
+        model.get_base_model().set_sequence_group(sequence)
 
     # shape.autocast: bf16 autocast as the Trainer runs mixed precision (on CPU too, with train.precision=bf16).
     amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=shape.autocast)

@@ -67,7 +67,7 @@ def prepare(cfg: DictConfig, overrides: list[str]) -> Prepared:
         if run.mode != "plan":
             prep.model_dir = resolve_model_dir(run.model)
             check_weight_files(prep.model_dir)  # missing, truncated or pickled weights: one line now, not mid-load
-            prep.tokenizer = load_tokenizer(prep.model_dir)
+            prep.tokenizer = load_tokenizer(prep.model_dir, thinking=run.data.thinking)
         if run.mode in ("train", "probe"):
             # Every line of every file is checked when its cache entry is built, before any weights load.
             data = build_datasets(run.data, prep.tokenizer, prep.arch.vision_config, seed=run.train.seed)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ConfigError, TrainConfig
-from ..models.docattention import DENSE_MASK_MAX
+from ..models.kernels.docattention import DENSE_MASK_MAX
 
 # GPUs (a substring of torch.cuda.get_device_name()) on which a bench/RESULTS.md row measured compiled blocks
 # without ZeRO-3 (speed-up and peak against the estimate), and those on which it measured FlexAttention for
@@ -102,7 +102,7 @@ def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:
     dynamic=None: the first shape compiles static, a second shape recompiles once with symbolic lengths."""
     count = 0
     for module in model.modules():
-        if type(module).__name__ == "GLMBlock":
+        if type(module).__name__ in ("GLMBlock", "Glm4DecoderLayer"):  # ChatGLM's block, GLM-4-0414's
             module.compile(backend=backend)
             count += 1
     return count

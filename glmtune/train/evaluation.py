@@ -22,7 +22,7 @@ from pathlib import Path
 from ..config import EVAL_METRICS, EvalConfig, InferConfig
 from ..data.validate import read_conversations
 from ..models.generation import generate
-from ..models.template import reference_text
+from ..models.chatglm.template import reference_text
 from .metrics import generation_metrics
 
 MAX_LOG_PERPLEXITY = 50.0  # exp(50) ~ 5e21: beyond this the number says only "untrained", and exp overflows later

@@ -34,7 +34,8 @@ def _targets(model: torch.nn.Module, cfg: LoraConfig) -> list[str] | str:
     """GLM-4V: the names match inside the vision tower too (its attention.query_key_value/dense, the GLU's
     dense_h_to_4h/dense_4h_to_h), which peft's suffix match would adapt. The tower stays frozen and
     adapter-free, like the official freezeV=True, so a regex (peft full-matches a str) excludes it."""
-    names = list(cfg.target_modules)
+    modules = getattr(model.config, "lora_modules", None)  # glmtune's configs map names; remote code's has none
+    names = list(modules(cfg.target_modules) if modules else cfg.target_modules)
     if not any(".vision." in f"{n}." for n, _ in model.named_modules()):
         return names
     return rf"^(?!.*\.vision\.).*\.({'|'.join(map(re.escape, names))})$"

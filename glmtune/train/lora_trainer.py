@@ -111,7 +111,7 @@ class LoraTrainer(Trainer):
         if self.sequence is not None:
             inputs = shard_batch(inputs, self.sequence)
             # Left on through backward: checkpointed blocks recompute their attention, exchanges included.
-            self.glm.transformer.set_sequence_group(self.sequence)
+            self.glm.set_sequence_group(self.sequence)
         try:
             return model(**inputs)
         finally:
@@ -185,7 +185,7 @@ class LoraTrainer(Trainer):
         with self.phases.phase("eval"):
             metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)  # sharded (train/sequence.py)
             extra = {"eval_perplexity": perplexity(metrics["eval_loss"])}
-            self.glm.transformer.set_sequence_group(None)  # generation decodes whole rows on every rank
+            self.glm.set_sequence_group(None)  # generation decodes whole rows on every rank
             if self.generation_eval is not None:
                 extra.update(self.generation_eval(self.model, self.state.global_step, self.is_world_process_zero()))
         self.log(extra)

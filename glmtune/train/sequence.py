@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, SequentialSampler
 
 from ..config import ConfigError
 from ..data.pipeline import IGNORE_INDEX
-from ..models.ulysses import PAD_FILL, SequenceGroup, pad_and_shard, shift_labels
+from ..models.kernels.ulysses import PAD_FILL, SequenceGroup, pad_and_shard, shift_labels
 
 
 def sequence_group(size: int) -> SequenceGroup | None:

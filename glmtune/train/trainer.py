@@ -37,7 +37,8 @@ from .optim import HF_NAMES
 from .timeline import MemoryTimeline
 from .tracking import TrackerRuns, launch_params, run_label
 from ..models import enable_checkpointing, load_model
-from ..models.tiling import set_mlp_tile_tokens
+from ..models.kernels.layers import set_offload_checkpoints
+from ..models.kernels.tiling import set_mlp_tile_tokens
 from ..models.quantize import load_quantized
 from ..config import userds
 from ..plan.planner import Choices
@@ -131,7 +132,7 @@ def prepare_model(model: torch.nn.Module, run: RunConfig, choices: Choices) -> t
     model.config.use_cache = False
     if hasattr(model, "loss_chunk_tokens"):  # glmtune's model (not a checkpoint's own remote code)
         model.loss_chunk_tokens = choices.loss_chunk_tokens
-        model.transformer.encoder.offload_checkpoints = choices.offload_checkpoints
+        set_offload_checkpoints(model, choices.offload_checkpoints)
         # The probe builds through here too, so it measures the tiles.
         set_mlp_tile_tokens(model, choices.mlp_tile_tokens, zero3=choices.zero_stage == 3)
     model = apply_lora(model, run.lora)
@@ -205,7 +206,7 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
             trainer.loss_carry.restore(resume_from, resumed_at)
         try:
             result = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
-            trainer.glm.transformer.set_sequence_group(None)  # what uses the model next sees whole rows
+            trainer.glm.set_sequence_group(None)  # what uses the model next sees whole rows
         except Exception as err:  # where it failed, for the one line modes.train_mode prints
             meter = trainer.phases
             err.glmtune_where = (f"step {meter.step}" if meter.current in (None, "train") else

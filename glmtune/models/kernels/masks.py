@@ -48,3 +48,32 @@ def document_block_mask(seq_ids: torch.Tensor):
 
     s = seq_ids.shape[1]
     return create_block_mask(same_example_causal, seq_ids.shape[0], None, s, s, device=seq_ids.device)
+
+
+def layer_mask(seq_ids, attention_mask, packed_attention: str, length: int, past_len: int, sp, device):
+    """What every layer of one forward attends with: a packed row's per-document mask (dense, spans or
+    FlexAttention, by `packed_attention` and the row length) or the padding/causal mask. Under a sequence
+    group (`sp`) the inputs are this rank's shard and attention sees the whole row, so they are gathered first
+    ([B, S] integers, cheap beside the activations). `length`: this rank's positions."""
+    from .docattention import document_spans, packed_path
+    from .ulysses import gather_sequence
+
+    if sp is not None:
+        seq_ids = gather_sequence(seq_ids.to(device), sp) if seq_ids is not None else None
+        attention_mask = gather_sequence(attention_mask.to(device), sp) if attention_mask is not None else None
+        length = length * sp.size
+    if seq_ids is None:
+        return build_attention_mask(attention_mask, length, past_len)
+    if past_len:
+        raise ValueError("seq_ids (packed rows) are for training and scoring, not generation with a cache")
+    seq_ids = seq_ids.to(device)
+    path = packed_path(packed_attention, length)  # auto: by the (gathered) row length
+    return (document_block_mask(seq_ids) if path == "flex" else
+            document_spans(seq_ids) if path == "segments" else document_mask(seq_ids))
+
+
+def default_positions(batch: int, length: int, past_len: int, sp, device) -> torch.Tensor:
+    """Position ids when the caller gave none: counting on from the cache; under a sequence group this rank's
+    tokens are the rank-th 1/N of the row."""
+    start = past_len + (sp.rank * length if sp is not None else 0)
+    return torch.arange(start, start + length, device=device).expand(batch, length)

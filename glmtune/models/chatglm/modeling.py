@@ -15,20 +15,17 @@ Works with HF `generate()` (legacy tuple KV cache holding the un-expanded KV gro
 """
 from __future__ import annotations
 
-from functools import partial
-
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..kernels.attention import set_sequence_group
+from ..kernels.causal_lm import lm_loss, reorder_cache, step_positions
+from ..kernels.masks import build_attention_mask, default_positions, layer_mask  # noqa: F401 (re-exported)
+from ..kernels.ulysses import PAD_FILL, SequenceGroup, pad_and_shard, shift_labels
 from .configuration import GLMConfig
-from .docattention import document_spans, packed_path
-from .masks import build_attention_mask, document_block_mask, document_mask  # noqa: F401 (re-exported)
-from .layers import Embedding, GLMBlock, GLMTransformer, RMSNorm, RotaryEmbedding, SelfAttention, no_early_stop
-from .ulysses import PAD_FILL, SequenceGroup, gather_sequence, pad_and_shard, shift_labels
+from .layers import Embedding, GLMBlock, GLMTransformer, RMSNorm, RotaryEmbedding
 from .vision import EVA2CLIPModel, splice_images
 
 
@@ -70,20 +67,14 @@ class ChatGLMModel(GLMPreTrainedModel):
         self.post_init()
 
     def set_sequence_group(self, sp: SequenceGroup | None) -> None:
-        """Share each sequence over the ranks of `sp` (models/ulysses.py): from then on forward takes this rank's
-        contiguous 1/N of every row (ids, position ids, seq ids, mask), and returns the hidden states of those
+        """Share each sequence over the ranks of `sp` (models/kernels/ulysses.py): from then on forward takes this
+        rank's contiguous 1/N of every row (ids, position ids, seq ids, mask), and returns the hidden states of those
         tokens; rows with images come whole and are cut after the merge (merge_images). None: this process holds
         whole sequences again."""
         if sp is self.sequence_group:  # set before every training micro-step: nothing to walk through again
             return
-        if sp is not None:
-            why = sp.check_heads(self.config.num_attention_heads, self.config.kv_groups)
-            if why:
-                raise ValueError(f"sequence parallelism over {sp.size} ranks: {why}")
+        set_sequence_group(self, sp, self.config.num_attention_heads, self.config.kv_groups)
         self.sequence_group = sp
-        for module in self.modules():
-            if isinstance(module, SelfAttention):
-                module.sequence_group = sp
 
     def get_input_embeddings(self):
         return self.embedding.word_embeddings
@@ -134,38 +125,24 @@ class ChatGLMModel(GLMPreTrainedModel):
             inputs_embeds = self.embedding(input_ids)
         b, s = inputs_embeds.shape[:2]
         past_len = past_key_values[0][0].shape[2] if past_key_values else 0
-        if position_ids is None:  # under sequence parallelism this rank's tokens are the rank-th 1/N of the row
-            start = past_len + (sp.rank * s if sp is not None else 0)
-            position_ids = torch.arange(start, start + s, device=inputs_embeds.device).expand(b, s)
+        if position_ids is None:
+            position_ids = default_positions(b, s, past_len, sp, inputs_embeds.device)
         rope = self.rotary_pos_emb(position_ids, inputs_embeds.dtype)
-        if sp is not None:  # masks are for attention, which sees the whole row: built from the gathered inputs
-            seq_ids = gather_sequence(seq_ids.to(inputs_embeds.device), sp) if seq_ids is not None else None
-            attention_mask = (gather_sequence(attention_mask.to(inputs_embeds.device), sp)
-                              if attention_mask is not None else None)
-            s = s * sp.size
-        if seq_ids is not None:
-            if past_len:
-                raise ValueError("seq_ids (packed rows) are for training and scoring, not generation with a cache")
-            seq_ids = seq_ids.to(inputs_embeds.device)
-            path = packed_path(self.packed_attention, s)  # auto: by the (gathered) row length
-            mask = (document_block_mask(seq_ids) if path == "flex" else
-                    document_spans(seq_ids) if path == "segments" else document_mask(seq_ids))
-        else:
-            mask = build_attention_mask(attention_mask, s, past_len)
+        mask = layer_mask(seq_ids, attention_mask, self.packed_attention, s, past_len, sp, inputs_embeds.device)
         return self.encoder(inputs_embeds, mask, rope, past_key_values, use_cache)
 
 
 class ChatGLMForConditionalGeneration(GLMPreTrainedModel):
+    # The decoder blocks (quantize.py: their Linears take NF4/int8 weights; the vision tower's do not).
+    block_prefix = "transformer.encoder."
+
     def __init__(self, config: GLMConfig):
         super().__init__(config)
         self.transformer = ChatGLMModel(config)
         # Tokens per chunk of the lower-memory loss; 0 = the reference loss (full fp32 logits, ~1.8 MB/token
         # for the 151,552-token vocabulary). Set by the trainer from the plan; not part of config.json.
         self.loss_chunk_tokens = 0
-        # "mean" (the reference: over this batch's target tokens) or "sum" (the trainer divides by the whole
-        # optimizer step's target tokens, so how a global batch is split never changes the gradient). A sum
-        # stays fp32: a bf16 sum of a whole batch would round away the digits a mean keeps.
-        self.loss_reduction = "mean"
+        self.loss_reduction = "mean"  # or "sum" (kernels/causal_lm.py says why)
         self._image_layout = None  # generation with images: (prompt length, image rows, prompt ids)
         self.post_init()
 
@@ -174,6 +151,10 @@ class ChatGLMForConditionalGeneration(GLMPreTrainedModel):
 
     def set_input_embeddings(self, value):
         self.transformer.embedding.word_embeddings = value
+
+    def set_sequence_group(self, sp: SequenceGroup | None) -> None:
+        """ChatGLMModel.set_sequence_group: the caller need not know where the decoder sits."""
+        self.transformer.set_sequence_group(sp)
 
     def get_output_embeddings(self):
         return self.transformer.output_layer
@@ -197,58 +178,21 @@ class ChatGLMForConditionalGeneration(GLMPreTrainedModel):
                                             inputs_embeds, use_cache, seq_ids=seq_ids)
         if return_last_logit:
             hidden = hidden[:, -1:]
-        loss = logits = None
         # Under sequence parallelism each rank holds a shard of the row: the caller shifted the labels on the whole
         # row before cutting it (train/sequence.py; merge_images for rows with images), so position t's label is
         # already its target.
-        shift = self.transformer.sequence_group is None
-        if labels is not None and self.loss_chunk_tokens > 0:
-            loss = self._chunked_loss(hidden, labels, shift)
-            loss = loss if self.loss_reduction == "sum" else loss.to(hidden.dtype)
-        else:
-            logits = self.transformer.output_layer(hidden)
-            if labels is not None:
-                # The reference: fp32 logits, shift inside the model, mean over labelled tokens.
-                logits = logits.to(torch.float32)
-                shifted = logits[..., :-1, :].contiguous() if shift else logits
-                targets = labels[..., 1:] if shift else labels
-                loss = F.cross_entropy(shifted.view(-1, shifted.size(-1)), targets.reshape(-1).to(shifted.device),
-                                       ignore_index=-100, reduction=self.loss_reduction)
-                logits = logits.to(hidden.dtype)
-                loss = loss if self.loss_reduction == "sum" else loss.to(hidden.dtype)
+        loss, logits = lm_loss(hidden, labels, self.transformer.output_layer, self.transformer.sequence_group is None,
+                               self.loss_chunk_tokens, self.loss_reduction,
+                               self.transformer.encoder._gradient_checkpointing_func)
         return CausalLMOutputWithPast(loss=loss, logits=logits,
                                       past_key_values=tuple(presents) if presents is not None else None)
-
-    def _chunked_loss(self, hidden: torch.Tensor, labels: torch.Tensor, shift: bool = True) -> torch.Tensor:
-        """Same value as the reference loss, but fp32 logits exist for one chunk of tokens at a time:
-        each chunk's logits are recomputed in backward instead of being kept (peak ~chunk x vocab x 4 B x 3).
-        shift=False: labels are already each position's target (a sequence-parallel shard)."""
-        h = (hidden[:, :-1] if shift else hidden).reshape(-1, hidden.size(-1))
-        y = (labels[:, 1:] if shift else labels).reshape(-1).to(h.device)
-        head = self.transformer.output_layer
-        ckpt = self.transformer.encoder._gradient_checkpointing_func
-        if ckpt is checkpoint:  # not configured by gradient_checkpointing_enable()
-            ckpt = partial(checkpoint, use_reentrant=False)
-
-        def chunk_sum(hs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
-            return F.cross_entropy(head(hs).to(torch.float32), ys, ignore_index=-100, reduction="sum")
-
-        total = hidden.new_zeros((), dtype=torch.float32)
-        with no_early_stop():  # layers.no_early_stop says why
-            for start in range(0, h.size(0), self.loss_chunk_tokens):
-                hs, ys = h[start:start + self.loss_chunk_tokens], y[start:start + self.loss_chunk_tokens]
-                if bool((ys != -100).any()):
-                    total = total + (ckpt(chunk_sum, hs, ys) if torch.is_grad_enabled() else chunk_sum(hs, ys))
-        return total if self.loss_reduction == "sum" else total / (y != -100).sum().clamp(min=1)
 
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
                                       position_ids=None, use_cache=True, images=None, image_rows=None, **kwargs):
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        if position_ids is None:
-            # Left padding: real tokens count from 0, as the official tokenizer's position_ids do. Image
-            # patches share one position, so text positions never count them.
-            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        # Image patches share one position, so text positions never count them.
+        position_ids = step_positions(input_ids, attention_mask, position_ids, past_key_values is not None)
         inputs = {"use_cache": use_cache, "return_last_logit": True}
         if past_key_values is None:
             self._image_layout = None
@@ -257,9 +201,6 @@ class ChatGLMForConditionalGeneration(GLMPreTrainedModel):
                 self._image_layout = (input_ids.shape[1], rows.tolist(), input_ids)
                 inputs.update(images=images, image_rows=image_rows)
         else:
-            # Caller position_ids (the official tokenizer returns them) cover the prompt only and generate()
-            # passes them unchanged each step: advance the last one by the tokens generated since.
-            position_ids = position_ids[:, -1:] + (input_ids.shape[1] - position_ids.shape[1])
             input_ids = input_ids[:, -1:]
             if self._image_layout is not None:  # the cache holds the spliced prompt: widen the mask to match
                 attention_mask = self._spliced_mask(attention_mask, past_key_values[0][0].shape[2] + 1)
@@ -284,8 +225,7 @@ class ChatGLMForConditionalGeneration(GLMPreTrainedModel):
 
     @staticmethod
     def _reorder_cache(past_key_values, beam_idx):
-        return tuple((k.index_select(0, beam_idx.to(k.device)), v.index_select(0, beam_idx.to(v.device)))
-                     for k, v in past_key_values)
+        return reorder_cache(past_key_values, beam_idx)
 
 
 __all__ = ["ChatGLMForConditionalGeneration", "ChatGLMModel", "GLMBlock", "GLMPreTrainedModel"]

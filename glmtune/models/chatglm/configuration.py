@@ -99,6 +99,10 @@ class GLMConfig(PretrainedConfig):
     def qkv_out(self) -> int:
         return self.kv_channels * (self.num_attention_heads + 2 * self.kv_groups)
 
+    def lora_modules(self, names) -> tuple[str, ...]:
+        """The modules LoRA adapts for lora.target_modules: ChatGLM's names are this family's own."""
+        return tuple(names)
+
 
 _GLM4_COMMON = dict(
     num_layers=40, padded_vocab_size=151552, hidden_size=4096, ffn_hidden_size=13696, kv_channels=128,

@@ -1,0 +1,78 @@
+"""The loss head and generation helpers every GLM causal LM shares: the reference loss on fp32 logits, the
+lower-memory chunked loss, the labels' shift (done by the caller under sequence parallelism), and the position ids
+of a decoding step.
+
+`loss_chunk_tokens` (the plan's chunk, 0 = the reference loss) and `loss_reduction` ("mean" over this batch's
+target tokens, the reference; or "sum", which the trainer divides by the whole optimizer step's target tokens so
+that how a global batch is split never changes the gradient) are attributes the trainer sets on the model.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .layers import no_early_stop
+
+
+def lm_loss(hidden: torch.Tensor, labels: torch.Tensor | None, head: torch.nn.Module, shift: bool,
+            chunk_tokens: int, reduction: str, ckpt) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(loss, logits) of the LM head over `hidden`. With labels and a chunk size the logits are never built
+    whole (returned None). shift=False: labels are already each position's target (a sequence-parallel shard:
+    train/sequence.py shifted them on the whole row before cutting it). A sum stays fp32: a bf16 sum of a whole
+    batch would round away the digits a mean keeps. `ckpt`: the decoder's checkpoint function (None = not set)."""
+    if labels is not None and chunk_tokens > 0:
+        loss = chunked_loss(hidden, labels, head, shift, chunk_tokens, reduction, ckpt)
+        return (loss if reduction == "sum" else loss.to(hidden.dtype)), None
+    logits = head(hidden)
+    if labels is None:
+        return None, logits
+    # The reference: fp32 logits, shift inside the model, mean over labelled tokens.
+    logits = logits.to(torch.float32)
+    shifted = logits[..., :-1, :].contiguous() if shift else logits
+    targets = labels[..., 1:] if shift else labels
+    loss = F.cross_entropy(shifted.view(-1, shifted.size(-1)), targets.reshape(-1).to(shifted.device),
+                           ignore_index=-100, reduction=reduction)
+    return (loss if reduction == "sum" else loss.to(hidden.dtype)), logits.to(hidden.dtype)
+
+
+def chunked_loss(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Module, shift: bool, chunk_tokens: int,
+                 reduction: str, ckpt) -> torch.Tensor:
+    """Same value as the reference loss, but fp32 logits exist for one chunk of tokens at a time: each chunk's
+    logits are recomputed in backward instead of being kept (peak ~chunk x vocab x 4 B x 3)."""
+    h = (hidden[:, :-1] if shift else hidden).reshape(-1, hidden.size(-1))
+    y = (labels[:, 1:] if shift else labels).reshape(-1).to(h.device)
+    if ckpt is None or ckpt is checkpoint:  # not configured by gradient_checkpointing_enable()
+        ckpt = partial(checkpoint, use_reentrant=False)
+
+    def chunk_sum(hs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(head(hs).to(torch.float32), ys, ignore_index=-100, reduction="sum")
+
+    total = hidden.new_zeros((), dtype=torch.float32)
+    with no_early_stop():  # layers.no_early_stop says why
+        for start in range(0, h.size(0), chunk_tokens):
+            hs, ys = h[start:start + chunk_tokens], y[start:start + chunk_tokens]
+            if bool((ys != -100).any()):
+                total = total + (ckpt(chunk_sum, hs, ys) if torch.is_grad_enabled() else chunk_sum(hs, ys))
+    return total if reduction == "sum" else total / (y != -100).sum().clamp(min=1)
+
+
+def step_positions(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None,
+                   past: bool) -> torch.Tensor:
+    """Position ids of a generate() step. The prompt (no cache yet): left padding, real tokens count from 0, as
+    the official tokenizer's position_ids do. A decoding step: caller position_ids (the official tokenizer returns
+    them) cover the prompt only and generate() passes them unchanged each step, so the last one is advanced by the
+    tokens generated since."""
+    if position_ids is None:
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    if past:
+        position_ids = position_ids[:, -1:] + (input_ids.shape[1] - position_ids.shape[1])
+    return position_ids
+
+
+def reorder_cache(past_key_values, beam_idx):
+    """The tuple KV cache reordered for beam search."""
+    return tuple((k.index_select(0, beam_idx.to(k.device)), v.index_select(0, beam_idx.to(v.device)))
+                 for k, v in past_key_values)
