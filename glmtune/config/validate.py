@@ -232,6 +232,11 @@ def _check_values(cfg: RunConfig) -> list[str]:
         problems.append(f"dist.sequence_parallel must be auto or an integer > 0, got {sp!r}")
     elif sp not in (1, "auto") and cfg.train.loss_normalization != "tokens":
         problems.append("dist.sequence_parallel needs train.loss_normalization=tokens (a shard's mean is not the row's)")
+    if not (cfg.probe.rehearse == "auto" or isinstance(cfg.probe.rehearse, bool)):
+        problems.append(f"probe.rehearse must be auto, true or false, got {cfg.probe.rehearse!r}")
+    elif cfg.probe.rehearse is True and cfg.mode == "train":
+        problems.append("probe.rehearse=true rehearses a multi-GPU plan in mode=probe; a training run probes the "
+                        "processes it runs on — use mode=probe, or probe.rehearse=auto")
     if cfg.infer.gpus < 0:
         problems.append(f"infer.gpus must be >= 0, got {cfg.infer.gpus}")
     if cfg.train.max_steps < 0:
