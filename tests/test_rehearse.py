@@ -101,8 +101,8 @@ def test_mode_probe_rehearses_the_planned_world_in_this_process(tmp_path):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["mode=probe", "probe.rehearse=maybe"], "probe.rehearse must be auto, true or false, got 'maybe'"),
-    (["probe.rehearse=true"], "probe.rehearse=true rehearses a multi-GPU plan in mode=probe"),
+    (["mode=probe", "probe.rehearse=maybe"], "probe.rehearse='maybe': use auto, true or false"),
+    (["probe.rehearse=true"], "true rehearses a multi-GPU plan in mode=probe only"),
 ])
 def test_bad_rehearse_settings_are_one_line(args, words):
     out = glmtune_in_process(*args)
@@ -126,11 +126,11 @@ def test_a_rehearsal_over_budget_takes_the_next_rung(tmp_path):
                     dist=DistConfig(nproc_per_node=2, sequence_parallel=2))
     _, _, stats = build_datasets(run.data, tok)
     plan = make_plan(run, arch, 2, user_set_max_length=False, data_max_tokens=longest_length(stats))
-    args = (arch, model_dir, longest_length(stats), tok, DataCollator(tok.pad_token_id), tmp_path, 2)
-    free = run_probe(run, plan, *args, evaluates=False, rehearsed=True)
+    args = (arch, model_dir, longest_length(stats), tok, DataCollator(tok.pad_token_id), tmp_path, 1)
+    free = run_probe(run, plan, *args, evaluates=False, rehearsed=2)
     assert free.rehearsed == 2 and free.fits and len(free.attempts) == 1
     budget = int(free.measured_peak_bytes * 0.8)
-    report = run_probe(run, replace(plan, budget_bytes=budget), *args, evaluates=False, rehearsed=True)
+    report = run_probe(run, replace(plan, budget_bytes=budget), *args, evaluates=False, rehearsed=2)
     assert [a.outcome for a in report.attempts][0] == "over budget" and report.fits
     assert report.final["micro_batch_size"] < 4 and report.final["micro_batch_size"] * report.final["grad_accum"] == 4
     assert report.measured_peak_bytes <= budget and report.attempts[0].measured_peak_bytes == free.measured_peak_bytes
@@ -144,10 +144,10 @@ def test_sequence_groups_gather_the_real_row_layout():
     import torch.distributed as dist
 
     from glmtune.models.ulysses import SequenceGroup, pad_and_shard
-    from glmtune.probe.rehearse import fake_world
+    from glmtune.probe.rehearse import rehearsal_world
     from glmtune.train.sequence import sequence_group
 
-    with fake_world(4, 4):
+    with rehearsal_world(4, 4):
         sp = sequence_group(2)
         assert isinstance(sp, SequenceGroup) and sp.size == 2 and sp.rank == 0 and dist.get_world_size() == 4
         row = torch.tensor([[0, 0, 0, 1, 1, 2, 2, -1, -1]])  # 3 documents and pads, odd length: padded to 10

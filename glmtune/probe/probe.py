@@ -37,7 +37,7 @@ from ..config import userds
 from ..plan.packrows import fullest_micro_step
 from ..plan.planner import Choices, Plan, run_shape, step_down
 from ..train.gpumem import outside_allocator_bytes
-from ..train.phases import format_peaks
+from ..train.phases import estimated_phases
 from ..train.trainer import build_model, make_trainer, training_args
 from .diagnose import classify, record_memory_history
 from . import rehearse
@@ -203,15 +203,16 @@ def _restore_rng(state: tuple) -> None:
 
 def run_probe(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, tokenizer, collator,
               run_dir: Path, world_size: int, evaluates: bool, packed: tuple[int, int] | None = None,
-              rehearsed: bool = False) -> ProbeReport:
+              rehearsed: int = 0) -> ProbeReport:
     """packed: (positions per row, images per row) when the data is packed: the probe then runs the fullest
     micro-step packing can make of its micro-batch (plan/packrows.py), laid out by the run's own packer.
-    rehearsed: this one process is rank 0 of `world_size` ranks (probe/rehearse.py), measured as rank 0."""
+    rehearsed: this one process is rank 0 of that many ranks (probe/rehearse.py), measured as rank 0."""
     start, rng = time.perf_counter(), _rng_state()
+    world_size = rehearsed or world_size
     emulated = emulate_card(run.hw.memory_gib)
     record_memory_history()  # the run records it for its OOM snapshot: the probe runs under the same allocator
     image = _probe_image(arch.vision_config["image_size"], run_dir / "probe") if arch.vision_config else None
-    world = rehearse.fake_world(world_size, max(1, world_size // run.dist.nnodes)) if rehearsed else nullcontext()
+    world = rehearse.rehearsal_world(world_size, max(1, world_size // run.dist.nnodes)) if rehearsed else nullcontext()
     with world:
         attempts, choices = _ladder(run, plan, arch, model_dir, longest, tokenizer, collator, run_dir, world_size,
                                     evaluates, packed, image, rehearsed)
@@ -225,13 +226,13 @@ def run_probe(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, t
                        budget_bytes=plan.budget_bytes, predicted_peak_bytes=last.predicted_peak_bytes,
                        measured_peak_bytes=last.measured_peak_bytes, per_rank=last.per_rank, attempts=attempts,
                        final=choices.to_dict(), fits=last.outcome == "fits",
-                       seconds=round(time.perf_counter() - start, 2), rehearsed=world_size if rehearsed else 0,
+                       seconds=round(time.perf_counter() - start, 2), rehearsed=rehearsed,
                        rehearsal={"ranks": world_size, "measured": "rank 0", "added_terms": added,
                                   "unseen": rehearse.UNSEEN} if rehearsed else {})
 
 
 def _ladder(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, tokenizer, collator, run_dir: Path,
-            world_size: int, evaluates: bool, packed, image, rehearsed: bool) -> tuple[list[Attempt], Choices]:
+            world_size: int, evaluates: bool, packed, image, rehearsed: int) -> tuple[list[Attempt], Choices]:
     """The probe's attempts, one rung down the ladder after each that does not fit."""
     choices, attempts = plan.choices, []
     while True:
@@ -255,11 +256,11 @@ def _ladder(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, tok
         predicted = est.peak_bytes
         t0 = time.perf_counter()
         if rehearsed and choices.zero_stage == 3:
-            rehearse.deepspeed_on_fake_group()
+            rehearse.deepspeed_on_rehearsal_group()
         peaks, detail = _attempt(run, choices, model_dir, examples, eval_examples, collator, run_dir, packer)
         detail["host_rss_bytes"] = _host_rss()
-        if rehearsed:  # rank 0 is the one rank here: its peaks, plus what a fake collective never allocates
-            peaks, detail = _with_added(peaks, detail, rehearse.added_terms(choices.zero_stage, world_size,
+        if rehearsed:  # rank 0 is the one rank here: its peaks, plus what no rehearsal allocates
+            peaks, detail = rehearse.with_added(peaks, detail, rehearse.added_terms(choices.zero_stage, world_size,
                                                                             torch.cuda.is_available()))
         gathered = [(peaks, detail)] if rehearsed else _gather((peaks, detail))
         per_rank = [None if p is None else max(p.values()) for p, _ in gathered]
@@ -267,7 +268,7 @@ def _ladder(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, tok
         peaks, detail = _merge_ranks(gathered)
         detail["host_rss_per_rank"] = host
         detail["predicted_tensor_bytes"] = max(est.phases.values())  # beside the measured allocated peak
-        detail["predicted_phase_peak_bytes"] = predicted_phases(est)  # beside phase_peak_bytes, phase by phase
+        detail["predicted_phase_peak_bytes"] = estimated_phases(est)  # beside phase_peak_bytes, phase by phase
         if peaks is None:
             outcome, measured = "out of memory", None
         else:
@@ -288,33 +289,6 @@ def _ladder(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, tok
             break
         choices = nxt
     return attempts, choices
-
-
-def predicted_phases(est) -> dict[str, int]:
-    """The estimate of each phase the probe measures (train/phases.py): training is the estimator's loss, backward
-    and vision-tower phases, evaluation its loss-only forward (the probe generates nothing); each with its own
-    allocator reserve and what the process holds outside its tensors, as the whole-process peak counts them."""
-    outside = est.peak_bytes - est.phases[est.phase] - est.reserves.get(est.phase, 0)
-    whole = {p: v + est.reserves.get(p, 0) + outside for p, v in est.phases.items()}
-    out = {"train": max(whole[p] for p in ("loss", "backward", "vision") if p in whole)}
-    if "eval" in whole:
-        out["eval"] = whole["eval"]
-    return out
-
-
-def _with_added(peaks: dict | None, detail: dict, added: dict[str, int]) -> tuple[dict | None, dict]:
-    """A rehearsal's phase peaks with the bytes a real rank holds beyond them (rehearse.added_terms) in each phase,
-    as a real probe's NVML reading holds them; the rank's own measurement stays in detail."""
-    detail["added_terms"] = added
-    if peaks is None or not added:
-        return peaks, detail
-    extra = sum(added.values())
-    detail["rank0_phase_peak_bytes"] = peaks
-    first = detail.get("first_training_peak_bytes")
-    detail["first_training_peak_bytes"] = None if first is None else first + extra
-    peaks = {phase: value + extra for phase, value in peaks.items()}
-    detail["phase_peak_bytes"] = peaks
-    return peaks, detail
 
 
 def probe_shortfall(report: ProbeReport, run: RunConfig) -> str:
@@ -338,48 +312,3 @@ def _device_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(torch.cuda.current_device())
     return "cpu"
-
-
-def format_probe(report: ProbeReport):
-    from rich.table import Table
-
-    def gib(x):
-        return "-" if x is None else f"{x / GIB:.3f}"
-
-    budget = "none" if report.budget_bytes is None else f"{report.budget_bytes / GIB:.3f} GiB"
-    rss = [r for r in (report.attempts[-1].detail.get("host_rss_per_rank") or [] if report.attempts else []) if r]
-    host = (f", host RSS {sum(rss) / GIB:.2f} GiB" + (" of rank 0" if report.rehearsed else f" over {len(rss)} rank(s)")
-            if rss else "")
-    where = f"{report.device}{' (emulated card)' if report.emulated else ''}"
-    if report.rehearsed:
-        where += f", rehearsed: {report.rehearsed} ranks on 1 device"
-    title = f"probe on {where}: budget {budget}, {report.seconds:.1f} s{host}"
-    caption = None
-    if report.rehearsed:  # what the measured GiB hold beyond rank 0's own tensors, and what no rehearsal sees
-        added = report.rehearsal.get("added_terms") or {}
-        caption = (f"measured: rank 0 of {report.rehearsed}"
-                   + "".join(f" + {name} {value / GIB:.2f} GiB" for name, value in added.items())
-                   + f"; {report.rehearsal['unseen']}")
-    # Nine columns, the levers in one: the table keeps its words whole in a 120-column log (rundir/files.py).
-    table = Table(title=title, caption=caption)
-    for col in ("attempt", "batch", "memory levers on", "predicted GiB", "measured GiB", "error",
-                "phases: measured GiB", "tensors: predicted / allocated GiB", "outcome"):
-        table.add_column(col)
-    for i, a in enumerate(report.attempts, 1):
-        c = a.choices
-        err = "-" if a.measured_peak_bytes is None else f"{(a.predicted_peak_bytes / a.measured_peak_bytes - 1):+.1%}"
-        tensors = (f"{gib(a.detail['predicted_tensor_bytes'])} / {gib(a.detail['peak_allocated_bytes'])}"
-                   if "peak_allocated_bytes" in a.detail else "-")
-        phases = (format_peaks(a.detail["phase_peak_bytes"]).removesuffix(" GiB") if a.detail.get("phase_peak_bytes")
-                  else f"out of memory in {a.detail.get('phase', 'train')}" if a.measured_peak_bytes is None else "-")
-        outcome = a.outcome + (f"; next: {a.detail['next_rung']}" if a.detail.get("next_rung") else "")
-        levers = [name for name, on in (("checkpointing", c["gradient_checkpointing"]),
-                                        (f"loss chunk {c['loss_chunk_tokens']}", c["loss_chunk_tokens"]),
-                                        ("checkpoints in CPU memory", c.get("offload_checkpoints", False)),
-                                        (f"MLP tiles {c.get('mlp_tile_tokens', 0)}", c.get("mlp_tile_tokens", 0)),
-                                        ("ZeRO-3", c["zero_stage"] == 3), ("parameter offload", c["offload_params"]))
-                  if on]
-        table.add_row(str(i), f"{c['micro_batch_size']} x {c['grad_accum']}, eval {c['eval_batch_size']}",
-                      ", ".join(levers) or "none", gib(a.predicted_peak_bytes), gib(a.measured_peak_bytes), err, phases,
-                      tensors, outcome)
-    return table

@@ -4,21 +4,23 @@
 
 A probe can only measure the processes it runs on, so a plan for 8 GPUs on 2 nodes was certified only once the 8
 GPUs were paid for. A rehearsal makes this process rank 0 of the planned world, `dist.nnodes x
-dist.nproc_per_node` ranks, over torch's fake process group (torch.testing._internal.distributed.fake_pg): every
-group the run creates exists (the sequence-parallel groups, DeepSpeed's, DDP's), every collective returns at once
-without moving data, and rank 0's program runs every kernel at its real shape — its 1/N of each ZeRO-3 partition,
-its 1/SP of every row, its share of the batches. The probe then measures each phase exactly as a real probe does
-(train/phases.py) and its ladder acts on the rehearsed peak as on a real one. Time: one rank's steps.
+dist.nproc_per_node` ranks, over a process group whose collectives move no data (train/rehearsal.py: torch's fake
+group's rule, with results DDP can wait on, initialised with torch's FakeStore): every group the run creates
+exists (the sequence-parallel groups, DeepSpeed's, DDP's), every collective returns at once, and rank 0's program
+runs every kernel at its real shape — its 1/N of each ZeRO-3 partition (DeepSpeed 0.19.8 initialises and steps on
+the group), its 1/SP of every row, its share of the batches. The probe measures each phase exactly as a real
+probe does (train/phases.py) and its ladder acts on the rehearsed peak as on a real one. Time: one rank's steps.
+On CPU the rehearsed peak equals rank 0's of a real gloo launch to the byte (tests/test_rehearse.py).
 
 `probe.rehearse`: `auto` rehearses when the plan's world is larger than the processes running (one process,
 no launcher); `true` also rehearses a world of one; `false` plans for the processes there are, as before.
 
-What the fake group does not allocate is added as named terms (`added_terms`): on a GPU, NCCL's communicator
+What a rehearsal's collectives do not allocate is added by name (`added_terms`): on a GPU, NCCL's communicator
 (the estimator's figure, measured under DeepSpeed on an H100: plan/estimate.py NCCL_PER_GPU), which a real
 probe sees through NVML. ZeRO-3's all-gather and prefetch buckets are DeepSpeed's own tensors, allocated before
-the collective fills them, so they are measured, not added. Values: the fake group fills every output with this
-rank's input (an all-gather repeats it), so nothing becomes NaN; the row layout sequence-parallel attention
-gathers is the real one (train/rehearsal.py). The probe never stops on a loss, only on memory.
+the collective fills them, so they are measured, not added. Values stay finite (an all-gather repeats this
+rank's input) and the row layout sequence-parallel attention gathers is the real one; the probe stops on memory,
+never on a loss. What no rehearsal sees is said in one line (UNSEEN).
 """
 from __future__ import annotations
 
@@ -26,40 +28,42 @@ import os
 import sys
 from contextlib import contextmanager
 
-from ..config import ConfigError, RunConfig
+from ..config import ConfigError
 
 UNSEEN = ("a rehearsal measures rank 0 alone: it cannot see the other ranks' host RAM (the plan's host budget "
           "counts them) nor the links' speed (its collectives move no data; its seconds are one rank's compute)")
 
 
-def rehearsed_world(run: RunConfig, processes: int) -> int:
-    """The ranks a mode=probe rehearses in this process, or 0 for a real probe of the `processes` running."""
-    setting, planned = run.probe.rehearse, run.dist.nnodes * run.dist.nproc_per_node
-    if setting is False:
-        return 0
-    if processes > 1:
-        if setting is True:
-            raise ConfigError(f"probe.rehearse=true rehearses a plan in one process, and this launch has {processes}: "
-                              "run mode=probe without torchrun (dist.nproc_per_node=N names the GPUs it plans for), "
-                              "or probe.rehearse=auto to probe the processes running")
-        return 0
-    return planned if setting is True or planned > 1 else 0
-
-
 def added_terms(zero_stage: int, world: int, on_gpu: bool) -> dict[str, int]:
-    """Bytes a real rank holds that a fake collective never allocates, by name."""
+    """Bytes a real rank holds that a rehearsal's collectives never allocate, by name."""
     from ..plan.estimate import NCCL_PER_GPU
 
     if on_gpu and (world > 1 or zero_stage == 3):  # as the estimator counts it
-        return {"NCCL communicator (the estimator's H100 figure; a fake group allocates none)": NCCL_PER_GPU}
+        return {"NCCL communicator (the estimator's H100 figure; a rehearsal has none)": NCCL_PER_GPU}
     return {}
 
 
+def with_added(peaks: dict | None, detail: dict, added: dict[str, int]) -> tuple[dict | None, dict]:
+    """A rehearsal's phase peaks with the bytes a real rank holds beyond them (added_terms) in each phase,
+    as a real probe's NVML reading holds them; the rank's own measurement stays in detail."""
+    detail["added_terms"] = added
+    if peaks is None or not added:
+        return peaks, detail
+    extra = sum(added.values())
+    detail["rank0_phase_peak_bytes"] = peaks
+    first = detail.get("first_training_peak_bytes")
+    detail["first_training_peak_bytes"] = None if first is None else first + extra
+    peaks = {phase: value + extra for phase, value in peaks.items()}
+    detail["phase_peak_bytes"] = peaks
+    return peaks, detail
+
+
 @contextmanager
-def fake_world(world: int, ranks_per_node: int):
-    """This process as rank 0 of `world` ranks (`ranks_per_node` on its node) for the block: torch's fake process
+def rehearsal_world(world: int, ranks_per_node: int):
+    """This process as rank 0 of `world` ranks (`ranks_per_node` on its node) for the block: the rehearsal's process
     group and the environment a launcher would give rank 0; accelerate's and DeepSpeed's view of the world are
-    reset on the way in and out, so the run after the block (or a test's next run) sees this process alone."""
+    reset on the way in and out, and the environment restored, so what runs after the block sees this process
+    alone."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -86,9 +90,9 @@ def fake_world(world: int, ranks_per_node: int):
         os.environ.update(saved)
 
 
-def deepspeed_on_fake_group() -> None:
-    """ZeRO-3 in a rehearsal: DeepSpeed's communication layer wraps the fake group under its own name (without this
-    accelerate would name it after the device's backend, nccl or gloo, on the first engine)."""
+def deepspeed_on_rehearsal_group() -> None:
+    """ZeRO-3 in a rehearsal: DeepSpeed's communication layer wraps the rehearsal's group under its own name (else
+    accelerate would name it after the device's backend, nccl or gloo, when it builds the first engine)."""
     import deepspeed
 
     from ..train.rehearsal import BACKEND

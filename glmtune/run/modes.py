@@ -27,10 +27,9 @@ from ..models.loading import check_weight_files
 from ..models.presets import arch_config, resolve_model_dir
 from ..plan.estimate import image_extra_tokens
 from ..plan.elastic import elastic_choices
-from ..plan.planner import Choices, make_plan
+from ..plan.planner import Choices, make_plan, plan_world, rehearsed_world
 from ..plan.table import format_plan
 from ..plan.sequence import set_tokens
-from ..probe.rehearse import rehearsed_world
 from .report import header, no_fit_line, report_probe, summary
 from ..rundir.resume import check_inputs, input_fingerprints, refuse_training_run, resume_command
 from ..rundir.files import STOP_PREFIX, console, fail, probed_peak, remove_empty_dirs, write_run_files
@@ -134,7 +133,7 @@ def chat_mode(prep: Prepared, run_dir: Path) -> None:
 def planned(prep: Prepared, run_dir: Path, plan_scratch: bool):
     """The plan (exit 3 when nothing fits), the resume decision, the run files and the header."""
     run, arch, data = prep.run, prep.arch, prep.data
-    world = run.dist.nnodes * run.dist.nproc_per_node if run.mode == "plan" else rehearsed(run) or world_size()
+    world = plan_world(run, world_size())  # dist.nnodes x dist.nproc_per_node for mode=plan and a rehearsal
     length_set = run.data.max_length != 500 or typed(prep.overrides, "data.max_length")
     packed = prep.packing.shape() if prep.packing else planned_packing(run.data, image_extra_tokens(arch))
     plan = make_plan(run, arch, world, length_set, data_max_tokens=longest_length(data.stats) if data else None,
@@ -170,11 +169,6 @@ def planned(prep: Prepared, run_dir: Path, plan_scratch: bool):
     if not plan.fits:
         fail(no_fit_line(plan), code=3)
     return plan, start
-
-
-def rehearsed(run) -> int:
-    """The ranks mode=probe rehearses in this process (probe/rehearse.py), 0 for a real probe or another mode."""
-    return rehearsed_world(run, world_size()) if run.mode == "probe" else 0
 
 
 def typed(overrides: list[str], key: str) -> bool:
@@ -216,10 +210,9 @@ def probe_stage(prep: Prepared, plan, start: Start, run_dir: Path) -> tuple[Choi
                           "measures it (probe.enabled=true to measure it before training)")
         return plan.choices, plan.peak_bytes, None
     try:
-        ranks = rehearsed(run)  # rank 0 of the planned world, on this one device
         probe = run_probe(run, plan, arch, prep.model_dir, longest_length(prep.data.stats), prep.tokenizer,
-                          collator(prep), run_dir, ranks or world_size(), evaluates=prep.data.val is not None,
-                          packed=prep.packing.shape(), rehearsed=bool(ranks))
+                          collator(prep), run_dir, world_size(), evaluates=prep.data.val is not None,
+                          packed=prep.packing.shape(), rehearsed=rehearsed_world(run, world_size()))
     except Exception as crash:  # noqa: BLE001 - not an out-of-memory (that is a rung): the run would fail the same way
         if is_disk_full(crash) or isinstance(crash, (ConfigError, Interrupted)):
             raise
