@@ -64,6 +64,7 @@ def rehearsal_world(world: int, ranks_per_node: int):
     group and the environment a launcher would give rank 0; accelerate's and DeepSpeed's view of the world are
     reset on the way in and out, and the environment restored, so what runs after the block sees this process
     alone."""
+    import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -75,6 +76,9 @@ def rehearsal_world(world: int, ranks_per_node: int):
     os.environ.update(RANK="0", LOCAL_RANK="0", GROUP_RANK="0", WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(min(world, ranks_per_node)), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=os.environ.get("MASTER_PORT") or "29500")  # never dialled: the store is fake
+    # Without it accelerate (multi-CPU) would share the cores out over the N ranks, and keep torch at 1/N of its
+    # threads after the rehearsal: rank 0 is the only rank here and takes every thread this process has.
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
     _reset_views()
     dist.init_process_group(BACKEND, store=FakeStore(), rank=0, world_size=world)
     try:
