@@ -79,7 +79,7 @@ def docattn_steps(tiny: bool) -> list[tuple[str, list[str], int]]:
                  script + ["--lengths", "256,512", "--docs", "128", "--steps", "1"], 120)]
     return [("per-document attention vs the dense mask: GLM-4-9B blocks, bf16, CUDA",
              script + ["--model", "glm4_9b", "--layers", "2", "--lengths", "2048,4096,8192,16384,32768",
-                       "--docs", "512,2048", "--steps", "3"], 150)]
+                       "--docs", "512,2048", "--steps", "2"], 140)]
 
 
 def _gib(value: int | None) -> str:
