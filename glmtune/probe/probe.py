@@ -9,7 +9,8 @@ on synthetic examples of micro-batch x the longest kept length (every token a ta
 is at its largest), and reads the peak: reserved bytes on a GPU (what the card must hold), live tensor
 bytes on CPU (probe/track.py LiveTensorTracker, the estimator benchmark's method). Over budget, or an
 out-of-memory error inside the probe, moves one rung down the planner's ladder and probes again. All
-ranks exchange their peaks and take the same decision from the maximum.
+ranks exchange their peaks and take the same decision from the maximum. mode=probe in one process for a
+larger planned world rehearses it: this process is its rank 0 (probe/rehearse.py), measured the same way.
 
 The probe's model, optimizer and Trainer are discarded before the real run builds its own, and the RNG
 states are restored, so the run starts exactly as it would without the probe. The price is one extra

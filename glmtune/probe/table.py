@@ -1,6 +1,8 @@
 """The probe's table on the console: each attempt's levers, predicted and measured peaks, phases and outcome."""
 from __future__ import annotations
 
+import textwrap
+
 from ..plan.estimate import GIB
 from ..train.phases import format_peaks
 from .probe import ProbeReport
@@ -26,6 +28,8 @@ def format_probe(report: ProbeReport):
         caption = (f"measured: rank 0 of {report.rehearsed}"
                    + "".join(f" + {name} {value / GIB:.2f} GiB" for name, value in added.items())
                    + f"; {report.rehearsal['unseen']}")
+        # The console soft-wraps (rundir/files.py): wrapped here, the caption keeps a log's 120 columns too.
+        caption = textwrap.fill(caption, 120, break_long_words=False)
     # Nine columns, the levers in one: the table keeps its words whole in a 120-column log (rundir/files.py).
     table = Table(title=title, caption=caption)
     for col in ("attempt", "batch", "memory levers on", "predicted GiB", "measured GiB", "error",
@@ -43,7 +47,8 @@ def format_probe(report: ProbeReport):
                                         (f"loss chunk {c['loss_chunk_tokens']}", c["loss_chunk_tokens"]),
                                         ("checkpoints in CPU memory", c.get("offload_checkpoints", False)),
                                         (f"MLP tiles {c.get('mlp_tile_tokens', 0)}", c.get("mlp_tile_tokens", 0)),
-                                        ("ZeRO-3", c["zero_stage"] == 3), ("parameter offload", c["offload_params"]))
+                                        ("ZeRO-3", c["zero_stage"] == 3), ("parameter offload", c["offload_params"]),
+                                        (f"SP {c.get('sequence_parallel', 1)}", c.get("sequence_parallel", 1) > 1))
                   if on]
         table.add_row(str(i), f"{c['micro_batch_size']} x {c['grad_accum']}, eval {c['eval_batch_size']}",
                       ", ".join(levers) or "none", gib(a.predicted_peak_bytes), gib(a.measured_peak_bytes), err, phases,
