@@ -9,9 +9,10 @@
                                              # per-phase peaks on random-weight checkpoints (bench/gpu_cli.py)
     python bench/gpu_pending.py --part 4     # long context on one GPU (issue 30): glm-4-9b-chat at 64K and 128K
                                              # with the tiled MLP, probe + steps, planned vs measured peak
-    python bench/gpu_pending.py --part rehearse  # issue 42: rank 0 of glm-4-9b-chat's 64K plan on 2 x 24 GB and
-                                             # 128K plan on 4 x 24 GB rehearsed on this GPU, planned vs rehearsed
-                                             # per phase (--rows 3: 512K on 8 x 80 GB, one step, ~5 minutes)
+    python bench/gpu_pending.py --part rehearse  # issue 42: rank 0 of glm-4-9b-chat's plans rehearsed on this GPU:
+                                             # 8K on 2 x 80 GB (SP 2 over DDP), 64K on 2 x 24 GB, 128K on 4 x 24 GB;
+                                             # planned vs rehearsed per phase (--rows 4: 512K on 8 x 80 GB, one
+                                             # step, ~5 minutes)
     python bench/gpu_pending.py --part qlora     # issue 42: nf4 and int8 bases of glm-4-9b-chat and GLM-4V probed
                                              # on a 24 GB cap, planned vs measured per phase
     python bench/gpu_pending.py --part docattn   # issue 42: per-document attention vs the dense mask on GLM-4-9B
@@ -50,8 +51,8 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 PART_LIMIT_S = 540  # 9 minutes per call
 # Issue 42's parts share one device call with every other issue's: ~2-3 minutes each on an H200 (the 512K
-# rehearsal alone, --rows 3, takes the whole 540 s).
-LIMITS = {"rehearse": 260, "qlora": 240, "docattn": 150}
+# rehearsal alone, --rows 4, takes the whole 540 s).
+LIMITS = {"rehearse": 290, "qlora": 240, "docattn": 150}
 
 
 def steps(part: str, tiny: bool, work: Path, rows: str | None = None) -> list[tuple[str, list[str], int]]:
@@ -129,7 +130,7 @@ def run_part(part: str, tiny: bool, work: Path, rows: str | None = None) -> int:
     for old in [work / "probe-run", *work.glob("long-*"), *work.glob("rehearse-*"), *work.glob("qlora-*")]:
         shutil.rmtree(old, ignore_errors=True)  # each call measures fresh runs
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    budget = PART_LIMIT_S if rows and "3" in rows.split(",") else LIMITS.get(part, PART_LIMIT_S)
+    budget = PART_LIMIT_S if part == "rehearse" and rows and "4" in rows.split(",") else LIMITS.get(part, PART_LIMIT_S)
     t0, failures, report = time.perf_counter(), 0, [f"## gpu_pending part {part}{' (tiny, CPU)' if tiny else ''}: "
                                                       f"{header()}"]
     for title, command, limit in steps(part, tiny, work, rows):
@@ -169,7 +170,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", choices=("1", "2", "3", "4", "cli", "rehearse", "qlora", "docattn"), required=True)
     ap.add_argument("--tiny", action="store_true", help="CPU, tiny model: every step of the part, small")
-    ap.add_argument("--rows", default=None, help="--part rehearse: which rows, e.g. 1,2 (default) or 3 (512K)")
+    ap.add_argument("--rows", default=None, help="--part rehearse: which rows, e.g. 1,2,3 (default) or 4 (512K)")
     ap.add_argument("--work", default=None, help="scratch folder (checkpoint, data, run dirs); default /tmp/glmtune-pending")
     args = ap.parse_args()
     work = Path(args.work or f"/tmp/glmtune-pending{'-tiny' if args.tiny else ''}")
@@ -177,7 +178,7 @@ def main() -> None:
         from gpu_cli import run_cli
 
         sys.exit(run_cli(args.tiny, work, header()))
-    rows = args.rows or ("1,2" if args.part == "rehearse" and not args.tiny else None)
+    rows = args.rows or ("1,2,3" if args.part == "rehearse" and not args.tiny else None)
     sys.exit(run_part(args.part, args.tiny, work, rows))
 
 

@@ -20,13 +20,19 @@ from gpu_cli import checkpoint, long_conversations
 
 BENCH = Path(__file__).resolve().parent
 GIB = 2**30
-# (title, hw preset, GPUs, tokens, probe steps, time limit s): cheapest first. Rank 0's step time on an H200, from
-# FLOPs (flash attention ~400 TFLOP/s, 9.4B parameters x 6 per local token): 64K on 2 ranks ~10 s a step, 128K on
-# 4 ~20 s; the 512K row is ~4 minutes for its one step (attention over 524,288 positions for 8 heads, 40 layers).
-REHEARSALS = [("64K on 2 x 24 GB", "rtx4090_24g", 2, 65536, 2, 100),
-              ("128K on 4 x 24 GB", "rtx4090_24g", 4, 131072, 2, 130),
-              ("512K on 8 x 80 GB", "a100_80g", 8, 524288, 1, 330)]
-TINY_REHEARSALS = [("256 on 2 ranks", None, 2, 256, 2, 120), ("512 on 4 ranks", None, 4, 512, 2, 120)]
+# (title, overrides, GPUs, tokens, probe steps, time limit s): cheapest first. Rank 0's step time on an H200, from
+# FLOPs (flash attention ~400 TFLOP/s, 9.4B parameters x 6 per local token): 8K on 2 ranks under 1 s a step (the
+# row checks DDP and the all-to-alls on CUDA: the 24 GB rows run ZeRO-3), 64K on 2 ranks ~10 s, 128K on 4 ~20 s;
+# the 512K row is ~4 minutes for its one step (attention over 524,288 positions for 8 heads, 40 layers).
+REHEARSALS = [("8K on 2 x 80 GB, SP 2 over DDP", ["+hw=a100_80g", "dist.sequence_parallel=2"], 2, 8192, 2, 60),
+              ("64K on 2 x 24 GB", ["+hw=rtx4090_24g"], 2, 65536, 2, 100),
+              ("128K on 4 x 24 GB", ["+hw=rtx4090_24g"], 4, 131072, 2, 130),
+              ("512K on 8 x 80 GB", ["+hw=a100_80g"], 8, 524288, 1, 330)]
+# The tiny model fits a whole row anywhere: its rows take the 9B plans' layouts (SP over DDP; ZeRO-3 over the
+# ranks with every rank one row's 1/N), so the same code runs.
+TINY_REHEARSALS = [("128 on 2 ranks, SP 2 over DDP", ["dist.sequence_parallel=2"], 2, 128, 2, 60),
+                   ("256 on 2 ranks", ["dist.strategy=zero3", "dist.sequence_parallel=2"], 2, 256, 2, 120),
+                   ("512 on 4 ranks", ["dist.strategy=zero3", "dist.sequence_parallel=4"], 4, 512, 2, 120)]
 QLORA = [("glm4_9b_chat", "glm4", "nf4", 8192), ("glm4_9b_chat", "glm4", "int8", 8192),
          ("glm4v_9b", "glm4v", "nf4", 2048), ("glm4v_9b", "glm4v", "int8", 2048)]
 WORDS_PER_TOKEN = 1 / 3.6  # the tiny tokenizer cuts long_conversations' words into ~3.7 tokens each
@@ -42,13 +48,10 @@ def rehearse_steps(tiny: bool, work: Path, rows: str | None = None) -> list[tupl
     ckpt = checkpoint("glm4_9b_chat", "glm4", work, tiny, timeout=300)
     preset = "glm4_tiny" if tiny else "glm4_9b_chat"
     steps = []
-    for i, (title, card, gpus, tokens, probe_steps, limit) in enumerate(TINY_REHEARSALS if tiny else REHEARSALS, 1):
+    for i, (title, layout, gpus, tokens, probe_steps, limit) in enumerate(TINY_REHEARSALS if tiny else REHEARSALS, 1):
         if rows and str(i) not in rows.split(","):
             continue
         data = long_conversations(work / f"rows-{tokens}.jsonl", 2, int(tokens * WORDS_PER_TOKEN) + 50)
-        # The tiny model fits a whole row anywhere: its rows take the 9B plans' layout (ZeRO-3 over the ranks,
-        # every rank one row's 1/N) so the same code runs.
-        layout = ["dist.strategy=zero3", f"dist.sequence_parallel={gpus}"] if tiny else [f"+hw={card}"]
         steps.append((f"rehearsal: {title}", _run(preset, ckpt, work / f"rehearse-{i}", *layout,
                                                   f"dist.nproc_per_node={gpus}", f"data.train_file={data}",
                                                   f"data.max_length={tokens}", f"probe.steps={probe_steps}"), limit))

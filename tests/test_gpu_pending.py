@@ -58,12 +58,13 @@ def _phase_rows(out: str, prefix: str) -> list[list[str]]:
     return [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines() if line.startswith(f"| {prefix}")]
 
 
-@pytest.mark.slow  # ~30 s on 2 cores: two rehearsals (ZeRO-3 + SP over 2 and 4 ranks) of the tiny model
+@pytest.mark.slow  # ~40 s on 2 cores: three rehearsals of the tiny model (SP over DDP; ZeRO-3 + SP on 2 and 4 ranks)
 def test_part_rehearse_prints_planned_vs_rehearsed_phases(repo, tmp_path):
     rows = _phase_rows(_part(repo, tmp_path, "rehearse"), "rehearse-")
-    assert [r[1] for r in rows] == ["2 rehearsed", "4 rehearsed"] and all(r[4] == "train" for r in rows)
-    assert all("ZeRO-3" in r[3] and r[-1] == "fits" for r in rows)
-    assert all(abs(float(r[7].rstrip("%"))) < 5 for r in rows), rows  # planned within 5 % of rank 0's peak
+    assert [r[1] for r in rows] == ["2 rehearsed", "2 rehearsed", "4 rehearsed"] and all(r[4] == "train" for r in rows)
+    assert "no ZeRO" in rows[0][3] and all("ZeRO-3" in r[3] for r in rows[1:]) and all(r[-1] == "fits" for r in rows)
+    # planned vs rank 0's peak, loosely: the tiny rows hold a few MB (the rehearsal's own precision: test_rehearse.py)
+    assert all(abs(float(r[7].rstrip("%"))) < 20 for r in rows), rows
 
 
 @pytest.mark.slow  # ~60 s: four quantized probes (nf4, int8 x GLM-4, GLM-4V tiny)
