@@ -12,6 +12,15 @@
     python bench/gpu_pending.py --part 0414  # GLM-4-0414 (issue 41): 9B and 32B bf16, 32B nf4 under a 24 GB cap
                                              # (estimate vs measured, bench/gpu_memory.py --grid 0414), then
                                              # 9B-0414 through the command: probe + 3 steps at 8K, 40 GB card
+    python bench/gpu_pending.py --part rehearse  # issue 42: rank 0 of glm-4-9b-chat's plans rehearsed on this GPU:
+                                             # 8K on 2 x 80 GB (SP 2 over DDP), 64K on 2 x 24 GB, 128K on 4 x 24 GB;
+                                             # planned vs rehearsed per phase (--rows 4: 512K on 8 x 80 GB, one
+                                             # step, ~5 minutes)
+    python bench/gpu_pending.py --part qlora     # issue 42: nf4 and int8 bases of glm-4-9b-chat and GLM-4V probed
+                                             # on a 24 GB cap, planned vs measured per phase
+    python bench/gpu_pending.py --part docattn   # issue 42: per-document attention vs the dense mask on GLM-4-9B
+                                             # blocks (bench/doc_attention.py): time and memory by row length,
+                                             # and the DENSE_MASK_MAX they suggest
     python bench/gpu_pending.py --tiny --part N   # the same steps on CPU with the tiny model (the test suite)
 
 Each step is the existing bench script (or the glmtune command) in its own process with its own time limit, so
@@ -39,17 +48,28 @@ from datetime import date
 from pathlib import Path
 
 from gpu_cli import checkpoint, long_conversations  # bench/ is on sys.path when this script runs
+from gpu_rehearse import docattn_steps, phase_rows, qlora_steps, rehearse_steps
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 PART_LIMIT_S = 540  # 9 minutes per call
+# Issue 42's parts share one device call with every other issue's: ~2-3 minutes each on an H200 (the 512K
+# rehearsal alone, --rows 4, takes the whole 540 s).
+LIMITS = {"rehearse": 290, "qlora": 240, "docattn": 150}
 
 
-def steps(part: int | str, tiny: bool, work: Path) -> list[tuple[str, list[str], int]]:
+def steps(part: str, tiny: bool, work: Path, rows: str | None = None) -> list[tuple[str, list[str], int]]:
     """(title, command, time limit in s) for one part."""
     py, glmtune = [sys.executable], [sys.executable, "-m", "glmtune"]
     if part == "0414":
         return steps_0414(tiny, work, py, glmtune)
+    if part == "rehearse":
+        return rehearse_steps(tiny, work, rows)
+    if part == "qlora":
+        return qlora_steps(tiny, work)
+    if part == "docattn":
+        return docattn_steps(tiny)
+    part = int(part)
     if part == 1:
         if tiny:  # the grid needs CUDA; on CPU the table code runs on the recorded rows
             return [("memory grid (recorded rows, CPU)",
@@ -133,17 +153,18 @@ def header() -> str:
     return f"{date.today().isoformat()}, {device}, driver {driver}; {versions}"
 
 
-def run_part(part: int | str, tiny: bool, work: Path) -> int:
+def run_part(part: str, tiny: bool, work: Path, rows: str | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
-    for old in [work / "probe-run", *work.glob("long-*")]:  # each call measures fresh runs
-        shutil.rmtree(old, ignore_errors=True)
+    for old in [work / "probe-run", *work.glob("long-*"), *work.glob("rehearse-*"), *work.glob("qlora-*")]:
+        shutil.rmtree(old, ignore_errors=True)  # each call measures fresh runs
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    budget = PART_LIMIT_S if part == "rehearse" and rows and "4" in rows.split(",") else LIMITS.get(part, PART_LIMIT_S)
     t0, failures, report = time.perf_counter(), 0, [f"## gpu_pending part {part}{' (tiny, CPU)' if tiny else ''}: "
                                                       f"{header()}"]
-    for title, command, limit in steps(part, tiny, work):
-        left = PART_LIMIT_S - (time.perf_counter() - t0)
+    for title, command, limit in steps(part, tiny, work, rows):
+        left = budget - (time.perf_counter() - t0)
         if left < 30:
-            report += [f"### {title}: skipped, the part's {PART_LIMIT_S} s are spent"]
+            report += [f"### {title}: skipped, the part's {budget} s are spent"]
             failures += 1
             continue
         start = time.perf_counter()
@@ -154,25 +175,31 @@ def run_part(part: int | str, tiny: bool, work: Path) -> int:
         except subprocess.TimeoutExpired as exc:
             rc, out, err = "timeout", (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else exc.stdout or "", ""
         seconds = time.perf_counter() - start
-        rows = [line for line in out.splitlines() if line.startswith("|") or line.startswith("done in ")]
+        rows = [line for line in out.splitlines() if line.startswith(("|", "done in ", "suggested "))]
         report += [f"### {title} ({seconds:.0f} s, exit {rc})", "`" + " ".join(Path(c).name if c.startswith("/")
                                                                             else c for c in command) + "`", *rows]
         if rc != 0:
             failures += 1
             report += ["    " + line for line in (err or out).strip().splitlines()[-15:]]
-    for run_dir in ([work / "probe-run"] if part in (2, "0414") else sorted(work.glob("long-*")) if part == 4 else []):
+    for run_dir in ([work / "probe-run"] if part in ("2", "0414") else sorted(work.glob("long-*")) if part == "4" else []):
         probe = run_dir / "probe.json"  # the probe's attempts: planned vs measured peak
         if probe.is_file():
             report.append(f"{run_dir.name} probe attempts: "
                           + json.dumps(json.loads(probe.read_text()).get("attempts", [])))
+    if part in ("rehearse", "qlora"):  # planned vs rehearsed (or measured) peak, phase by phase
+        report += ["", *phase_rows(sorted(p for p in work.glob(f"{part}-*") if p.is_dir()))]
+    if part == "qlora" and not tiny:  # GLM-4V's 28 GB checkpoint: the disk is shared with the other parts
+        shutil.rmtree(work / "ckpt-glm4v_9b", ignore_errors=True)
     print("\n".join(report), flush=True)
     return 1 if failures else 0
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=("1", "2", "3", "4", "cli", "0414"), required=True)
+    ap.add_argument("--part", choices=("1", "2", "3", "4", "cli", "0414", "rehearse", "qlora", "docattn"),
+                    required=True)
     ap.add_argument("--tiny", action="store_true", help="CPU, tiny model: every step of the part, small")
+    ap.add_argument("--rows", default=None, help="--part rehearse: which rows, e.g. 1,2,3 (default) or 4 (512K)")
     ap.add_argument("--work", default=None, help="scratch folder (checkpoint, data, run dirs); default /tmp/glmtune-pending")
     args = ap.parse_args()
     work = Path(args.work or f"/tmp/glmtune-pending{'-tiny' if args.tiny else ''}")
@@ -180,7 +207,8 @@ def main() -> None:
         from gpu_cli import run_cli
 
         sys.exit(run_cli(args.tiny, work, header()))
-    sys.exit(run_part(args.part if args.part == "0414" else int(args.part), args.tiny, work))
+    rows = args.rows or ("1,2,3" if args.part == "rehearse" and not args.tiny else None)
+    sys.exit(run_part(args.part, args.tiny, work, rows))
 
 
 if __name__ == "__main__":

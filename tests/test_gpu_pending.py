@@ -6,7 +6,7 @@ import sys
 import pytest
 
 
-def _part(repo, tmp_path, part: int) -> str:
+def _part(repo, tmp_path, part) -> str:
     out = subprocess.run([sys.executable, "bench/gpu_pending.py", "--tiny", "--part", str(part), "--work",
                           str(tmp_path)], cwd=repo, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -62,3 +62,32 @@ def test_part_0414_plans_32b_and_trains_the_0414_model(repo, tmp_path):
     assert out.stdout.startswith("## gpu_pending part 0414 (tiny, CPU): ")
     assert out.stdout.count("exit 0)") == 3, out.stdout
     assert "adapter saved" in out.stdout and '"outcome": "fits"' in out.stdout
+
+
+def _phase_rows(out: str, prefix: str) -> list[list[str]]:
+    return [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines() if line.startswith(f"| {prefix}")]
+
+
+@pytest.mark.slow  # ~40 s on 2 cores: three rehearsals of the tiny model (SP over DDP; ZeRO-3 + SP on 2 and 4 ranks)
+def test_part_rehearse_prints_planned_vs_rehearsed_phases(repo, tmp_path):
+    rows = _phase_rows(_part(repo, tmp_path, "rehearse"), "rehearse-")
+    assert [r[1] for r in rows] == ["2 rehearsed", "2 rehearsed", "4 rehearsed"] and all(r[4] == "train" for r in rows)
+    assert "no ZeRO" in rows[0][3] and all("ZeRO-3" in r[3] for r in rows[1:]) and all(r[-1] == "fits" for r in rows)
+    # planned vs rank 0's peak, loosely: the tiny rows hold a few MB (the rehearsal's own precision: test_rehearse.py)
+    assert all(abs(float(r[7].rstrip("%"))) < 20 for r in rows), rows
+
+
+@pytest.mark.slow  # ~60 s: four quantized probes (nf4, int8 x GLM-4, GLM-4V tiny)
+def test_part_qlora_prints_planned_vs_measured_phases(repo, tmp_path):
+    rows = _phase_rows(_part(repo, tmp_path, "qlora"), "qlora-")
+    assert sorted(r[0] for r in rows) == ["qlora-glm4_9b_chat-int8", "qlora-glm4_9b_chat-nf4", "qlora-glm4v_9b-int8",
+                                          "qlora-glm4v_9b-nf4"]
+    assert all(r[-1] == "fits" and abs(float(r[7].rstrip("%"))) < 5 for r in rows), rows
+
+
+@pytest.mark.slow  # ~15 s: the tiny model's packed rows, dense mask and per document
+def test_part_docattn_times_both_paths_and_suggests_a_limit(repo, tmp_path):
+    out = _part(repo, tmp_path, "docattn")
+    rows = [line for line in out.splitlines() if line.startswith(("| 256 |", "| 512 |"))]
+    assert sorted(line.split("|")[3].strip() for line in rows) == ["sdpa", "sdpa", "segments", "segments"]
+    assert "suggested DENSE_MASK_MAX: " in out

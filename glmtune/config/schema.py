@@ -113,6 +113,10 @@ class HwConfig:
 class ProbeConfig:
     enabled: bool = True  # measure a few real steps before training and step the plan down if needed
     steps: int = 2  # optimizer steps per attempt: the second one has Adam states, the steady-state peak
+    # mode=probe in one process for a larger planned world (dist.nnodes x dist.nproc_per_node): rank 0 of it on this
+    # device, its collectives moving no data (probe/rehearse.py). auto: when that world is larger than the processes
+    # running; true: always (one process); false: probe the processes running.
+    rehearse: Any = "auto"
 
 
 @dataclass

@@ -53,7 +53,7 @@ _POSITIVE = ("data.max_length", "lora.r", "lora.alpha", "dist.nnodes", "dist.npr
              "infer.top_p", "infer.repetition_penalty", "train.keep_checkpoints", "serve.max_batch")
 # Counts and sizes where 0 means "off" or "use the other key", but a negative value means nothing.
 _NON_NEGATIVE = ("train.max_steps", "train.num_epochs", "train.save_steps", "train.save_minutes",
-                 "train.eval_steps", "train.warmup_steps", "train.weight_decay", "train.seed", "infer.seed")
+                 "train.eval_steps", "train.warmup_steps", "train.weight_decay", "train.seed", "infer.seed", "infer.gpus")
 # Upper bounds past which a value is a typo, not a setting: a run that would never end (epochs, steps, probe
 # steps) or a seed numpy refuses (its range is [0, 2**32)).
 _AT_MOST = {"train.num_epochs": (10_000, "a typo: no run of more epochs finishes; for long runs set train.max_steps"),
@@ -237,8 +237,10 @@ def _check_values(cfg: RunConfig) -> list[str]:
         problems.append(f"dist.sequence_parallel must be auto or an integer > 0, got {sp!r}")
     elif sp not in (1, "auto") and cfg.train.loss_normalization != "tokens":
         problems.append("dist.sequence_parallel needs train.loss_normalization=tokens (a shard's mean is not the row's)")
-    if cfg.infer.gpus < 0:
-        problems.append(f"infer.gpus must be >= 0, got {cfg.infer.gpus}")
+    rehearse = cfg.probe.rehearse  # auto | true | false (Hydra reads true/false as bools)
+    if type(rehearse) is not bool and rehearse != "auto" or (rehearse, cfg.mode) == (True, "train"):
+        problems.append(f"probe.rehearse={rehearse!r}: use auto, true or false; true rehearses a multi-GPU plan in "
+                        "mode=probe only (a training run probes the processes it runs on)")
     if cfg.train.max_steps <= 0 and cfg.train.num_epochs <= 0:
         problems.append("set train.num_epochs > 0 (or train.max_steps > 0)")
     if not 0.0 <= cfg.train.warmup_ratio < 1.0:

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from ..config import RunConfig
+from ..config import ConfigError, RunConfig
 from ..models.kernels.docattention import packed_path, path_figures, path_reason
 from .advice import advise
 from .estimate import GIB, RunShape, estimate, gpu_family, image_extra_tokens
@@ -76,6 +76,29 @@ class Plan:
                            "reasons": self.reasons, "advice": self.advice, "sources": self.sources,
                            "unmeasured_risk": self.unmeasured_risk, "packing": self.packing or None,
                            "host": self.host or None}, indent=2)
+
+
+def plan_world(run: RunConfig, processes: int) -> int:
+    """The processes a plan is for: dist.nnodes x dist.nproc_per_node for mode=plan and for a rehearsal, else the
+    `processes` of the launch."""
+    if run.mode == "plan":
+        return run.dist.nnodes * run.dist.nproc_per_node
+    return rehearsed_world(run, processes) or processes
+
+
+def rehearsed_world(run: RunConfig, processes: int) -> int:
+    """The ranks mode=probe rehearses in this process (probe/rehearse.py: rank 0 of them on this one device), or 0
+    for a real probe of the `processes` running (and for every other mode)."""
+    setting, planned = run.probe.rehearse, run.dist.nnodes * run.dist.nproc_per_node
+    if setting is False or run.mode != "probe":
+        return 0
+    if processes > 1:
+        if setting is True:
+            raise ConfigError(f"probe.rehearse=true rehearses a plan in one process, and this launch has {processes}: "
+                              "run mode=probe without torchrun (dist.nproc_per_node=N names the GPUs it plans for), "
+                              "or probe.rehearse=auto to probe the processes running")
+        return 0
+    return planned if setting is True or planned > 1 else 0
 
 
 def local_dtype(run: RunConfig) -> tuple[str, str]:

@@ -9,7 +9,8 @@ on synthetic examples of micro-batch x the longest kept length (every token a ta
 is at its largest), and reads the peak: reserved bytes on a GPU (what the card must hold), live tensor
 bytes on CPU (probe/track.py LiveTensorTracker, the estimator benchmark's method). Over budget, or an
 out-of-memory error inside the probe, moves one rung down the planner's ladder and probes again. All
-ranks exchange their peaks and take the same decision from the maximum.
+ranks exchange their peaks and take the same decision from the maximum. mode=probe in one process for a
+larger planned world rehearses it: this process is its rank 0 (probe/rehearse.py), measured the same way.
 
 The probe's model, optimizer and Trainer are discarded before the real run builds its own, and the RNG
 states are restored, so the run starts exactly as it would without the probe. The price is one extra
@@ -20,6 +21,7 @@ from __future__ import annotations
 import gc
 import random
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -36,9 +38,10 @@ from ..config import userds
 from ..plan.packrows import fullest_micro_step
 from ..plan.planner import Choices, Plan, run_shape, step_down
 from ..train.gpumem import outside_allocator_bytes
-from ..train.phases import format_peaks
+from ..train.phases import estimated_phases
 from ..train.trainer import build_model, make_trainer, training_args
 from .diagnose import classify, record_memory_history
+from . import rehearse
 
 
 @dataclass
@@ -65,6 +68,8 @@ class ProbeReport:
     final: dict
     fits: bool
     seconds: float
+    rehearsed: int = 0  # ranks of the world rehearsed on this one device (probe/rehearse.py); 0 = a real probe
+    rehearsal: dict = field(default_factory=dict)  # what a rehearsal adds and what it cannot see
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -198,13 +203,38 @@ def _restore_rng(state: tuple) -> None:
 
 
 def run_probe(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, tokenizer, collator,
-              run_dir: Path, world_size: int, evaluates: bool, packed: tuple[int, int] | None = None) -> ProbeReport:
+              run_dir: Path, world_size: int, evaluates: bool, packed: tuple[int, int] | None = None,
+              rehearsed: int = 0) -> ProbeReport:
     """packed: (positions per row, images per row) when the data is packed: the probe then runs the fullest
-    micro-step packing can make of its micro-batch (plan/packrows.py), laid out by the run's own packer."""
+    micro-step packing can make of its micro-batch (plan/packrows.py), laid out by the run's own packer.
+    rehearsed: this one process is rank 0 of that many ranks (probe/rehearse.py), measured as rank 0."""
     start, rng = time.perf_counter(), _rng_state()
+    world_size = rehearsed or world_size
     emulated = emulate_card(run.hw.memory_gib)
     record_memory_history()  # the run records it for its OOM snapshot: the probe runs under the same allocator
     image = _probe_image(arch.vision_config["image_size"], run_dir / "probe") if arch.vision_config else None
+    world = rehearse.rehearsal_world(world_size, max(1, world_size // run.dist.nnodes)) if rehearsed else nullcontext()
+    with world:
+        attempts, choices = _ladder(run, plan, arch, model_dir, longest, tokenizer, collator, run_dir, world_size,
+                                    evaluates, packed, image, rehearsed)
+    _restore_rng(rng)
+    last = attempts[-1]
+    added = last.detail.get("added_terms", {})
+    return ProbeReport(device=_device_name(), emulated=emulated,
+                       method="whole process: torch.cuda max_memory_reserved + NVML bytes outside the allocator"
+                       if torch.cuda.is_available()
+                       else "live tensor bytes (train/livebytes.py LiveTensorTracker)",
+                       budget_bytes=plan.budget_bytes, predicted_peak_bytes=last.predicted_peak_bytes,
+                       measured_peak_bytes=last.measured_peak_bytes, per_rank=last.per_rank, attempts=attempts,
+                       final=choices.to_dict(), fits=last.outcome == "fits",
+                       seconds=round(time.perf_counter() - start, 2), rehearsed=rehearsed,
+                       rehearsal={"ranks": world_size, "measured": "rank 0", "added_terms": added,
+                                  "unseen": rehearse.UNSEEN} if rehearsed else {})
+
+
+def _ladder(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, tokenizer, collator, run_dir: Path,
+            world_size: int, evaluates: bool, packed, image, rehearsed: int) -> tuple[list[Attempt], Choices]:
+    """The probe's attempts, one rung down the ladder after each that does not fit."""
     choices, attempts = plan.choices, []
     while True:
         length = min(choices.max_length, longest)
@@ -226,14 +256,20 @@ def run_probe(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, t
         est = estimate(arch, shape)
         predicted = est.peak_bytes
         t0 = time.perf_counter()
+        if rehearsed and choices.zero_stage == 3:
+            rehearse.deepspeed_on_rehearsal_group()
         peaks, detail = _attempt(run, choices, model_dir, examples, eval_examples, collator, run_dir, packer)
         detail["host_rss_bytes"] = _host_rss()
-        gathered = _gather((peaks, detail))
+        if rehearsed:  # rank 0 is the one rank here: its peaks, plus what no rehearsal allocates
+            peaks, detail = rehearse.with_added(peaks, detail, rehearse.added_terms(choices.zero_stage, world_size,
+                                                                            torch.cuda.is_available()))
+        gathered = [(peaks, detail)] if rehearsed else _gather((peaks, detail))
         per_rank = [None if p is None else max(p.values()) for p, _ in gathered]
         host = [d.get("host_rss_bytes") for _, d in gathered]  # every rank's peak RSS; the node's is their sum
         peaks, detail = _merge_ranks(gathered)
         detail["host_rss_per_rank"] = host
         detail["predicted_tensor_bytes"] = max(est.phases.values())  # beside the measured allocated peak
+        detail["predicted_phase_peak_bytes"] = estimated_phases(est)  # beside phase_peak_bytes, phase by phase
         if peaks is None:
             outcome, measured = "out of memory", None
         else:
@@ -253,16 +289,7 @@ def run_probe(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, t
         if nxt is None:
             break
         choices = nxt
-    _restore_rng(rng)
-    last = attempts[-1]
-    return ProbeReport(device=_device_name(), emulated=emulated,
-                       method="whole process: torch.cuda max_memory_reserved + NVML bytes outside the allocator"
-                       if torch.cuda.is_available()
-                       else "live tensor bytes (train/livebytes.py LiveTensorTracker)",
-                       budget_bytes=plan.budget_bytes, predicted_peak_bytes=last.predicted_peak_bytes,
-                       measured_peak_bytes=last.measured_peak_bytes, per_rank=last.per_rank, attempts=attempts,
-                       final=choices.to_dict(), fits=last.outcome == "fits",
-                       seconds=round(time.perf_counter() - start, 2))
+    return attempts, choices
 
 
 def probe_shortfall(report: ProbeReport, run: RunConfig) -> str:
@@ -286,39 +313,3 @@ def _device_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(torch.cuda.current_device())
     return "cpu"
-
-
-def format_probe(report: ProbeReport):
-    from rich.table import Table
-
-    def gib(x):
-        return "-" if x is None else f"{x / GIB:.3f}"
-
-    budget = "none" if report.budget_bytes is None else f"{report.budget_bytes / GIB:.3f} GiB"
-    rss = [r for r in (report.attempts[-1].detail.get("host_rss_per_rank") or [] if report.attempts else []) if r]
-    host = f", host RSS {sum(rss) / GIB:.2f} GiB over {len(rss)} rank(s)" if rss else ""
-    title = (f"probe on {report.device}{' (emulated card)' if report.emulated else ''}: budget {budget}, "
-             f"{report.seconds:.1f} s{host}")
-    # Nine columns, the levers in one: the table keeps its words whole in a 120-column log (rundir/files.py).
-    table = Table(title=title)
-    for col in ("attempt", "batch", "memory levers on", "predicted GiB", "measured GiB", "error",
-                "phases: measured GiB", "tensors: predicted / allocated GiB", "outcome"):
-        table.add_column(col)
-    for i, a in enumerate(report.attempts, 1):
-        c = a.choices
-        err = "-" if a.measured_peak_bytes is None else f"{(a.predicted_peak_bytes / a.measured_peak_bytes - 1):+.1%}"
-        tensors = (f"{gib(a.detail['predicted_tensor_bytes'])} / {gib(a.detail['peak_allocated_bytes'])}"
-                   if "peak_allocated_bytes" in a.detail else "-")
-        phases = (format_peaks(a.detail["phase_peak_bytes"]).removesuffix(" GiB") if a.detail.get("phase_peak_bytes")
-                  else f"out of memory in {a.detail.get('phase', 'train')}" if a.measured_peak_bytes is None else "-")
-        outcome = a.outcome + (f"; next: {a.detail['next_rung']}" if a.detail.get("next_rung") else "")
-        levers = [name for name, on in (("checkpointing", c["gradient_checkpointing"]),
-                                        (f"loss chunk {c['loss_chunk_tokens']}", c["loss_chunk_tokens"]),
-                                        ("checkpoints in CPU memory", c.get("offload_checkpoints", False)),
-                                        (f"MLP tiles {c.get('mlp_tile_tokens', 0)}", c.get("mlp_tile_tokens", 0)),
-                                        ("ZeRO-3", c["zero_stage"] == 3), ("parameter offload", c["offload_params"]))
-                  if on]
-        table.add_row(str(i), f"{c['micro_batch_size']} x {c['grad_accum']}, eval {c['eval_batch_size']}",
-                      ", ".join(levers) or "none", gib(a.predicted_peak_bytes), gib(a.measured_peak_bytes), err, phases,
-                      tensors, outcome)
-    return table

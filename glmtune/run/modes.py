@@ -27,7 +27,7 @@ from ..models.loading import check_weight_files
 from ..models.presets import arch_config, resolve_model_dir
 from ..plan.estimate import image_extra_tokens
 from ..plan.elastic import elastic_choices
-from ..plan.planner import Choices, make_plan
+from ..plan.planner import Choices, make_plan, plan_world, rehearsed_world
 from ..plan.table import format_plan
 from ..plan.sequence import set_tokens
 from .report import header, no_fit_line, plan_written, report_probe, summary
@@ -133,7 +133,7 @@ def chat_mode(prep: Prepared, run_dir: Path) -> None:
 def planned(prep: Prepared, run_dir: Path, plan_scratch: bool):
     """The plan (exit 3 when nothing fits), the resume decision, the run files and the header."""
     run, arch, data = prep.run, prep.arch, prep.data
-    world = world_size() if run.mode != "plan" else run.dist.nnodes * run.dist.nproc_per_node
+    world = plan_world(run, world_size())  # dist.nnodes x dist.nproc_per_node for mode=plan and a rehearsal
     length_set = run.data.max_length != 500 or typed(prep.overrides, "data.max_length")
     packed = prep.packing.shape() if prep.packing else planned_packing(run.data, image_extra_tokens(arch))
     plan = make_plan(run, arch, world, length_set, data_max_tokens=longest_length(data.stats) if data else None,
@@ -212,7 +212,7 @@ def probe_stage(prep: Prepared, plan, start: Start, run_dir: Path) -> tuple[Choi
     try:
         probe = run_probe(run, plan, arch, prep.model_dir, longest_length(prep.data.stats), prep.tokenizer,
                           collator(prep), run_dir, world_size(), evaluates=prep.data.val is not None,
-                          packed=prep.packing.shape())
+                          packed=prep.packing.shape(), rehearsed=rehearsed_world(run, world_size()))
     except Exception as crash:  # noqa: BLE001 - not an out-of-memory (that is a rung): the run would fail the same way
         if is_disk_full(crash) or isinstance(crash, (ConfigError, Interrupted)):
             raise

@@ -106,7 +106,7 @@ def report_probe(report, run_dir: Path) -> None:
     """probe.json in the run dir and the predicted-vs-measured table on the console (rank 0)."""
     if rank() != 0:
         return
-    from ..probe.probe import format_probe  # the probe imports the Trainer stack, which mode=plan does not need
+    from ..probe.table import format_probe  # the probe imports the Trainer stack, which mode=plan does not need
 
     write_json(run_dir / "probe.json", report.to_dict())
     console.print(format_probe(report))

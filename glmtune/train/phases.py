@@ -148,3 +148,15 @@ def gathered_peaks(meter: PhaseMeter) -> dict[str, int]:
         dist.all_gather_object(every, peaks)
         peaks = {p: max(r.get(p, 0) for r in every) for p in PHASES if any(p in r for r in every)}
     return peaks
+
+
+def estimated_phases(est) -> dict[str, int]:
+    """The estimate (plan/estimate.py) of each phase measured here: training is the estimator's loss, backward
+    and vision-tower phases, evaluation its loss-only forward (the probe generates nothing); each with its own
+    allocator reserve and what the process holds outside its tensors, as the whole-process peak counts them."""
+    outside = est.peak_bytes - est.phases[est.phase] - est.reserves.get(est.phase, 0)
+    whole = {p: v + est.reserves.get(p, 0) + outside for p, v in est.phases.items()}
+    out = {"train": max(whole[p] for p in ("loss", "backward", "vision") if p in whole)}
+    if "eval" in whole:
+        out["eval"] = whole["eval"]
+    return out

@@ -41,7 +41,7 @@ from ..models.kernels.ulysses import PAD_FILL, SequenceGroup, pad_and_shard, shi
 
 def sequence_group(size: int) -> SequenceGroup | None:
     """This rank's group of `size` consecutive ranks (every rank creates every group, as torch requires);
-    None for size 1."""
+    None for size 1. In a rehearsal (probe/rehearse.py) they are the world's kind: train/rehearsal.RehearsalGroup."""
     if size <= 1:
         return None
     world, rank = dist.get_world_size(), dist.get_rank()

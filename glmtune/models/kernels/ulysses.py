@@ -125,6 +125,8 @@ def pad_and_shard(x: torch.Tensor, fill: float, sp: SequenceGroup) -> torch.Tens
     pad = -x.shape[1] % sp.size
     if pad:
         x = torch.cat([x, x.new_full((x.shape[0], pad, *x.shape[2:]), fill)], dim=1)
+    if hasattr(sp.group, "remember"):  # a rehearsal's group (train/rehearsal.py) gathers the row's real layout
+        sp.group.remember(x)
     return shard(x, sp)
 
 
