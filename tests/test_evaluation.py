@@ -105,3 +105,42 @@ def test_eval_generate_under_zero3_on_two_ranks(tmp_path, repo):
     assert {"eval_rouge-1", "eval_bleu-4", "eval_exact_match"} <= set(metrics)
     (written,) = list((out / "eval").glob("*.jsonl"))  # rank 0 alone writes the replies
     assert len(written.read_text().splitlines()) == 3
+
+
+# `python -m glmtune ARGS` with an audit hook that records every file the process opens (io.open, os.open).
+_OPENS = """
+import json, runpy, sys
+opened = set()
+sys.addaudithook(lambda event, args: opened.add(str(args[0])) if event == "open" and args and args[0] else None)
+sys.argv = ["glmtune", *json.loads(sys.argv[1])]
+try:
+    runpy.run_module("glmtune", run_name="__main__")
+except SystemExit as stop:
+    code = stop.code
+else:
+    code = 0
+print("OPENED=" + json.dumps([code, sorted(opened)]))
+"""
+
+
+def test_a_users_own_train_file_is_evaluated_on_no_bundled_sample_file(tmp_path, repo):
+    """`python -m glmtune data.train_file=<own file> train.max_steps=2`: no data.val_file, no data.val_size, so no
+    evaluation, and the process opens no file of the bundled sample sets (data/samples*/) at all; the header says
+    so. (The demo keeps its val set: conf/data/samples.yaml, tests/test_config.py.)"""
+    own = tmp_path / "mine" / "train.jsonl"
+    own.parent.mkdir()
+    own.write_text((repo / "data/samples/train.jsonl").read_text(encoding="utf-8"), encoding="utf-8")
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-c", _OPENS, json.dumps([f"data.train_file={own}", "train.max_steps=2",
+                                                                    f"hydra.run.dir={run}"])],
+                          cwd=repo, capture_output=True, text=True, timeout=600)
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("OPENED=")), None)
+    assert line is not None, proc.stderr[-3000:]
+    code, opened = json.loads(line[len("OPENED="):])
+    assert code == 0, proc.stderr[-3000:]
+    assert str(own) in opened  # the hook sees the data files the run reads
+    samples = [repo / "data" / name for name in ("samples", "samples_vision")]
+    assert [p for p in opened if any(str(folder) in str((repo / p).resolve()) for folder in samples)] == []
+    assert "  val    none (data.val_file or data.val_size to evaluate)" in proc.stdout.splitlines()
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert "eval_loss" not in metrics and not (run / "adapter_best").exists()

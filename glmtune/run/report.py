@@ -11,7 +11,7 @@ import math
 import textwrap
 from pathlib import Path
 
-from ..config import EVAL_METRICS, RunConfig, TrainConfig, train_files
+from ..config import EVAL_METRICS, SAMPLE_SETS, DataConfig, RunConfig, TrainConfig, train_files
 from ..launch import rank
 from ..plan.estimate import GIB
 from ..plan.planner import Choices, Plan
@@ -57,6 +57,18 @@ def _decisions(c: Choices) -> str:
     return ", ".join(parts)
 
 
+def val_line(data: DataConfig) -> str:
+    """What the run evaluates on: the header says it, since a user's own train file no longer pairs with the
+    bundled val set (config/samples.py) and a run without one keeps no adapter_best/."""
+    if data.val_file:
+        bundled = data.val_file in (f"data/{name}/val.jsonl" for name in SAMPLE_SETS)
+        return data.val_file + (" (the bundled sample val set)" if bundled else "")
+    if data.val_size:
+        held = f"{data.val_size * 100:g}% of" if data.val_size < 1 else f"{data.val_size:g} of"
+        return f"{held} the train examples held out (data.val_size={data.val_size:g})"
+    return "none (data.val_file or data.val_size to evaluate)"
+
+
 def header(run: RunConfig, plan: Plan, run_dir: Path | None, train_examples: int | None = None) -> str:
     """Plain lines (no markup) for the console before the probe and the training."""
     if run.model.path:
@@ -67,13 +79,12 @@ def header(run: RunConfig, plan: Plan, run_dir: Path | None, train_examples: int
         model = f"{run.model.name} (architecture facts only: training needs model.path)"
     files = train_files(run.data)
     data = ", ".join(files) + (f" mixed {':'.join(f'{w:g}' for w in run.data.mix)}" if run.data.mix else "")
-    data += (f", val {run.data.val_file}" if run.data.val_file else
-             f", val_size {run.data.val_size:g} held out" if run.data.val_size else ", no val")
     where = (f"run dir {run_dir}  (full config: .hydra/config.yaml)" if run_dir else
              "nothing written (hydra.run.dir=DIR keeps plan.json)")
     lines = [f"glmtune {run.mode}: {where}",
              f"  model  {model}",
              f"  data   {data}, max_length {plan.choices.max_length}",
+             f"  val    {val_line(run.data)}",
              f"  card   {_card(run, plan)}",
              f"  plan   {_decisions(plan.choices)}; "
              f"estimated peak {plan.peak_bytes / GIB:.2f} GiB"
