@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conftest import glmtune_in_process
+from conftest import glmtune_in_process, glmtune_inspected
 from transformers import TrainerControl
 
 from glmtune.config import ConfigError, EvalConfig, parse_config
@@ -107,20 +107,9 @@ def test_eval_generate_under_zero3_on_two_ranks(tmp_path, repo):
     assert len(written.read_text().splitlines()) == 3
 
 
-# `python -m glmtune ARGS` with an audit hook that records every file the process opens (io.open, os.open).
-_OPENS = """
-import json, runpy, sys
-opened = set()
-sys.addaudithook(lambda event, args: opened.add(str(args[0])) if event == "open" and args and args[0] else None)
-sys.argv = ["glmtune", *json.loads(sys.argv[1])]
-try:
-    runpy.run_module("glmtune", run_name="__main__")
-except SystemExit as stop:
-    code = stop.code
-else:
-    code = 0
-print("OPENED=" + json.dumps([code, sorted(opened)]))
-"""
+# Records every file the process opens (io.open, os.open): glmtune_inspected's setup.
+_OPENS = """opened = set()
+sys.addaudithook(lambda event, args: opened.add(str(args[0])) if event == "open" and args and args[0] else None)"""
 
 
 def test_a_users_own_train_file_is_evaluated_on_no_bundled_sample_file(tmp_path, repo):
@@ -131,16 +120,12 @@ def test_a_users_own_train_file_is_evaluated_on_no_bundled_sample_file(tmp_path,
     own.parent.mkdir()
     own.write_text((repo / "data/samples/train.jsonl").read_text(encoding="utf-8"), encoding="utf-8")
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-c", _OPENS, json.dumps([f"data.train_file={own}", "train.max_steps=2",
-                                                                    f"hydra.run.dir={run}"])],
-                          cwd=repo, capture_output=True, text=True, timeout=600)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("OPENED=")), None)
-    assert line is not None, proc.stderr[-3000:]
-    code, opened = json.loads(line[len("OPENED="):])
-    assert code == 0, proc.stderr[-3000:]
+    code, opened, stdout = glmtune_inspected([f"data.train_file={own}", "train.max_steps=2", f"hydra.run.dir={run}"],
+                                             repo, report="sorted(opened)", setup=_OPENS)
+    assert code == 0, stdout[-3000:]
     assert str(own) in opened  # the hook sees the data files the run reads
     samples = [repo / "data" / name for name in ("samples", "samples_vision")]
     assert [p for p in opened if any(str(folder) in str((repo / p).resolve()) for folder in samples)] == []
-    assert "  val    none (data.val_file or data.val_size to evaluate)" in proc.stdout.splitlines()
+    assert "  val    none (data.val_file or data.val_size to evaluate)" in stdout.splitlines()
     metrics = json.loads((run / "metrics.json").read_text())
     assert "eval_loss" not in metrics and not (run / "adapter_best").exists()

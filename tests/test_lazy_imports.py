@@ -4,9 +4,7 @@ per launch), and `mode=plan` imports planning only: no torch._dynamo, no model c
 bench/plan_import.py). The CLI runs in a fresh interpreter; its sys.modules is read after it ends."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+from conftest import glmtune_inspected
 
 HEAVY = ("bitsandbytes", "deepspeed", "optuna", "submitit")
 # What mode=plan must leave unloaded besides HEAVY, as module-name prefixes: the compiler stack, transformers' model
@@ -19,28 +17,12 @@ NOT_FOR_PLAN = ("torch._dynamo", "torch._inductor", "transformers.modeling_utils
 # Read by plan: the architecture (configuration, presets, loading's file checks), the chat template's token
 # counts, the attention-path rule (attnpath) and the sequence group's head check (ulysses).
 MODEL_CODE = ("modeling", "layers", "attention", "docattention", "causal_lm", "masks", "tiling", "vision",
-              "generation", "kvcache", "quantize", "tokeniz", "chat_template", "identity")
-
-_RUN = """
-import json, runpy, sys
-sys.argv = ["glmtune", *json.loads(sys.argv[1])]
-try:
-    runpy.run_module("glmtune", run_name="__main__")
-except SystemExit as stop:
-    code = stop.code
-else:
-    code = 0
-print("LOADED=" + json.dumps([code, sorted(sys.modules)]))
-"""
-
+              "generation", "kvcache", "quantize", "tokeniz", "chat_template")
 
 def _loaded(args: list[str], cwd) -> tuple[int, list[str]]:
     """(exit code, every module the run left in sys.modules)."""
-    proc = subprocess.run([sys.executable, "-c", _RUN, json.dumps(args)], cwd=cwd, capture_output=True, text=True,
-                          timeout=600)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("LOADED=")), None)
-    assert line is not None, proc.stderr[-3000:]
-    return tuple(json.loads(line[len("LOADED="):]))
+    code, loaded, _ = glmtune_inspected(args, cwd, report="sorted(sys.modules)")
+    return code, loaded
 
 
 def _heavy_modules(args: list[str], cwd) -> tuple[int, list[str]]:
