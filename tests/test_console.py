@@ -240,4 +240,4 @@ def test_a_probe_of_one_process_says_it_is_not_the_n_asked_for(monkeypatch):
                                   "those with scripts/torchrun.sh 4 <same overrides> mode=probe")
     monkeypatch.setenv("WORLD_SIZE", "4")  # under torchrun: the processes are there, nothing to say
     assert launch_note(probe) is None
-    assert launch_note(parse_config(composed(["mode=infer", "dist.nproc_per_node=4"]))) is None
+    assert launch_note(parse_config(composed(["mode=infer", "infer.prompt=hi", "dist.nproc_per_node=4"]))) is None
