@@ -27,6 +27,7 @@ import torch.nn.functional as F
 # code and tests that import it from here. Absolute: this module may move into a subfolder of models/.
 from glmtune.models.attnpath import DENSE_MASK_MAX, PATHS, packed_path  # noqa: F401
 
+
 @dataclass(frozen=True)
 class DocumentSpans:
     """Each row's documents as (start, end) position spans that tile the row, pad tail included."""
