@@ -175,7 +175,8 @@ def run_part(part: str, tiny: bool, work: Path, rows: str | None = None) -> int:
         except subprocess.TimeoutExpired as exc:
             rc, out, err = "timeout", (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else exc.stdout or "", ""
         seconds = time.perf_counter() - start
-        rows = [line for line in out.splitlines() if line.startswith(("|", "done in ", "suggested "))]
+        rows = [line for line in out.splitlines()
+                if line.startswith(("|", "done in ", "suggested ", "  peak ", "  adapter saved"))]
         report += [f"### {title} ({seconds:.0f} s, exit {rc})", "`" + " ".join(Path(c).name if c.startswith("/")
                                                                             else c for c in command) + "`", *rows]
         if rc != 0:

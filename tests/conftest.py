@@ -75,6 +75,34 @@ def glmtune(*args, cwd=REPO, timeout=600) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+# `python -m glmtune ARGS` in a fresh interpreter that prints, after the run, its exit code and an expression
+# evaluated there (glmtune_inspected).
+_INSPECTED = """
+import json, runpy, sys
+{setup}
+sys.argv = ["glmtune", *json.loads(sys.argv[1])]
+try:
+    runpy.run_module("glmtune", run_name="__main__")
+except SystemExit as stop:
+    code = stop.code
+else:
+    code = 0
+print("INSPECTED=" + json.dumps([code, {report}]))
+"""
+
+
+def glmtune_inspected(args: list[str], cwd, report: str, setup: str = "") -> tuple[int, object, str]:
+    """(exit code, the value of `report`, stdout) of `python -m glmtune ARGS` run in a fresh interpreter: `report`
+    is a Python expression evaluated there after the run (e.g. `sorted(sys.modules)`), `setup` code run before
+    glmtune is imported (e.g. an audit hook). For what only the process itself can tell: what it imported, opened."""
+    proc = subprocess.run([sys.executable, "-c", _INSPECTED.format(setup=setup, report=report), json.dumps(args)],
+                          cwd=cwd, capture_output=True, text=True, timeout=600)
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("INSPECTED=")), None)
+    assert line is not None, proc.stderr[-3000:]
+    code, value = json.loads(line[len("INSPECTED="):])
+    return code, value, proc.stdout
+
+
 @contextlib.contextmanager
 def _log_streams(out, err):
     """Point every logging StreamHandler bound to the real stdout/stderr at out/err for the duration: libraries

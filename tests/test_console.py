@@ -1,7 +1,10 @@
 """The console of a default tiny run carries glmtune's own lines only: no Hydra-format log lines, no warnings
 from other packages, no Python dicts, no bars but glmtune's tokenizing bar and the Trainer's progress bar; tables
 are not cut when stdout is not a terminal, and wrap at 120 columns; each training line shows tokens/s and memory;
-the closing line names the best adapter; a stop signal that saved its checkpoint is not printed as an error."""
+the closing lines (at most three, 120 columns) name the best adapter; a stop signal that saved its checkpoint is not
+printed as an error. In a log of stdout and stderr together no bar is glued to glmtune's lines; the header names a
+quantized base and says the planned peak is the plan's estimate, the probe says what it measured; a plan's table
+shows every GPU it plans for; dist.nproc_per_node=N in a launch of one process is said, not ignored."""
 import io
 import json
 import logging
@@ -33,8 +36,10 @@ def test_a_default_tiny_run_prints_only_glmtune_s_lines(trained):
         assert not line.strip() or BAR.match(line), line
     steps = [line for line in out.splitlines() if line.startswith("step ")]
     assert steps and all(": loss " in s or ": eval " in s for s in steps), steps
-    closing = out.strip().splitlines()[-1]
-    assert closing.startswith("done in ") and "adapter saved to" in closing and "adapter_best" in closing
+    closing = out[out.index("\ndone in ") + 1:].strip().splitlines()
+    # three lines; this run dir's long path wraps the adapters' line onto a fourth, a path never split
+    assert 3 <= len(closing) <= 4 and max(map(len, closing)) <= 120, closing
+    assert "adapter saved to" in closing[2] and "adapter_best/" in " ".join(closing[2:])
 
 
 def test_step_lines_are_short_and_readable():
@@ -138,3 +143,101 @@ def test_bitsandbytes_kernels_notice_reaches_the_rank_log_not_the_console():
             logger.removeHandler(handler)
     assert shown.getvalue() == "an unrelated warning\n"
     assert "gemm_4bit_forward" in kept.getvalue() and "an unrelated warning" in kept.getvalue()
+
+
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory):
+    """One QLoRA training (nf4, a card preset, evaluations at steps 1 and 2) with stdout and stderr written to one
+    file, as `cmd > log 2>&1`, SLURM and CI keep them: (the log's text, the run dir)."""
+    tmp = tmp_path_factory.mktemp("logged")
+    run, log = tmp / "run", tmp / "run.log"
+    with log.open("w") as out:
+        code = subprocess.run([sys.executable, "-m", "glmtune", "model.quantize=nf4", "+hw=a100_40g",
+                               "train.max_steps=2", "train.eval_steps=1", "train.logging_steps=1",
+                               f"hydra.run.dir={run}"], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                              timeout=600).returncode
+    text = log.read_bytes().decode()  # not read_text: its universal newlines would turn each \r into a line end
+    assert code == 0, text[-3000:]
+    return text, run
+
+
+def test_in_a_log_of_stdout_and_stderr_no_bar_is_glued_to_glmtune_s_lines(logged):
+    """The Trainer's bars update with carriage returns on a line of their own; the evaluation bar is not nested
+    (no cursor-up moves, which a file keeps as bytes) and every line glmtune prints starts a line."""
+    text, _ = logged
+    lines = text.split("\n")
+    ours = [line for line in lines if re.search(r"step \d+: |done in \d+ s", line)]
+    assert len([line for line in ours if ": eval loss " in line]) == 2 and any(": loss " in line for line in ours)
+    glued = [line for line in ours if not re.match(r"(step \d+: |done in )", line)]
+    assert glued == [], glued
+    assert "\x1b[A" not in text  # a nested bar's cursor-up move
+    assert any(re.match(r"\r\s*\d+%\|", line) for line in lines)  # the bars are still there, on their own lines
+
+
+def test_the_header_names_nf4_and_the_peaks_say_what_each_is(logged):
+    text, run = logged
+    planned = json.loads((run / "plan.json").read_text())["peak_bytes"] / 2**30
+    measured = json.loads((run / "probe.json").read_text())["measured_peak_bytes"] / 2**30
+    flat = " ".join(text.split())  # the header and the probe's line wrap at 120 columns
+    assert "model glm4_tiny (built-in random tiny model), base weights in nf4 (bitsandbytes, double quant)" in flat
+    assert f"planned peak {planned:.2f} GiB per GPU (estimate)" in flat
+    assert f"probe measured peak {measured:.2f} GiB (live tensors on CPU)" in flat
+    assert (f"the planned peak {planned:.2f} GiB per GPU adds what only a GPU holds (CUDA context, cuBLAS "
+            "workspaces, allocator reserve)") in flat
+    assert "estimated peak" not in flat
+
+
+def test_the_closing_lines_keep_every_fact_within_120_columns(logged):
+    text, run = logged
+    closing = text[text.index("\ndone in ") + 1:].strip().splitlines()
+    assert 2 <= len(closing) <= 3 and max(map(len, closing)) <= 120, closing
+    metrics = json.loads((run / "metrics.json").read_text())
+    flat = " ".join(" ".join(closing).split())
+    for fact in (f"{metrics['steps']} steps", f"train loss {metrics['train_loss']:.4f}",
+                 f"eval loss {metrics['eval_loss']:.4f}", "tokens/s", "peak ", "process RSS",
+                 f"adapter saved to {run / 'adapter'}; best eval_loss {metrics['best']['value']:.4g} at step "
+                 f"{metrics['best']['step']} in adapter_best/"):
+        assert fact in flat, (fact, closing)
+
+
+def test_a_four_gpu_plan_shows_four_gpus_and_how_to_launch_them(tmp_path):
+    """Four processes sharing each row: the table's world_size is the 4 GPUs planned (plan.json keeps its
+    data-parallel width, 1 group, which the Trainer divides the batch by); a plain launch is told how to run it."""
+    from conftest import glmtune_in_process
+
+    proc = glmtune_in_process("mode=plan", "model=glm4_9b_chat", "+hw=a100_40g", "dist.nproc_per_node=4",
+                              "dist.sequence_parallel=4", "data.max_length=65536", f"hydra.run.dir={tmp_path / 'plan'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = re.search(r"│ world_size +│ +(\d+) │ ([^│]*)│", proc.stdout)
+    assert row and row[1] == "4" and row[2].startswith("4 GPUs: 1 data-parallel group(s) of 4"), proc.stdout
+    assert json.loads((tmp_path / "plan" / "plan.json").read_text())["choices"]["world_size"] == 1
+    assert "planned for 4 GPUs (dist.nproc_per_node=4): train it with scripts/torchrun.sh 4 <same overrides>" in \
+        proc.stdout
+    assert max(map(len, proc.stdout.splitlines())) <= 120
+
+
+def test_training_asking_for_more_processes_than_launched_exits_2_with_the_launch_command(tmp_path):
+    """A plain `python -m glmtune` is one process: mode=train with dist.nproc_per_node=2 stops before any data
+    or weights load (one line, exit 2, no run dir); mode=plan plans the 2 GPUs (above); mode=probe says it
+    measures this one process."""
+    from conftest import glmtune_in_process
+
+    proc = glmtune_in_process("dist.nproc_per_node=2", f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+    assert proc.stderr.startswith("glmtune: error: dist.nproc_per_node=2 asks for 2 processes; this launch is one — "
+                                  "run scripts/torchrun.sh 2 <same overrides>")
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+def test_a_probe_of_one_process_says_it_is_not_the_n_asked_for(monkeypatch):
+    from glmtune.config import parse_config
+    from glmtune.run.launched import launch_note
+    from test_config import composed
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    probe = parse_config(composed(["mode=probe", "dist.nproc_per_node=4"]))
+    assert " ".join(launch_note(probe).split()) == ("the probe measures this one process, not the 4 of dist.nproc_per_node=4: probe "
+                                  "those with scripts/torchrun.sh 4 <same overrides> mode=probe")
+    monkeypatch.setenv("WORLD_SIZE", "4")  # under torchrun: the processes are there, nothing to say
+    assert launch_note(probe) is None
+    assert launch_note(parse_config(composed(["mode=infer", "infer.prompt=hi", "dist.nproc_per_node=4"]))) is None

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conftest import glmtune_in_process
+from conftest import glmtune_in_process, glmtune_inspected
 from transformers import TrainerControl
 
 from glmtune.config import ConfigError, EvalConfig, parse_config
@@ -105,3 +105,27 @@ def test_eval_generate_under_zero3_on_two_ranks(tmp_path, repo):
     assert {"eval_rouge-1", "eval_bleu-4", "eval_exact_match"} <= set(metrics)
     (written,) = list((out / "eval").glob("*.jsonl"))  # rank 0 alone writes the replies
     assert len(written.read_text().splitlines()) == 3
+
+
+# Records every file the process opens (io.open, os.open): glmtune_inspected's setup.
+_OPENS = """opened = set()
+sys.addaudithook(lambda event, args: opened.add(str(args[0])) if event == "open" and args and args[0] else None)"""
+
+
+def test_a_users_own_train_file_is_evaluated_on_no_bundled_sample_file(tmp_path, repo):
+    """`python -m glmtune data.train_file=<own file> train.max_steps=2`: no data.val_file, no data.val_size, so no
+    evaluation, and the process opens no file of the bundled sample sets (data/samples*/) at all; the header says
+    so. (The demo keeps its val set: conf/data/samples.yaml, tests/test_config.py.)"""
+    own = tmp_path / "mine" / "train.jsonl"
+    own.parent.mkdir()
+    own.write_text((repo / "data/samples/train.jsonl").read_text(encoding="utf-8"), encoding="utf-8")
+    run = tmp_path / "run"
+    code, opened, stdout = glmtune_inspected([f"data.train_file={own}", "train.max_steps=2", f"hydra.run.dir={run}"],
+                                             repo, report="sorted(opened)", setup=_OPENS)
+    assert code == 0, stdout[-3000:]
+    assert str(own) in opened  # the hook sees the data files the run reads
+    samples = [repo / "data" / name for name in ("samples", "samples_vision")]
+    assert [p for p in opened if any(str(folder) in str((repo / p).resolve()) for folder in samples)] == []
+    assert "  val    none (data.val_file or data.val_size to evaluate)" in stdout.splitlines()
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert "eval_loss" not in metrics and not (run / "adapter_best").exists()

@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ..config import ConfigError, DataConfig, train_files
+from ..config import SAMPLE_SETS, ConfigError, DataConfig, train_files
 from .formats import detect, to_glm
 from .images import image_problem
 from .sources import DataError, is_rows, is_saved_dataset, records
@@ -52,7 +52,6 @@ class _Problem(NamedTuple):
 # (pyproject.toml maps them there), so an installed glmtune finds them from any folder.
 _HERE = Path(__file__).resolve().parent
 SHIPPED = _HERE if (_HERE / "samples").is_dir() else _HERE.parents[1] / "data"
-SAMPLE_SETS = ("samples", "samples_vision")
 
 
 def locate(path: str | Path) -> Path:

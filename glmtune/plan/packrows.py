@@ -10,11 +10,16 @@ breaking a tie. The micro-step has then ceil(m / per row) rows of that length.
 Not covered: adversarial length mixes can pad a micro-step to more rows of a full row (first-fit leaves every row
 but the last more than pack_length - L full, so at most (m x L - 1) // (pack_length - L + 1) + 1 rows, and never
 more than m). `most_rows` gives that bound, which the plan prints beside the probed layout.
+
+The attention those rows run (models/kernels/attnpath.py: a dense mask up to a length, per document above) is named in
+the plan by `path_figures` and `path_reason`.
 """
 from __future__ import annotations
 
 import math
 from typing import NamedTuple
+
+from ..models.kernels.attnpath import DENSE_MASK_MAX, packed_path
 
 
 class MicroStep(NamedTuple):
@@ -44,3 +49,23 @@ def most_rows(micro_batch: int, longest: int, pack_length: int) -> int:
         return micro_batch
     bound = (micro_batch * longest - 1) // (pack_length - longest + 1) + 1
     return max(1, min(micro_batch, bound))
+
+
+def path_figures(requested: str, row_length: int) -> dict:
+    """For the plan (plan/planner.py): the path of a row of `row_length` positions and the longest row given a
+    dense [S, S] mask (None: every row; 0: none). auto is planned without FlexAttention: the planner cannot know
+    that compiled blocks will run on a GPU that measured it (train/compile.py), and flex has no mask either."""
+    longest_dense = DENSE_MASK_MAX if requested == "auto" else None if requested == "sdpa" else 0
+    return {"attention": packed_path(requested, row_length), "dense_mask_max": longest_dense}
+
+
+def path_reason(requested: str, figures: dict) -> str:
+    """The plan's line: the probed row's path, and above which length no [S, S] tensor exists."""
+    path = {"sdpa": "a dense block-diagonal mask", "segments": "per-document SDPA (segments)",
+            "flex": "a FlexAttention block mask"}[figures["attention"]]
+    rows = f"rows of {figures['probed_row_positions']} positions: {path}"
+    if figures["dense_mask_max"] is None:
+        return f"train.packed_attention=sdpa: {rows}, a [S, S] tensor at every length"
+    if figures["dense_mask_max"] == 0:
+        return f"train.packed_attention={requested}: {rows}, no [S, S] tensor at any length"
+    return f"auto: {rows}; no [S, S] tensor in rows above {figures['dense_mask_max']} positions"

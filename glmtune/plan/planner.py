@@ -15,10 +15,10 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from ..config import ConfigError, RunConfig
-from ..models.kernels.docattention import packed_path, path_figures, path_reason
+from ..models.kernels.attnpath import packed_path
 from .advice import advise
 from .estimate import GIB, RunShape, estimate, gpu_family, image_extra_tokens
-from .packrows import fullest_micro_step, most_rows
+from .packrows import fullest_micro_step, most_rows, path_figures, path_reason
 from ..config import userds
 from .provenance import derived_near_budget, term_sources
 from .quantized import allows_zero3

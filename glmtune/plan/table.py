@@ -27,7 +27,10 @@ def format_plan(plan: Plan):
     for row in sequence.host_rows(plan.host):  # one node's RAM, the second budget
         table.add_row(*row)
     for key, value in plan.choices.to_dict().items():
-        table.add_row(key, str(value), plan.reasons.get(key, ""))
+        if key == "world_size":  # the planned world; Choices.world_size is its data-parallel width
+            table.add_row(key, *world_row(plan.choices))
+        else:
+            table.add_row(key, str(value), plan.reasons.get(key, ""))
     if plan.packing:
         table.add_row("packing", "on", format_rows(plan.packing))
         table.add_row("packed attention", plan.packing["attention"], plan.reasons.get("packed_attention", ""))
@@ -36,6 +39,16 @@ def format_plan(plan: Plan):
     if not plan.advice:
         return table
     return Group(table, Text(format_options(plan.advice)))
+
+
+def world_row(c) -> tuple[str, str]:
+    """The world_size row: every process (GPU) the plan is for, and under sequence parallelism how they split into
+    data-parallel groups (plan.json's choices.world_size counts those groups: what the Trainer divides the batch by)."""
+    processes = c.world_size * c.sequence_parallel
+    if c.sequence_parallel == 1:
+        return str(processes), f"{processes} GPU(s), data parallel" if processes > 1 else "1 GPU"
+    return str(processes), (f"{processes} GPUs: {c.world_size} data-parallel group(s) of {c.sequence_parallel} "
+                            "sharing each row (dist.sequence_parallel)")
 
 
 def format_rows(p: dict) -> str:

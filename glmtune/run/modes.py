@@ -30,7 +30,8 @@ from ..plan.elastic import elastic_choices
 from ..plan.planner import Choices, make_plan, plan_world, rehearsed_world
 from ..plan.table import format_plan
 from ..plan.sequence import set_tokens
-from .report import header, no_fit_line, plan_written, report_probe, summary
+from .launched import check_launch, launch_note
+from .report import crash_line, header, no_fit_line, plan_written, report_probe, summary
 from ..rundir.resume import check_inputs, input_fingerprints, refuse_training_run, resume_command
 from ..rundir.files import STOP_PREFIX, console, fail, probed_peak, remove_empty_dirs, write_run_files
 from ..rundir.lock import Start, decide, trim_metrics, write_state
@@ -62,6 +63,7 @@ def prepare(cfg: DictConfig, overrides: list[str]) -> Prepared:
     try:
         run = parse_config(config)
         userds.apply(run)  # dist.deepspeed_config: checked now; its ZeRO stage decides dist.strategy=auto
+        check_launch(run)  # dist.nproc_per_node=N without a launcher: exit 2 for mode=train (run/launched.py)
         check_attention(run.train)
         prep = Prepared(cfg, config, run, arch_config(run.model), overrides)  # config.json only: no weights read
         if run.mode != "plan":
@@ -166,6 +168,8 @@ def planned(prep: Prepared, run_dir: Path, plan_scratch: bool):
                       markup=False)
         if run.mode == "plan" or not plan.fits:
             console.print(format_plan(plan))
+        if note := launch_note(run):  # dist.nproc_per_node=N in one process: how to launch N (run/launched.py)
+            console.print(note, markup=False)
     if not plan.fits:
         fail(no_fit_line(plan), code=3)
     return plan, start
@@ -218,7 +222,7 @@ def probe_stage(prep: Prepared, plan, start: Start, run_dir: Path) -> tuple[Choi
             raise
         fail(f"the probe failed before training: {crash_line(crash)} — the run would fail the same way; the traceback "
              f"is in {log_traceback(crash) or 'rank0.log'}", code=1)
-    report_probe(probe, run_dir)
+    report_probe(probe, run_dir, plan.peak_bytes)
     remove_empty_dirs(run_dir, "probe")  # the probe's Trainer makes an output folder it never writes to
     if not probe.fits:
         fail(probe_shortfall(probe, run), code=3)
@@ -305,12 +309,6 @@ def train_mode(prep: Prepared, plan, start: Start, choices: Choices, peaks: tupl
         write_state(run_dir, status="done", step=metrics["steps"], adapter=metrics["adapter_dir"])
         console.print(summary(metrics, time.monotonic() - started), markup=False)
     return metrics["train_loss"]
-
-
-def crash_line(crash: BaseException) -> str:
-    """'Type: the first line of its message', for the one line a crash gets on the console."""
-    message = str(crash).strip()
-    return f"{type(crash).__name__}: {message.splitlines()[0][:200] if message else '(no message)'}"
 
 
 def log_traceback(crash: BaseException) -> str | None:

@@ -11,7 +11,7 @@ import math
 import textwrap
 from pathlib import Path
 
-from ..config import EVAL_METRICS, RunConfig, TrainConfig, train_files
+from ..config import EVAL_METRICS, SAMPLE_SETS, DataConfig, RunConfig, TrainConfig, train_files
 from ..launch import rank
 from ..plan.estimate import GIB
 from ..plan.planner import Choices, Plan
@@ -57,6 +57,18 @@ def _decisions(c: Choices) -> str:
     return ", ".join(parts)
 
 
+def val_line(data: DataConfig) -> str:
+    """What the run evaluates on: the header says it, since a user's own train file no longer pairs with the
+    bundled val set (config/samples.py) and a run without one keeps no adapter_best/."""
+    if data.val_file:
+        bundled = data.val_file in (f"data/{name}/val.jsonl" for name in SAMPLE_SETS)
+        return data.val_file + (" (the bundled sample val set)" if bundled else "")
+    if data.val_size:
+        held = f"{data.val_size * 100:g}% of" if data.val_size < 1 else f"{data.val_size:g} of"
+        return f"{held} the train examples held out (data.val_size={data.val_size:g})"
+    return "none (data.val_file or data.val_size to evaluate)"
+
+
 def header(run: RunConfig, plan: Plan, run_dir: Path | None, train_examples: int | None = None) -> str:
     """Plain lines (no markup) for the console before the probe and the training."""
     if run.model.path:
@@ -65,18 +77,20 @@ def header(run: RunConfig, plan: Plan, run_dir: Path | None, train_examples: int
         model = f"{run.model.name} (built-in random tiny model)"
     else:
         model = f"{run.model.name} (architecture facts only: training needs model.path)"
+    if run.model.quantize != "none":  # QLoRA: the numerics change, so the header says it (conf/model: opt-in)
+        model += (f", base weights in {run.model.quantize} (bitsandbytes"
+                  + (", double quant)" if run.model.quantize == "nf4" and run.model.double_quant else ")"))
     files = train_files(run.data)
     data = ", ".join(files) + (f" mixed {':'.join(f'{w:g}' for w in run.data.mix)}" if run.data.mix else "")
-    data += (f", val {run.data.val_file}" if run.data.val_file else
-             f", val_size {run.data.val_size:g} held out" if run.data.val_size else ", no val")
     where = (f"run dir {run_dir}  (full config: .hydra/config.yaml)" if run_dir else
              "nothing written (hydra.run.dir=DIR keeps plan.json)")
     lines = [f"glmtune {run.mode}: {where}",
              f"  model  {model}",
              f"  data   {data}, max_length {plan.choices.max_length}",
+             f"  val    {val_line(run.data)}",
              f"  card   {_card(run, plan)}",
-             f"  plan   {_decisions(plan.choices)}; "
-             f"estimated peak {plan.peak_bytes / GIB:.2f} GiB"
+             f"  plan   {_decisions(plan.choices)}; planned peak {plan.peak_bytes / GIB:.2f} GiB "
+             + ("per GPU (estimate)" if plan.budget_bytes is not None else "(estimate, tensors on CPU)")
              + ("" if plan.fits else "  DOES NOT FIT")]
     if plan.budget_bytes is not None and "host" in plan.reasons:  # a GPU plan: one node's RAM, the second budget
         lines.append(f"  host   {plan.reasons['host']}")
@@ -102,40 +116,68 @@ def plan_written(run: RunConfig, plan: Plan, arch, overrides: list[str], run_dir
     return f"{line}\n{emit(run, plan, arch, overrides, run_dir)}"
 
 
-def report_probe(report, run_dir: Path) -> None:
-    """probe.json in the run dir and the predicted-vs-measured table on the console (rank 0)."""
+def report_probe(report, run_dir: Path, planned_bytes: int | None = None) -> None:
+    """probe.json in the run dir and the predicted-vs-measured table on the console (rank 0), then what the probe
+    measured beside the header's planned peak."""
     if rank() != 0:
         return
     from ..probe.table import format_probe  # the probe imports the Trainer stack, which mode=plan does not need
 
     write_json(run_dir / "probe.json", report.to_dict())
     console.print(format_probe(report))
+    if report.measured_peak_bytes is not None:
+        console.print(probe_line(report, planned_bytes), markup=False)
+
+
+def probe_line(report, planned_bytes: int | None) -> str:
+    """The probe's peak named by what it measures, beside the header's planned peak: on a CPU probing a card's
+    plan the two differ by what only a GPU holds (the plan's CUDA context, workspaces and allocator reserve)."""
+    on_gpu = report.method.startswith("whole process")
+    line = (f"probe measured peak {report.measured_peak_bytes / GIB:.2f} GiB "
+            f"({'whole GPU process' if on_gpu else 'live tensors on CPU'}), predicted "
+            f"{report.predicted_peak_bytes / GIB:.2f} GiB for this device")
+    if planned_bytes is not None and not on_gpu and report.budget_bytes is not None:
+        line += (f"; the planned peak {planned_bytes / GIB:.2f} GiB per GPU adds what only a GPU holds (CUDA context, "
+                 "cuBLAS workspaces, allocator reserve)")
+    return textwrap.fill(line, LOG_WIDTH, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
 
 
 def summary(metrics: dict, wall_s: float) -> str:
-    """One line after training: losses, steps, time, throughput, measured peak, where the adapter is."""
-    parts = [f"done in {wall_s:.0f} s: {metrics['steps']} steps ({metrics.get('epochs', 0):.2f} epochs)",
-             f"train loss {metrics['train_loss']:.4f}"]
+    """Three lines after training, each within a 120-column log (a longer one wraps, a path never split): what the
+    run did (steps, losses, metrics, throughput), its measured memory, where the adapters are."""
+    result = [f"done in {wall_s:.0f} s: {metrics['steps']} steps ({metrics.get('epochs', 0):.2f} epochs)",
+              f"train loss {metrics['train_loss']:.4f}"]
     if "eval_loss" in metrics:
-        parts.append(f"eval loss {metrics['eval_loss']:.4f} (perplexity {math.exp(min(metrics['eval_loss'], 50)):.1f})")
+        result.append(f"eval loss {metrics['eval_loss']:.4f} (perplexity {math.exp(min(metrics['eval_loss'], 50)):.1f})")
     generated = [f"{k.removeprefix('eval_')} {metrics[k]:.4g}" for k in EVAL_METRICS
                  if k in metrics and k not in ("eval_loss", "eval_perplexity")]
     if generated:  # eval.generate: ROUGE/BLEU/exact match of the last evaluation
-        parts.append(", ".join(generated))
+        result.append(", ".join(generated))
     if metrics.get("tokens_per_s"):
-        parts.append(f"{metrics['tokens_per_s']:,.0f} tokens/s")
+        result.append(f"{metrics['tokens_per_s']:,.0f} tokens/s")
+    memory = []
     phases = metrics.get("phase_peak_bytes")
     if phases:  # measured as the probe measured: the figure its certificate is about
-        parts.append(f"peak {max(phases.values()) / GIB:.2f} GiB ({metrics['phase_peak_kind']}; "
-                     + ", ".join(f"{p} {b / GIB:.2f}" for p, b in phases.items()) + ")"
-                     + (f", {metrics['over_probe']:.1%} over the probe's" if metrics.get("over_probe") else ""))
+        memory.append(f"peak {max(phases.values()) / GIB:.2f} GiB ({metrics['phase_peak_kind']}; "
+                      + ", ".join(f"{p} {b / GIB:.2f}" for p, b in phases.items()) + ")"
+                      + (f", {metrics['over_probe']:.1%} over the probe's" if metrics.get("over_probe") else ""))
     if metrics.get("measured_peak_bytes") and not (phases and metrics.get("peak_kind", "").startswith("GPU")):
-        parts.append(f"{'' if phases else 'peak '}{metrics['measured_peak_bytes'] / GIB:.2f} GiB ({metrics['peak_kind']})")
-    line = ", ".join(parts) + f"; adapter saved to {metrics['adapter_dir']}"
+        memory.append(f"{'' if phases else 'peak '}{metrics['measured_peak_bytes'] / GIB:.2f} GiB ({metrics['peak_kind']})")
+    saved = f"adapter saved to {metrics['adapter_dir']}"
     best = metrics.get("best") or {}
     if best.get("adapter_dir"):  # with a val set: the best evaluation's adapter, kept beside the last one
-        line += (f"; best {best['metric']} {best['value']:.4g} at step {best['step']}: {best['adapter_dir']}")
-    return line
+        kept = Path(best["adapter_dir"])
+        where = f"{kept.name}/" if kept.parent == Path(metrics["adapter_dir"]).parent else str(kept)
+        saved += f"; best {best['metric']} {best['value']:.4g} at step {best['step']} in {where}"
+    lines = [", ".join(result), *([", ".join(memory)] if memory else []), saved]
+    return "\n".join(textwrap.fill(line, LOG_WIDTH, initial_indent="" if i == 0 else "  ", subsequent_indent="    ",
+                                   break_long_words=False, break_on_hyphens=False) for i, line in enumerate(lines))
+
+
+def crash_line(crash: BaseException) -> str:
+    """'Type: the first line of its message', for the one line a crash gets on the console."""
+    message = str(crash).strip()
+    return f"{type(crash).__name__}: {message.splitlines()[0][:200] if message else '(no message)'}"
 
 
 def disk_full_line(err: BaseException, run_dir: Path) -> str:

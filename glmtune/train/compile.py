@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ConfigError, TrainConfig
-from ..models.kernels.docattention import DENSE_MASK_MAX
+from ..models.kernels.attnpath import DENSE_MASK_MAX
 
 # GPUs (a substring of torch.cuda.get_device_name()) on which a bench/RESULTS.md row measured compiled blocks
 # without ZeRO-3 (speed-up and peak against the estimate), and those on which it measured FlexAttention for

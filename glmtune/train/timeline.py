@@ -74,7 +74,7 @@ class MemoryTimeline(TrainerCallback):
         key = _peak_key(self.steps[0])
         return {"measured_peak_bytes": max(s[key] for s in self.steps),
                 "peak_kind": "GPU, whole process, as planned" if key == "peak_process"
-                else "CPU resident set of the process; the plan counts tensors only"}
+                else "process RSS, not planned"}  # the plan counts tensors only
 
     def on_train_end(self, args, state, control, **kwargs):
         if state.is_world_process_zero and self.steps:

@@ -261,7 +261,7 @@ def phase_metrics(peaks: dict[str, int], probe_bytes: int | None) -> dict:
     if not peaks:
         return {}
     out = {"phase_peak_bytes": peaks, "phase_peak_kind": "GPU, whole process" if torch.cuda.is_available()
-           else "CPU, live tensor bytes as the probe measures them"}
+           else "CPU, live tensors as probed"}
     run_peak = max(peaks.values())
     if probe_bytes and run_peak > probe_bytes * 1.01:
         out["over_probe"] = run_peak / probe_bytes - 1

@@ -13,8 +13,8 @@ parallelism attention sees the whole gathered row for its share of the heads (mo
 of the gathered seq ids are the spans it needs.
 
 `auto` (train.packed_attention, train/compile.py) keeps the dense mask up to DENSE_MASK_MAX positions a row,
-where it costs little and is one kernel call a layer, and goes per document above; `packed_path` is that rule,
-read by the model on every forward and by the planner (plan/planner.py) to name the path in the plan.
+where it costs little and is one kernel call a layer, and goes per document above; `packed_path` is that rule
+(models/kernels/attnpath.py), read by the model on every forward and by the planner (plan/packrows.py) to name the path.
 """
 from __future__ import annotations
 
@@ -23,46 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-# Longest row (positions, the whole row under sequence parallelism) that `auto` gives the dense mask. Up to it the
-# mask costs little: 16 MiB a row and 32 MiB of bf16 bias a block at 4,096, beside the GiBs of a 9B step there,
-# and it is the path the GPU memory rows were measured on (bench/RESULTS.md: packed rows of 2,048 positions), one
-# kernel call a block instead of one per document. Above it the mask grows with S^2 (1 GiB at 32K, 16 GiB at 128K)
-# while the loop's cost grows with the documents. On CPU (bench/doc_attention.py, tiny GLM-4, fp32) the loop was
-# faster at every length measured, 1,024-16,384 positions in documents of 512 and of 2,048: speed does not argue
-# for the mask there; the measured GPU rows it keeps valid do. Per-document SDPA on a GPU is not measured yet.
-DENSE_MASK_MAX = 4096
-PATHS = ("sdpa", "segments", "flex")  # dense boolean mask | per-document SDPA | FlexAttention block mask
-
-
-def packed_path(requested: str, row_length: int) -> str:
-    """The attention path of a packed row of `row_length` positions: `requested` itself unless it is auto, which
-    gives the dense mask (sdpa) to rows up to DENSE_MASK_MAX positions and per-document SDPA (segments) above.
-    (auto's FlexAttention choice is made before, by the trainer: it needs compiled blocks on CUDA.)"""
-    if requested == "auto":
-        return "sdpa" if row_length <= DENSE_MASK_MAX else "segments"
-    if requested not in PATHS:
-        raise ValueError(f"packed attention {requested!r}: use auto or one of {', '.join(PATHS)}")
-    return requested
-
-
-def path_figures(requested: str, row_length: int) -> dict:
-    """For the plan (plan/planner.py): the path of a row of `row_length` positions and the longest row given a
-    dense [S, S] mask (None: every row; 0: none). auto is planned without FlexAttention: the planner cannot know
-    that compiled blocks will run on a GPU that measured it (train/compile.py), and flex has no mask either."""
-    longest_dense = DENSE_MASK_MAX if requested == "auto" else None if requested == "sdpa" else 0
-    return {"attention": packed_path(requested, row_length), "dense_mask_max": longest_dense}
-
-
-def path_reason(requested: str, figures: dict) -> str:
-    """The plan's line: the probed row's path, and above which length no [S, S] tensor exists."""
-    path = {"sdpa": "a dense block-diagonal mask", "segments": "per-document SDPA (segments)",
-            "flex": "a FlexAttention block mask"}[figures["attention"]]
-    rows = f"rows of {figures['probed_row_positions']} positions: {path}"
-    if figures["dense_mask_max"] is None:
-        return f"train.packed_attention=sdpa: {rows}, a [S, S] tensor at every length"
-    if figures["dense_mask_max"] == 0:
-        return f"train.packed_attention={requested}: {rows}, no [S, S] tensor at any length"
-    return f"auto: {rows}; no [S, S] tensor in rows above {figures['dense_mask_max']} positions"
+# The rule (models/kernels/attnpath.py) is read by mode=plan without this module's torch.compiler; named here for the model
+# code and tests that import it from here. Absolute: this module may move into a subfolder of models/.
+from .attnpath import DENSE_MASK_MAX, PATHS, packed_path  # noqa: F401
 
 
 @dataclass(frozen=True)
