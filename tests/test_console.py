@@ -230,12 +230,15 @@ def test_training_asking_for_more_processes_than_launched_exits_2_with_the_launc
 
 
 def test_a_probe_of_one_process_says_it_is_not_the_n_asked_for(monkeypatch):
+    """probe.rehearse=false measures this one process: the note says so. auto (the default) rehearses rank 0 of
+    the 4 here (probe/rehearse.py), so there is nothing to say."""
     from glmtune.config import parse_config
     from glmtune.run.launched import launch_note
     from test_config import composed
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    probe = parse_config(composed(["mode=probe", "dist.nproc_per_node=4"]))
+    assert launch_note(parse_config(composed(["mode=probe", "dist.nproc_per_node=4"]))) is None
+    probe = parse_config(composed(["mode=probe", "dist.nproc_per_node=4", "probe.rehearse=false"]))
     assert " ".join(launch_note(probe).split()) == ("the probe measures this one process, not the 4 of dist.nproc_per_node=4: probe "
                                   "those with scripts/torchrun.sh 4 <same overrides> mode=probe")
     monkeypatch.setenv("WORLD_SIZE", "4")  # under torchrun: the processes are there, nothing to say
