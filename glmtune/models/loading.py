@@ -150,6 +150,8 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None, 
             low_cpu_mem_usage=not is_deepspeed_zero3_enabled(),
         )
     except (OSError, ValueError, pickle.UnpicklingError, RuntimeError) as err:
+        if isinstance(err, RuntimeError) and not _reading_error(err):
+            raise  # not the files: e.g. a collective of ZeRO-3's partitioned init, reported as a crash with its log
         raise ConfigError(_load_error(path, err)) from None
     # With low_cpu_mem_usage, transformers 4.40 leaves a missing weight on the meta device without listing it.
     missing = info["missing_keys"] or [n for n, p in model.named_parameters() if p.is_meta]
@@ -160,13 +162,28 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None, 
     return model.to(device) if device is not None else model
 
 
-def _load_error(path, err: BaseException) -> str:
-    """One line for a weight file transformers could not read, without its advice to "set from_tf=True"."""
+# What torch.load / safetensors say of a file they cannot read (a RuntimeError may also come from elsewhere: a
+# ZeRO-3 collective while the weights load, which is no reason to re-download anything).
+_FILE_ERRORS = ("PytorchStreamReader", "zip archive", "safetensor", "deserializ", "header", "invalid load key",
+                "unexpected EOF", "storage", "file")
+
+
+def _reading_error(err: BaseException) -> bool:
+    return any(word.lower() in str(e).lower() for e in _chain(err) for word in _FILE_ERRORS)
+
+
+def _chain(err: BaseException | None) -> list[BaseException]:
     chain, seen = [], set()
     while err is not None and id(err) not in seen:  # transformers re-raises while handling the real cause
         chain.append(err)
         seen.add(id(err))
         err = err.__cause__ or err.__context__
+    return chain
+
+
+def _load_error(path, err: BaseException) -> str:
+    """One line for a weight file transformers could not read, without its advice to "set from_tf=True"."""
+    chain = _chain(err)
     if any(isinstance(e, pickle.UnpicklingError) or "weights_only" in str(e) for e in chain):
         return (f"{path}: a .bin weight file holds pickled objects other than tensors, which torch refuses to load "
                 "(weights_only=True) because unpickling runs code — use the checkpoint's .safetensors files, or "

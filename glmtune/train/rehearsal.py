@@ -141,6 +141,15 @@ class RehearsalGroup(dist.ProcessGroup):
     def barrier(self, opts=None):
         return _done(None)
 
+    # torch < 2.13 calls the same collectives by their older names (distributed_c10d.py: group.alltoall_base,
+    # group._allgather_base, ...); without these the base class's C++ method runs and asks for a backend per device
+    # ("No backend type associated with device type cuda": torch 2.11 on the H200, bench/RESULTS.md §24).
+    alltoall_base = all_to_all_single
+    _allgather_base = all_gather_single
+    _reduce_scatter_base = reduce_scatter_single
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
 
 def _create(prefix_store, rank: int, world_size: int, timeout) -> RehearsalGroup:
     return RehearsalGroup(rank, world_size)
