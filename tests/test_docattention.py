@@ -132,7 +132,7 @@ def step_allocations(model, batch) -> tuple[list, int]:
 def test_auto_makes_no_seq_by_seq_tensor_above_the_named_length_and_the_check_catches_the_dense_path():
     model = tiny().train()
     assert model.transformer.packed_attention == "auto" and packed_path("auto", LONG) == "segments"
-    batch = packed([[1100, 900, 1500, 700]], LONG)
+    batch = packed([[550, 450, 750, 350]], LONG)
     made, backward = step_allocations(model, batch)
     assert backward > 50 and len(made) > 200  # the recorder saw both passes
     assert square(made, LONG) == []
@@ -143,7 +143,7 @@ def test_auto_makes_no_seq_by_seq_tensor_above_the_named_length_and_the_check_ca
 
 def test_documents_alone_on_the_path_auto_runs_at_long_rows():
     model = tiny().eval()
-    batch = packed([[1300, 1000, 1600, 400, 10]], LONG, seed=5)  # 4,310 positions + pad to LONG
+    batch = packed([[650, 500, 800, 200, 10]], LONG, seed=5)  # 2,160 positions + pad to LONG
     with torch.no_grad():
         logits = model(**batch).logits
     assert check_documents_alone(model, batch, logits) == 5

@@ -207,7 +207,10 @@ def test_planner_and_config_know_the_packed_row():
     # The fullest micro-step: 8 examples of <= 300 tokens fit one row; of <= 500, rows of 8 x 512 = 4,096.
     assert (run_shape(run, arch, eight, 300, packed=(4096, 0)).micro_batch,
             run_shape(run, arch, eight, 300, packed=(4096, 0)).seq_len) == (1, 2400)
-    assert packed.peak_bytes >= plain.peak_bytes  # the same positions, plus the packed rows' attention mask
+    # Rows up to DENSE_MASK_MAX run the dense mask: the same positions plus the mask; longer rows, per document, none.
+    dense = make_plan(run, arch, 1, user_set_max_length=False, packed=(2048, 0))
+    assert dense.packing["attention"] == "sdpa" and packed.packing["attention"] == "segments"
+    assert dense.peak_bytes >= plain.peak_bytes
     assert packed.packing["probed_rows_per_micro_step"] * packed.packing["probed_row_positions"] >= \
         packed.choices.micro_batch_size * packed.choices.max_length
     vision = released_config("glm4v_9b")

@@ -6,14 +6,13 @@ torch.compiler, whose first use imports torch._dynamo (~1 s of a ~3.5 s plan on 
 """
 from __future__ import annotations
 
-# Longest row (positions, the whole row under sequence parallelism) that `auto` gives the dense mask. Up to it the
-# mask costs little: 16 MiB a row and 32 MiB of bf16 bias a block at 4,096, beside the GiBs of a 9B step there,
-# and it is the path the GPU memory rows were measured on (bench/RESULTS.md: packed rows of 2,048 positions), one
-# kernel call a block instead of one per document. Above it the mask grows with S^2 (1 GiB at 32K, 16 GiB at 128K)
-# while the loop's cost grows with the documents. On CPU (bench/doc_attention.py, tiny GLM-4, fp32) the loop was
-# faster at every length measured, 1,024-16,384 positions in documents of 512 and of 2,048: speed does not argue
-# for the mask there; the measured GPU rows it keeps valid do. Per-document SDPA on a GPU is not measured yet.
-DENSE_MASK_MAX = 4096
+# Longest row (positions, the whole row under sequence parallelism) that `auto` gives the dense mask, from the H200
+# rows of bench/doc_attention.py (two GLM-4-9B blocks, bf16, forward + backward; bench/RESULTS.md §26): per-document
+# SDPA was as fast at 2,048 positions (34.8 vs 35.8 ms) and faster from 4,096 on (67.4 vs 71.7 ms; 534 vs 978 ms
+# at 32K), and never larger (the mask's bias adds 16 MiB at 4,096, 1 GiB at 32K). 2,048 keeps the packed
+# 2,048-position rows the GPU memory rows were measured on (§0, §11) on the path they were measured on; above it the
+# dense mask only costs. (CPU, fp32: the loop was faster at every length measured, 1,024-16,384.)
+DENSE_MASK_MAX = 2048
 PATHS = ("sdpa", "segments", "flex")  # dense boolean mask | per-document SDPA | FlexAttention block mask
 
 
