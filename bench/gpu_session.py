@@ -166,6 +166,11 @@ def main() -> None:
             log.write(f"### {row['name']}: {row['title']} ({seconds:.0f} s, exit {rc})\n" + "\n".join(lines) + "\n")
             if rc != 0:
                 log.write("\n".join("    " + line for line in out.strip().splitlines()[-20:]) + "\n")
+                rank_log = work / row["name"] / "rank0.log"  # the traceback or the OOM's allocation and phase
+                if rank_log.is_file():
+                    tail = [line for line in rank_log.read_text(errors="replace").splitlines()
+                            if "Error" in line or "Tried to allocate" in line or "phase" in line][-12:]
+                    log.write("\n".join("    rank0.log: " + line[:300] for line in tail) + "\n")
             log.flush()
             done[row["name"]] = {"rc": rc, "seconds": round(seconds, 1)}
             done_file.write_text(json.dumps(done, indent=1))
