@@ -91,3 +91,22 @@ def test_part_docattn_times_both_paths_and_suggests_a_limit(repo, tmp_path):
     rows = [line for line in out.splitlines() if line.startswith(("| 256 |", "| 512 |"))]
     assert sorted(line.split("|")[3].strip() for line in rows) == ["sdpa", "sdpa", "segments", "segments"]
     assert "suggested DENSE_MASK_MAX: " in out
+
+
+@pytest.mark.slow  # ~30 s on 2 cores: a few tiny rows in one call, the next in a second
+def test_session_runs_rows_by_priority_and_a_second_call_goes_on(repo, tmp_path):
+    """bench/gpu_session.py: a call starts rows while 30 s are left of its deadline and leaves the rest; a second call
+    on the same machine runs only what the first did not (done.json), so a 15-minute device budget loses nothing."""
+    def call(deadline):
+        out = subprocess.run([sys.executable, "bench/gpu_session.py", "--tiny", "--deadline-s", str(deadline),
+                              "--work", str(tmp_path)], cwd=repo, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        return [line.split(":")[0] for line in out.stdout.splitlines() if ": exit " in line and "###" not in line]
+
+    first = call(31)  # one row starts (31 s left), none after it
+    assert first == ["rehearse-1"]
+    second = call(45)
+    assert second and second[0] == "rehearse-2" and "rehearse-1" not in second
+    report = (tmp_path / "session.md").read_text()
+    assert "### rehearse-1: rehearsal:" in report and "| rehearse-1 | 2 rehearsed |" in report
+    assert "left for the next call" in report
