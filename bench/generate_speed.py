@@ -28,7 +28,8 @@ from contextlib import nullcontext
 import torch
 
 from glmtune.models.kvcache import preallocated_kv_cache
-from glmtune.infer.sampling import GIB, auto_batch_size, free_gpu_bytes, per_row_bytes
+from glmtune.config.units import GIB
+from glmtune.infer.sampling import auto_batch_size, free_gpu_bytes, per_row_bytes
 from glmtune.models import ChatGLMForConditionalGeneration, GLMConfig, released_config
 from glmtune.models.chatglm.layers import SelfAttention
 from glmtune.models.loading import TINY_ARCH

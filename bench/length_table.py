@@ -35,7 +35,7 @@ from glmtune.config import DataConfig, DistConfig, ModelConfig, RunConfig  # noq
 from glmtune.models import released_config  # noqa: E402
 from glmtune.plan.advice import hw_presets  # noqa: E402
 from glmtune.plan.archsize import frozen_params  # noqa: E402
-from glmtune.plan.estimate import GIB  # noqa: E402
+from glmtune.config.units import GIB  # noqa: E402
 from glmtune.plan.planner import make_plan  # noqa: E402
 
 MODELS = ("glm4_9b_chat", "glm4v_9b", "chatglm3_6b", "glm4_9b_0414", "glm4_32b_0414")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import time
 
+from glmtune.config.units import MIB
 from glmtune.plan.estimate import RunShape, estimate
 from glmtune.probe.track import measure_lora_step
 from glmtune.models import GLMConfig, released_config
@@ -21,7 +22,6 @@ ALL = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
 TINY = GLMConfig(**TINY_ARCH, padded_vocab_size=1024)
 MID = GLMConfig(num_layers=12, hidden_size=768, ffn_hidden_size=2048, kv_channels=64, num_attention_heads=12,
                 multi_query_attention=True, multi_query_group_num=2, padded_vocab_size=32000)
-MIB = 2**20
 
 
 def grid():

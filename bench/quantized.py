@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from glmtune.config import LoraConfig
+from glmtune.config.units import GIB, MIB
 from glmtune.models import GLMConfig, enable_checkpointing, load_model, released_config
 from glmtune.models.loading import TINY_ARCH, model_class
 from glmtune.models.quantize import load_quantized, weight_storage_bytes, weight_tensors
@@ -30,7 +31,6 @@ from glmtune.plan.estimate import RunShape, estimate, gpu_family
 from glmtune.probe.track import LiveTensorTracker, optimizer_state_tensors
 from glmtune.train.lora import apply_lora, trainable_parameters
 
-GIB = 2**30
 MODES = ("bf16", "int8", "nf4")
 
 
@@ -109,7 +109,7 @@ def main() -> None:
     write_checkpoint(arch, folder, device, dtype)
     print(f"{name} on {torch.cuda.get_device_name(0) if cuda else 'CPU'} (family {family}), compute {e}, "
           f"checkpoint {folder}\n")
-    unit, u = (GIB, "GiB") if cuda else (2**20, "MiB")  # the tiny model's tensors are a few MiB
+    unit, u = (GIB, "GiB") if cuda else (MIB, "MiB")  # the tiny model's tensors are a few MiB
     print(f"| mode | tokens | weights {u} (est) | load peak over weights {u} | allocated {u} | est tensors {u} | "
           f"reserved {u} | est total {u} | tokens/s |")
     print("|---|---|---|---|---|---|---|---|---|")

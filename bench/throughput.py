@@ -43,7 +43,8 @@ from glmtune.data.packing import RowPacker  # noqa: E402
 from glmtune.data.pipeline import IGNORE_INDEX, DataCollator  # noqa: E402
 from glmtune.models import ChatGLMForConditionalGeneration, GLMConfig, enable_checkpointing, released_config  # noqa: E402
 from glmtune.models.loading import TINY_ARCH  # noqa: E402
-from glmtune.plan.estimate import GIB, RunShape, estimate, gpu_family  # noqa: E402
+from glmtune.config.units import GIB  # noqa: E402
+from glmtune.plan.estimate import RunShape, estimate, gpu_family  # noqa: E402
 from glmtune.plan.planner import Choices  # noqa: E402
 from glmtune.train.compile import compile_blocks, set_packed_attention  # noqa: E402
 from glmtune.train.lora import apply_lora  # noqa: E402

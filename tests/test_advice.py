@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from glmtune.config import CONF_DIR, parse_config
 from glmtune.models.presets import arch_config
 from glmtune.plan.advice import LENGTH_STEP, MAX_CARDS, MAX_OPTIONS, MIN_HEADROOM, cards_for_measured, hw_presets
-from glmtune.plan.estimate import GIB
+from glmtune.config.units import GIB
 from glmtune.plan.planner import make_plan
 
 CASES = [

@@ -7,7 +7,8 @@ import re
 import pytest
 import torch
 
-from glmtune.infer.devicemap import GIB, bytes_per_device, check_complete, device_map, units
+from glmtune.config.units import GIB
+from glmtune.infer.devicemap import bytes_per_device, check_complete, device_map, units
 from glmtune.models import build_meta_model, released_config
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from glmtune.config.units import MIB
 from glmtune.plan.estimate import RunShape, estimate
 from glmtune.probe.track import LiveTensorTracker, measure_lora_step
 from glmtune.models import GLMConfig
 from glmtune.models.loading import TINY_ARCH
 
-MB = 2**20
 ALL = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
 TINY = GLMConfig(**TINY_ARCH, padded_vocab_size=1024)
 # GLM-4-shaped, ~100M parameters (GQA 12 heads / 2 groups, SwiGLU, untied 32k head).
@@ -18,22 +18,22 @@ MID = GLMConfig(num_layers=12, hidden_size=768, ffn_hidden_size=2048, kv_channel
 
 
 def test_tracker_known_allocations():
-    base = torch.ones(MB // 4)  # 1 MiB alive at entry
+    base = torch.ones(MIB // 4)  # 1 MiB alive at entry
     with LiveTensorTracker(baseline=[base]) as t:
-        a = torch.empty(10 * MB, dtype=torch.uint8)
-        b = torch.zeros(5 * MB)  # 20 MiB
+        a = torch.empty(10 * MIB, dtype=torch.uint8)
+        b = torch.zeros(5 * MIB)  # 20 MiB
         view = b[:10]  # shares b's storage: counted once
         a.add_(1)  # in place: no new storage
-        assert t.current_bytes == 31 * MB
+        assert t.current_bytes == 31 * MIB
         del a
-        assert t.current_bytes == 21 * MB
-        c = torch.empty(5 * MB, dtype=torch.uint8)
-        assert t.current_bytes == 26 * MB and t.peak_bytes == 31 * MB
+        assert t.current_bytes == 21 * MIB
+        c = torch.empty(5 * MIB, dtype=torch.uint8)
+        assert t.current_bytes == 26 * MIB and t.peak_bytes == 31 * MIB
         del b
-        assert t.current_bytes == 26 * MB  # the view keeps the storage alive
+        assert t.current_bytes == 26 * MIB  # the view keeps the storage alive
         del view, c
-        assert t.current_bytes == 1 * MB
-    assert t.baseline_bytes == MB and t.peak_new_bytes == 30 * MB
+        assert t.current_bytes == 1 * MIB
+    assert t.baseline_bytes == MIB and t.peak_new_bytes == 30 * MIB
 
 
 def _check(arch, **kw):

@@ -11,7 +11,8 @@ import pytest
 
 from glmtune.config import parse_config
 from glmtune.models import released_config
-from glmtune.plan.estimate import GIB, RunShape, estimate
+from glmtune.config.units import GIB
+from glmtune.plan.estimate import RunShape, estimate
 from glmtune.plan.planner import make_plan, run_shape
 from glmtune.plan.reserve import RESERVE_FLOOR, RESERVE_PER_LARGEST, allocator_in_force
 

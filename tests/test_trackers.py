@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from glmtune.config.units import GIB
+
 from conftest import REPO, glmtune_in_process
 
-GIB = 2**30
 MEMORY = ("memory/planned_peak_gib", "memory/probe_peak_gib", "memory/step_peak_gib")
 
 

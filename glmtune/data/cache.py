@@ -42,6 +42,7 @@ from .build import build_split, default_num_proc, write_lines
 from .tokenized import TokenizedSplit
 from .sources import digest, is_rows, records
 from .validate import DataError, _read_bytes, file_format, locate
+from ..config.units import MIB
 
 FORMAT = 1  # the entry layout (tokenized.COLUMNS, meta.json); bump on a change the source hash would not catch
 # Code whose change changes the rows: its source text is part of the key (no version number to forget).
@@ -138,7 +139,7 @@ def files_sha256(entry: Path) -> dict[str, str]:
         if file.is_file():
             digest = hashlib.sha256()
             with open(file, "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
+                for block in iter(lambda: f.read(MIB), b""):
                     digest.update(block)
             found[file.relative_to(entry).as_posix()] = digest.hexdigest()
     return found
@@ -197,7 +198,7 @@ def _disk_full(err: OSError, root: Path) -> bool:
     if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or "No space left on device" in str(err):
         return True
     try:
-        return shutil.disk_usage(root).free < 2**20
+        return shutil.disk_usage(root).free < MIB
     except OSError:
         return False
 

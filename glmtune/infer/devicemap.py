@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from ..config.units import GIB
 
-GIB = 2**30
 
 
 @dataclass(frozen=True)

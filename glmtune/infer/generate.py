@@ -23,7 +23,8 @@ from ..rundir.atomic import write_text
 from ..config import ConfigError, InferConfig, ModelConfig
 from .adapter import check_outputs, load_adapter
 from ..data.validate import Conversation, read_conversations
-from .devicemap import GIB, bytes_per_device, device_map
+from ..config.units import GIB
+from .devicemap import bytes_per_device, device_map
 from .adapter_export import check_adapter_for
 from .export import export_folder, export_line, save_merged  # noqa: F401 - callers import save_merged here
 from .hf_layout import layout_for

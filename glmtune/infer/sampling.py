@@ -10,8 +10,8 @@ import torch
 from ..config import ConfigError, InferConfig
 from ..models.generation import CPU_BATCH
 from ..plan.estimate import RunShape, block_working, estimate
+from ..config.units import GIB
 
-GIB = 1024 ** 3
 MAX_AUTO_BATCH = 64  # above this, decode steps stop getting cheaper per token on a 9B model (weights-bound ends)
 
 

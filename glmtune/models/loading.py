@@ -17,6 +17,7 @@ import torch
 
 from ..config import ConfigError
 from .chatglm.configuration import GLMConfig
+from ..config.units import MIB
 
 # The model code (and transformers' modeling, accelerate) is imported where a model is built: reading a
 # config.json or checking weight files, as mode=plan and the data stage do, needs none of it.
@@ -104,7 +105,7 @@ def _safetensors_problem(file: Path) -> str | None:
         if len(head) < 8:
             return f"only {size} bytes, too short for a safetensors header"
         length = int.from_bytes(head, "little")
-        if length > min(size - 8, 100 * 2**20):  # the format caps headers at 100 MB
+        if length > min(size - 8, 100 * MIB):  # the format caps headers at 100 MB
             return f"safetensors header claims {length} bytes, the file has {size}"
         try:
             header = json.loads(f.read(length))

@@ -22,7 +22,7 @@ from typing import Callable
 import yaml
 
 from ..config import CONF_DIR, HwConfig, RunConfig
-from .estimate import GIB
+from ..config.units import GIB
 from .longctx import HOST_MARGIN
 
 MAX_NODES = 8  # the GPU search stops at 8 nodes x hw.gpus_per_node

@@ -25,8 +25,8 @@ from .reserve import phase_reserves
 from .variants import BYTES, HEADS, linear_shapes, peft_adapter_dtype, roles  # noqa: F401 (shared with variants)
 from .archsize import (IMAGE_TOKENS, VISION_LAYER_TOKENS, block_params, frozen_params,  # noqa: F401 (re-exported)
                        image_extra_tokens, vision_params, vision_working)
+from ..config.units import GIB, MIB
 
-GIB = 2**30
 
 # ZeRO-3 buffer sizes in elements. The prefetch bucket and the largest gathered layer are what ZeRO-3
 # adds to a card's peak; the estimator counts them with these same numbers.
@@ -41,11 +41,11 @@ MAX_REUSE_DISTANCE = 1_000_000_000
 # after real training steps (the CUDA context plus the lazily loaded kernel modules) was 758 MiB in every
 # non-ZeRO row, and DeepSpeed's NCCL communicator added 566 MiB, even on one GPU. Other families are not
 # measured: they take the H100 figure (context size follows the CUDA version more than the chip).
-CUDA_CONTEXT = {"hopper": 758 << 20}
-CUDA_CONTEXT_DEFAULT = 758 << 20
+CUDA_CONTEXT = {"hopper": 758 * MIB}
+CUDA_CONTEXT_DEFAULT = 758 * MIB
 CUBLAS_WORKSPACE = 8_519_680  # 2 x 4 MiB + 8 x 16 KiB, the `:4096:2:16:8` default (inside torch's allocator)
-CUBLASLT_WORKSPACE = {"hopper": 32 << 20}  # 4 MiB elsewhere (pytorch#120925)
-NCCL_PER_GPU = 566 << 20
+CUBLASLT_WORKSPACE = {"hopper": 32 * MIB}  # 4 MiB elsewhere (pytorch#120925)
+NCCL_PER_GPU = 566 * MIB
 def gpu_family(hw_name: str) -> str | None:
     """GPU family from a conf/hw preset name; None = CPU / unknown (no CUDA overhead terms)."""
     for key, fam in (("h100", "hopper"), ("h200", "hopper"), ("a100", "ampere"), ("a10", "ampere"),
@@ -304,7 +304,7 @@ def estimate(arch: GLMConfig, shape: RunShape) -> Estimate:
     if shape.device != "cpu" and fam is not None:
         measured = "measured" if fam in CUDA_CONTEXT else "H100 figure"
         overhead[f"CUDA context and kernels ({measured})"] = CUDA_CONTEXT.get(fam, CUDA_CONTEXT_DEFAULT)
-        overhead["cuBLAS/cuBLASLt workspaces"] = CUBLAS_WORKSPACE + CUBLASLT_WORKSPACE.get(fam, 4 << 20)
+        overhead["cuBLAS/cuBLASLt workspaces"] = CUBLAS_WORKSPACE + CUBLASLT_WORKSPACE.get(fam, 4 * MIB)
         if shape.zero_stage == 3 or shape.world_size > 1:
             overhead["NCCL communicator"] = NCCL_PER_GPU
         # Every phase with its own reserve; the peak is the phase whose tensors plus reserve are largest.

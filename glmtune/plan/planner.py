@@ -17,7 +17,8 @@ import torch
 from ..config import ConfigError, RunConfig
 from ..models.kernels.attnpath import packed_path
 from .advice import advise
-from .estimate import GIB, RunShape, estimate, gpu_family, image_extra_tokens
+from ..config.units import GIB
+from .estimate import RunShape, estimate, gpu_family, image_extra_tokens
 from .packrows import fullest_micro_step, most_rows, path_figures, path_reason
 from ..config import userds
 from .provenance import derived_near_budget, term_sources

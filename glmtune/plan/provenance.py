@@ -12,6 +12,7 @@ A plan whose peak is within NEAR_BUDGET of the budget and includes a derived ter
 what stands between the plan and an out-of-memory error.
 """
 from __future__ import annotations
+from ..config.units import GIB
 
 MEASURED = "measured (H100, bench/RESULTS.md §0)"
 CPU_VERIFIED = "CPU-verified (tensor bytes on CPU)"
@@ -58,5 +59,5 @@ def derived_near_budget(breakdown: dict[str, int], sources: dict[str, str], peak
     derived = [n for n, s in sources.items() if s == DERIVED and breakdown[n] > 0]
     if not derived:
         return ""
-    return (f"the peak ({peak / 2**30:.2f} of {budget / 2**30:.2f} GiB) is within {NEAR_BUDGET:.0%} of the budget "
+    return (f"the peak ({peak / GIB:.2f} of {budget / GIB:.2f} GiB) is within {NEAR_BUDGET:.0%} of the budget "
             f"and rests on terms never measured on a GPU ({', '.join(derived)}): the probe measures them")

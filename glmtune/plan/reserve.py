@@ -30,12 +30,12 @@ import math
 
 from ..models import GLMConfig
 from .longctx import local_tokens
+from ..config.units import GIB, MIB
 
-RESERVE_FLOOR = 256 << 20
+RESERVE_FLOOR = 256 * MIB
 RESERVE_PER_LARGEST = 0.55
 DEFAULT_PER_LARGEST = 0.9
 EVAL_CARRY = 1.62  # growth of an evaluation after training, per sqrt(GiB) of SwiGLU beyond the training's largest
-GIB = 1 << 30
 TRAINING_PHASES = ("loss", "backward", "vision")
 ALLOCATORS = {"expandable": "expandable segments", "default": "the default caching allocator"}
 

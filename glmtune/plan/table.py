@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from . import sequence
 from .advice import format_options
-from .estimate import GIB
+from ..config.units import GIB
 from .planner import Plan
 
 

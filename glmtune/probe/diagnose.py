@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from ..config.units import GIB
 
 EXIT = {"oom": 4, "nvml_oom": 4, "nccl": 5, "transformers_version": 6}
 
@@ -96,7 +97,7 @@ def diagnosed(run_dir: Path, breakdown: dict[str, int], choices: dict, probe_ena
         lines = [f"glmtune: {kind}: {EXPLAIN[kind]}", f"  error: {str(err).splitlines()[0][:300]}"]
         if kind in ("oom", "nvml_oom"):
             snapshot = _write_snapshot(run_dir)
-            lines.append("  planned memory (GiB): " + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in breakdown.items()))
+            lines.append("  planned memory (GiB): " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in breakdown.items()))
             if snapshot:
                 lines.append(f"  allocator snapshot: {snapshot} (open it at https://pytorch.org/memory_viz)")
         lines += [f"  try: {a}" for a in advice(kind, choices, probe_enabled)]

@@ -32,7 +32,8 @@ import torch.distributed as torch_dist
 from ..config import RunConfig
 from ..data.packing import RowPacker
 from ..data.pipeline import IMAGE_PLACEHOLDERS
-from ..plan.estimate import CUDA_CONTEXT_DEFAULT, GIB, estimate, image_extra_tokens
+from ..config.units import GIB
+from ..plan.estimate import CUDA_CONTEXT_DEFAULT, estimate, image_extra_tokens
 from ..plan.advice import cards_for_measured
 from ..config import userds
 from ..plan.packrows import fullest_micro_step

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import textwrap
 
-from ..plan.estimate import GIB
+from ..config.units import GIB
 from ..train.phases import format_peaks
 from .probe import ProbeReport
 

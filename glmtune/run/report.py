@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..config import EVAL_METRICS, SAMPLE_SETS, DataConfig, RunConfig, TrainConfig, train_files
 from ..launch import rank
-from ..plan.estimate import GIB
+from ..config.units import GIB
 from ..plan.planner import Choices, Plan
 from ..rundir.atomic import write_json
 from ..rundir.files import ERROR_PREFIX, LOG_WIDTH, console

@@ -46,11 +46,11 @@ from ..launch import rank
 from ..rundir.files import ERROR_PREFIX, console
 from ..launch.signals import EXIT_INTERRUPTED, Requeued
 from . import sweepstop
+from ..config.units import GIB
 
 # The text of glmtune's one line, anywhere in a line: a progress bar's last update (ended by \r) may precede it.
 ONE_LINE = re.compile(re.escape(ERROR_PREFIX) + r"(.*)|glmtune: (stopped by .*)")
 
-GIB = 2**30
 EXIT_NO_TRIAL = 9  # a sweep in which no trial succeeded
 _SWEEP_DIR: Path | None = None  # where this process recorded trials, for the sweep's last line (final_line)
 

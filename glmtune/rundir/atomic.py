@@ -18,6 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Iterator
+from ..config.units import MIB
 
 # Errors that mean "the disk cannot take this write", reported as one line instead of a traceback.
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -154,7 +155,7 @@ def is_disk_full(err: BaseException) -> bool:
     return False
 
 
-def disk_nearly_full(folder: Path, below_bytes: int = 2**20) -> bool:
+def disk_nearly_full(folder: Path, below_bytes: int = MIB) -> bool:
     """Under 1 MiB free where `folder` lives. torch.save's zip writer reports a failed write as "unexpected
     pos 64 vs 0", naming no errno; a crash while the disk is this full is reported as a full disk."""
     try:

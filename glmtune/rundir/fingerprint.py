@@ -26,12 +26,13 @@ import json
 import os
 import struct
 from pathlib import Path
+from ..config.units import MIB
 
 BLOCK = 4096  # bytes per sampled block: one page, one read
 MIN_BLOCKS, MAX_BLOCKS = 64, 4096
-SMALL_TENSOR = 1 << 20  # tensors up to 1 MiB are hashed whole: norms and biases, which sampling would miss
-SMALL_TOTAL = 64 << 20  # at most this many bytes of small tensors per file
-HEADER_LIMIT = 100 << 20  # safetensors' own limit on the header's size
+SMALL_TENSOR = MIB  # tensors up to 1 MiB are hashed whole: norms and biases, which sampling would miss
+SMALL_TOTAL = 64 * MIB  # at most this many bytes of small tensors per file
+HEADER_LIMIT = 100 * MIB  # safetensors' own limit on the header's size
 LEGACY = "bytes, modified"  # the size-and-mtime form run_state.json held before this module
 
 
@@ -77,7 +78,7 @@ def weight_fingerprint(path: str | os.PathLike) -> str:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         layout = _safetensors_layout(fd, size)
         if layout is None:
-            digest.update(b"raw\0" + os.pread(fd, 1 << 20, 0))
+            digest.update(b"raw\0" + os.pread(fd, MIB, 0))
         else:
             header, small = layout
             digest.update(b"safetensors\0" + header)

@@ -24,6 +24,7 @@ from ..config import RunConfig
 from ..plan.archsize import frozen_params
 from ..plan.planner import Choices
 from ..train.preflight import checkpoint_bytes
+from ..config.units import MIB
 
 # Datasheet dense bf16 tensor TFLOP/s per conf/hw preset (fp16 for V100 and T4, which have no bf16).
 TFLOPS = {"a100_40g": 312, "a100_80g": 312, "h100_80g": 989, "h200_141g": 989, "l40s_48g": 362, "a10_24g": 125,
@@ -32,7 +33,7 @@ UNKNOWN_TFLOPS = 1  # a card of your own preset, or a CPU run: slow on purpose (
 MFU = 0.2
 ZERO3_S_PER_MICRO_STEP = 1.64  # bench/RESULTS.md §0: ZeRO-3's parameter gathers on an H100, per micro-step
 OFFLOAD_SLOWDOWN = 1 / 0.88  # pinned checkpoint offload, same rows
-VOLUME_BYTES_S = 100 * 2**20  # a network file system's sustained write; local NVMe is 10-30x faster
+VOLUME_BYTES_S = 100 * MIB  # a network file system's sustained write; local NVMe is 10-30x faster
 SAVE_PASSES = 3  # written, fsynced, read back for the COMPLETE marker's sha256
 TEARDOWN_S = 60
 

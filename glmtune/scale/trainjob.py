@@ -28,7 +28,7 @@ from kubeflow_trainer_api import models as k
 
 from .. import __version__
 from ..config import RunConfig
-from ..plan.estimate import GIB
+from ..config.units import GIB
 from ..plan.planner import Plan
 from ..rundir.atomic import write_text
 from .grace import grace_seconds

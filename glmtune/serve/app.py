@@ -35,6 +35,7 @@ from ..config import InferConfig
 from .engine import Engine, Job
 from .guard import Guard, Hosts
 from .protocol import ApiError, ChatRequest, parse_chat, parse_json
+from ..config.units import MIB
 
 log = logging.getLogger("glmtune.serve")
 # After a body over the cap, the rest is read and dropped for up to this long (seconds) before the 413 goes
@@ -167,7 +168,7 @@ async def read_body(request: Request, limit: int) -> bytearray:
     async for _ in chunks:
         if time.monotonic() > deadline:
             break
-    raise ApiError(413, f"the request body is over {limit / 2**20:g} MiB (serve.max_body_mib) — send a smaller "
+    raise ApiError(413, f"the request body is over {limit / MIB:g} MiB (serve.max_body_mib) — send a smaller "
                         "image (e.g. JPEG) or raise serve.max_body_mib", None, "request_too_large")
 
 

@@ -29,7 +29,8 @@ from transformers.generation.streamers import BaseStreamer
 from ..models.generation import generation_kwargs, prompt_batch
 from ..models.kvcache import preallocated_kv_cache
 from ..infer.sampling import per_row_bytes
-from ..plan.estimate import GIB, image_extra_tokens
+from ..config.units import GIB
+from ..plan.estimate import image_extra_tokens
 from .protocol import ApiError, ChatRequest
 from .reply import ReplyText
 

@@ -32,6 +32,7 @@ from .app import Service, make_app
 from .engine import Engine
 from .guard import Hosts
 from .port import Loading, listen
+from ..config.units import MIB
 
 # Seconds past serve.stop_grace_s that the replies cut by the stop get to reach their clients before uvicorn
 # cancels what is left (a generation step that is still running, a client that reads nothing).
@@ -101,7 +102,7 @@ def run_serve(run: RunConfig, model_dir: Path, tokenizer, run_dir: Path) -> None
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         gpu = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
         hint = vllm_hint(importlib.util.find_spec("vllm") is not None, weights, gpu, run.infer.adapter, name)
-        service = Service(engine, name, cfg.api_key, run.infer, int(cfg.max_body_mib * 2**20))
+        service = Service(engine, name, cfg.api_key, run.infer, int(cfg.max_body_mib * MIB))
         app = make_app(service, Hosts.for_bind(cfg.host, cfg.allow_hosts), cfg.allow_origins)
         server = QuietServer(uvicorn.Config(app, log_config=None, lifespan="off", ws="none",
                                            timeout_graceful_shutdown=cfg.stop_grace_s + CLOSE_S),

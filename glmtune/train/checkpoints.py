@@ -21,6 +21,7 @@ import shutil
 from pathlib import Path
 
 from ..rundir.atomic import fsync_tree, write_json
+from ..config.units import MIB
 
 MARKER = "COMPLETE"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
@@ -71,7 +72,7 @@ def _checksums(folder: Path) -> dict[str, str]:
     for file in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MARKER):
         digest = hashlib.sha256()
         with open(file, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
+            for block in iter(lambda: f.read(MIB), b""):
                 digest.update(block)
         found[file.relative_to(folder).as_posix()] = f"{file.stat().st_size} {digest.hexdigest()}"
     return found

@@ -21,6 +21,7 @@ from transformers import TrainerCallback
 
 from .gpumem import outside_allocator_bytes
 from .livebytes import LiveTensorTracker
+from ..config.units import GIB
 
 PHASES = ("train", "eval", "save")
 
@@ -135,7 +136,7 @@ def _until_eval(records: list[tuple[str, int, int]]) -> list[tuple[str, int, int
 
 def format_peaks(peaks: dict[str, int]) -> str:
     """'train 20.51, eval 20.76, save 20.10 GiB' in the run's order of phases."""
-    return ", ".join(f"{p} {peaks[p] / 2**30:.2f}" for p in PHASES if p in peaks) + " GiB"
+    return ", ".join(f"{p} {peaks[p] / GIB:.2f}" for p in PHASES if p in peaks) + " GiB"
 
 
 def gathered_peaks(meter: PhaseMeter) -> dict[str, int]:

@@ -14,8 +14,8 @@ import torch
 from ..config import ConfigError, RunConfig
 from ..plan.estimate import lora_params
 from ..plan.planner import Choices, Plan, run_shape
+from ..config.units import GIB, MIB
 
-GIB, MIB = 2**30, 2**20
 HOST_MARGIN = 0.9  # of MemAvailable a CPU run may plan to use; the rest is the OS, page cache, Python itself
 
 

@@ -18,8 +18,8 @@ from transformers import TrainerCallback
 
 from ..rundir.atomic import write_bytes, write_text
 from .gpumem import outside_allocator_bytes
+from ..config.units import GIB
 
-GIB = 2**30
 
 
 def _sample() -> dict[str, float]:

@@ -17,8 +17,8 @@ import dataclasses
 import math
 import os
 from pathlib import Path
+from ..config.units import GIB
 
-GIB = 2**30
 MLFLOW_STATUS = {"done": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
 
 

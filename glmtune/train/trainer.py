@@ -42,6 +42,7 @@ from ..models.kernels.tiling import set_mlp_tile_tokens
 from ..models.quantize import load_quantized
 from ..config import userds
 from ..plan.planner import Choices
+from ..config.units import GIB
 
 _TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -267,7 +268,7 @@ def phase_metrics(peaks: dict[str, int], probe_bytes: int | None) -> dict:
         out["over_probe"] = run_peak / probe_bytes - 1
         logging.getLogger("glmtune").warning(
             "the run's peak %.2f GiB (%s) is %.1f %% over its probe's %.2f GiB: the probe did not see this run's "
-            "worst phase; lower hw.margin or report it", run_peak / 2**30, format_peaks(peaks),
-            100 * out["over_probe"], probe_bytes / 2**30)
+            "worst phase; lower hw.margin or report it", run_peak / GIB, format_peaks(peaks),
+            100 * out["over_probe"], probe_bytes / GIB)
     return out
 
