@@ -23,7 +23,7 @@ import yaml
 
 from ..config import CONF_DIR, HwConfig, RunConfig
 from ..config.units import GIB
-from .longctx import HOST_MARGIN
+from .host import HOST_MARGIN
 
 MAX_NODES = 8  # the GPU search stops at 8 nodes x hw.gpus_per_node
 LENGTH_STEP = 64  # suggested lengths are multiples of 64 tokens: tidy numbers, at most 63 tokens below the limit

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from ..models import GLMConfig
 from . import longctx, quantized, tiledmlp, variants
+from .host import host_breakdown
 from .reserve import phase_reserves
 from .variants import BYTES, HEADS, linear_shapes, peft_adapter_dtype, roles  # noqa: F401 (shared with variants)
 from .archsize import (IMAGE_TOKENS, VISION_LAYER_TOKENS, block_params, frozen_params,  # noqa: F401 (re-exported)
@@ -99,7 +100,7 @@ class Estimate:
     phase: str  # which phase sets the peak (its tensors plus its allocator reserve, on a GPU)
     phases: dict[str, int] = field(default_factory=dict)  # tensor bytes per phase
     reserves: dict[str, int] = field(default_factory=dict)  # allocator reserve per phase (GPU only)
-    host: dict[str, int] = field(default_factory=dict)  # bytes in one node's RAM (plan/longctx.py)
+    host: dict[str, int] = field(default_factory=dict)  # bytes in one node's RAM (plan/host.py)
 
 
 def lora_params(arch: GLMConfig, shape: RunShape) -> int:
@@ -313,5 +314,5 @@ def estimate(arch: GLMConfig, shape: RunShape) -> Estimate:
     b.update(overhead)
     if reserves:
         b["allocator reserve"] = reserves[phase]
-    host = longctx.host_breakdown(arch, shape, frozen, p_lora, shape.ranks_per_node, shape.data_tokens)
+    host = host_breakdown(arch, shape, frozen, p_lora, shape.ranks_per_node, shape.data_tokens)
     return Estimate(b, phases[phase] + reserves.get(phase, 0) + sum(overhead.values()), phase, phases, reserves, host)

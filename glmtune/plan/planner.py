@@ -26,6 +26,7 @@ from .quantized import allows_zero3
 from .tiledmlp import tile_tokens
 from .reserve import ALLOCATORS, allocator_in_force
 from . import longctx, sequence
+from .host import host_figures, host_reason
 
 DEFAULT_MAX_LENGTH = 500
 LOSS_CHUNK = 1024  # tokens per chunk of the lower-memory loss: 1024 x 151,552 x 12 B = 1.9 GB peak
@@ -66,7 +67,7 @@ class Plan:
     sources: dict[str, str] = field(default_factory=dict)  # per breakdown term: measured / CPU-verified / derived
     unmeasured_risk: str = ""  # a near-budget peak that rests on derived terms (plan/provenance.py)
     packing: dict = field(default_factory=dict)  # packed runs: rows per micro-step and step (packing_figures)
-    host: dict = field(default_factory=dict)  # one node's RAM: bytes, budget_bytes, fits, breakdown (plan/sequence.py)
+    host: dict = field(default_factory=dict)  # one node's RAM: bytes, budget_bytes, fits, breakdown (plan/host.py)
 
     def to_json(self) -> str:
         keys = ("dtype", "gradient_checkpointing", "zero_stage", "offload_params", "offload_optimizer",
@@ -237,7 +238,7 @@ def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
 
     def fits(ch: Choices, evaluating: bool = True) -> bool:
         est = None if budget is None else peak(ch, evaluating)  # and one node's RAM: the second budget
-        return est is None or (est.peak_bytes <= budget and sequence.host_figures(est, run, True)["fits"])
+        return est is None or (est.peak_bytes <= budget and host_figures(est, run, True)["fits"])
 
     # Frozen weights alone exceed one card: only ZeRO-3 over several GPUs shards them.
     weights_only = peak(c).breakdown.get("frozen weights", 0)
@@ -260,10 +261,11 @@ def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
     if c.offload_checkpoints and not fits(c) and fits(replace(c, offload_checkpoints=False)):
         c = replace(c, offload_checkpoints=False)  # a later rung made the offload unneeded, and the host is short
     est = peak(c)
-    host = sequence.host_figures(est, run, budget is not None)
+    host = host_figures(est, run, budget is not None)
     ok = (budget is None or est.peak_bytes <= budget) and host["fits"]
     reasons.update(_reasons(run, start, c, budget, weights_only, processes, ok))
-    reasons.update(sequence.reasons(run, arch, c, processes, host))
+    reasons["sequence_parallel"] = sequence.reason(run, arch, c, processes)
+    reasons["host"] = host_reason(host, sequence.shape_fields(run, c, 0)["ranks_per_node"])
     sources = term_sources(est.breakdown, run_shape(run, arch, c, data_max_tokens, packed))
     plan = Plan(ok, budget, est.peak_bytes, est.breakdown, c, reasons, sources=sources,
                 unmeasured_risk=derived_near_budget(est.breakdown, sources, est.peak_bytes, budget) if ok else "",

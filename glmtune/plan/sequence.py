@@ -1,4 +1,4 @@
-"""The planner's sequence-parallel rung and its host-memory budget (issue 30).
+"""The planner's sequence-parallel rung: which degrees it may use, the next one down, and the reasons it gives.
 
 dist.sequence_parallel = auto lets the planner add Ulysses sequence parallelism as its last rung: after every
 cheaper lever (micro-batch, chunked loss, checkpointing, checkpoint offload, ZeRO-3) it tries the next degree N
@@ -8,9 +8,6 @@ processes / N; accumulation grows by the same factor, and the global batch (micr
 An integer is taken as given. The micro-batch loss mean (a shard's mean is not the row's) keeps N = 1. GLM-4V is
 sharded after the image merge (models/modeling_glm4.merge_images): every rank of a group runs the tower on the
 whole images, the rows it keeps are 1/N of the merged rows.
-
-The host is the second budget: one node's RAM (hw.host_memory_gib, or this machine's MemAvailable) must hold
-what plan/longctx.host_breakdown counts; a plan whose card part fits and whose host part does not is refused.
 """
 from __future__ import annotations
 
@@ -18,7 +15,6 @@ from dataclasses import replace
 
 from ..config import ConfigError, RunConfig
 from ..models.kernels.ulysses import SequenceGroup
-from .longctx import host_budget
 
 MAX_DEGREE = 64  # no GLM has more than 32 query heads
 
@@ -66,36 +62,11 @@ def next_degree(c, run: RunConfig, arch):
     return None
 
 
-def host_figures(est, run: RunConfig, gpu_plan: bool) -> dict:
-    """plan.json's host block: one node's bytes, its budget, whether it fits, and the terms."""
-    budget, source = host_budget(run.hw.host_memory_gib, run.hw.memory_gib is None)
-    used = sum(est.host.values())
-    # A CPU run's RAM is its card budget: this machine's MemAvailable is checked before training
-    # (train/preflight.py); a hw.host_memory_gib given for it must hold the estimate as well as the host terms.
-    checked = budget is not None and (gpu_plan or run.hw.host_memory_gib is not None)
-    if not gpu_plan:
-        used += est.peak_bytes
-    return {"bytes": used, "budget_bytes": budget, "budget_source": source,
-            "fits": not checked or used <= budget, "breakdown": dict(est.host)}
-
-
-def host_reason(host: dict, ranks: int) -> str:
-    gib = 2**30
-    budget = "unknown" if host["budget_bytes"] is None else f"{host['budget_bytes'] / gib:.1f} GiB"
-    return (f"{host['bytes'] / gib:.1f} GiB for {ranks} process(es) on a node, budget {budget} "
-            f"({host['budget_source']})" + ("" if host["fits"] else ": DOES NOT FIT"))
-
-
 def shape_fields(run: RunConfig, c, data_tokens: int) -> dict:
     """RunShape's sequence-parallel and host fields: ZeRO-3 shards over every process, SP groups included."""
     processes = c.world_size * c.sequence_parallel
     return dict(world_size=processes, sequence_parallel=c.sequence_parallel, data_tokens=data_tokens,
                 ranks_per_node=max(1, processes // max(1, run.dist.nnodes)))
-
-
-def reasons(run: RunConfig, arch, c, processes: int, host: dict) -> dict[str, str]:
-    ranks = shape_fields(run, c, 0)["ranks_per_node"]
-    return {"sequence_parallel": reason(run, arch, c, processes), "host": host_reason(host, ranks)}
 
 
 def batch_reason(start, c) -> str:
@@ -119,20 +90,3 @@ def reason(run: RunConfig, arch, c, processes: int) -> str:
                f"no degree > 1 divides the {processes} process(es) and the heads")
         return f"1: {why}"
     return "1: whole rows fit"
-
-
-def set_tokens(stats) -> int:
-    """Tokens of the tokenized train and val splits (data/stats.DataStats), for the host budget."""
-    return stats.train.tokens + (stats.val.tokens if stats.val is not None else 0)
-
-
-def host_rows(host: dict) -> list[tuple[str, str, str]]:
-    """The plan table's host rows: each term per node, then the total against its budget."""
-    if not host:
-        return []
-    gib, hb = 2**30, host["budget_bytes"]
-    rows = [(f"host: {name}", f"{value / gib:.2f} GiB", "per node") for name, value in host["breakdown"].items()]
-    rows.append(("[bold]host RAM per node", f"[bold]{host['bytes'] / gib:.2f} GiB",
-                 f"budget {'unknown' if hb is None else f'{hb / gib:.1f} GiB'}: {host['budget_source']}"
-                 + ("" if host["fits"] else " — DOES NOT FIT")))
-    return rows

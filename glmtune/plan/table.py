@@ -2,7 +2,7 @@
 with its reason, and under it the numbered options that would fit."""
 from __future__ import annotations
 
-from . import sequence
+from .host import host_rows
 from .advice import format_options
 from ..config.units import GIB
 from .planner import Plan
@@ -24,7 +24,7 @@ def format_plan(plan: Plan):
     table.add_row("[bold]estimated peak", f"[bold]{plan.peak_bytes / GIB:.2f} GiB")
     budget = "none (no GPU)" if plan.budget_bytes is None else f"{plan.budget_bytes / GIB:.2f} GiB"
     table.add_row("[bold]budget", budget)
-    for row in sequence.host_rows(plan.host):  # one node's RAM, the second budget
+    for row in host_rows(plan.host):  # one node's RAM, the second budget
         table.add_row(*row)
     for key, value in plan.choices.to_dict().items():
         if key == "world_size":  # the planned world; Choices.world_size is its data-parallel width

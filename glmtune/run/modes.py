@@ -29,7 +29,7 @@ from ..plan.estimate import image_extra_tokens
 from ..plan.elastic import elastic_choices
 from ..plan.planner import Choices, make_plan, plan_world, rehearsed_world
 from ..plan.table import format_plan
-from ..plan.sequence import set_tokens
+from ..plan.host import set_tokens
 from .launched import check_launch, launch_note
 from .report import crash_line, header, no_fit_line, plan_written, report_probe, summary
 from ..rundir.resume import check_inputs, input_fingerprints, refuse_training_run, resume_command

@@ -5,7 +5,6 @@ Light on purpose (no transformers import): it runs before the Trainer stack is i
 """
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -13,10 +12,9 @@ import torch
 
 from ..config import ConfigError, RunConfig
 from ..plan.estimate import lora_params
+from ..plan.host import HOST_MARGIN, available_ram
 from ..plan.planner import Choices, Plan, run_shape
 from ..config.units import GIB, MIB
-
-HOST_MARGIN = 0.9  # of MemAvailable a CPU run may plan to use; the rest is the OS, page cache, Python itself
 
 
 def check_device(choices: Choices) -> None:
@@ -26,25 +24,13 @@ def check_device(choices: Choices) -> None:
                           "sees none — use train.precision=fp32 (or bf16) on CPU, or run on the GPU machine")
 
 
-def available_ram() -> int:
-    """Bytes the kernel says can be allocated without swapping (MemAvailable), else physical memory."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # kB in /proc/meminfo
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def check_host_memory(run: RunConfig, plan: Plan) -> None:
     """A CPU-only run has no card budget, so the plan "fits" any micro-batch; the host's RAM is the budget.
     Refused here (exit 3, like a plan that does not fit a card) instead of swapping until the kernel kills it."""
     if torch.cuda.is_available() or run.hw.memory_gib is not None:
         return
     ram = available_ram()
-    if plan.peak_bytes > ram * HOST_MARGIN:
+    if ram is not None and plan.peak_bytes > ram * HOST_MARGIN:
         # The levers the user set above the micro-batch's own size come first: they are the likely cause.
         levers = [f"data.pack_length (rows of {run.data.pack_length} tokens)"] if (
             run.data.pack_length and run.data.packing != "off") else []
