@@ -1,11 +1,8 @@
 """glmtune [+hw=CARD] [group=option ...] [key=value ...]   (or python -m glmtune ...; glmtune --help)
 
 compose (Hydra) -> validate the config and every data line -> plan -> probe -> train. README.md: launches.
-Exit codes: 0 done; 2 bad config or input, run dir in use or holding another run, full disk (one line, no
-traceback); 3 the plan or the probe says it does not fit the card (or a CPU run the host's RAM); 4 out of
-memory during training; 5 NCCL error; 6 remote code / transformers version error; 7 stopped by
-SIGTERM/SIGINT/SIGUSR1 (a complete checkpoint is saved: re-run the same command to resume); 8 training
-diverged (NaN/inf loss or weights); 9 a sweep in which no trial succeeded.
+Every stop ends in one line and an exit code of launch/exits.py (`glmtune --help` lists them): bad input, a run
+dir in use or holding another run and a full disk are 2.
 """
 from __future__ import annotations
 
@@ -36,16 +33,18 @@ from .config import CONF_DIR, ConfigError, check_override_keys
 from .config.cli import check_command_line, chosen_mode, emits, is_multirun, wants_info
 from .config.compose import run_once
 from .launch import export_slurm_env, rank, run_name
-from .launch.signals import EXIT_INTERRUPTED, STOP, Interrupted
+from .launch.signals import STOP, Interrupted
 from .launch.supervise import descendants
 from .rundir.atomic import disk_nearly_full, is_disk_full
-from .rundir.files import STOP_PREFIX, check_output_dirs, console, discard_unused, fail, own_new_logs, unmake
+from .launch.console import console, fail
+from .launch.exits import EXIT_INTERRUPTED, EXIT_NO_TRIAL, STOP_PREFIX
+from .rundir.files import check_output_dirs, discard_unused, own_new_logs, unmake
 from .rundir.lock import RunDirLock
 from .rundir.resume import redirect
 from .run.modes import prepare, run_mode
 from .run import sweepstop
 from .run.report import disk_full_line
-from .run.sweep import EXIT_NO_TRIAL, final_line, none_succeeded, run_trial
+from .run.sweep import final_line, none_succeeded, run_trial
 
 # Every rank of one launch must agree on the run dir; ${now:} alone would differ by a second. Cached in the
 # config, so a SLURM sweep's jobs reuse the sweep dir the submitting process resolved.

@@ -196,7 +196,7 @@ def test_without_any_hydra_plugin_an_extra_is_one_line_and_exit_2(argv, package,
 
 def test_help_lists_every_exit_code_the_code_uses(capsys):
     from glmtune.config.cli import help_text
-    from glmtune.launch.signals import EXIT_DIVERGED, EXIT_INTERRUPTED
+    from glmtune.launch.exits import EXIT_DIVERGED, EXIT_INTERRUPTED
 
     listed = {int(line.split()[0]) for line in help_text().split("exit codes:")[1].splitlines()
               if line[:3].strip().isdigit()}

@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent / "glmtune"
 # stage shares (config, launch, rundir, models); each part names only parts above it.
 ALLOWED = {
     "__init__": set(),
-    "config": {"__init__"},  # the command line, the schema and its validation (cli needs __version__)
-    "launch": set(),  # who this process is, how it stops, what libraries print, the scripts' supervisor
+    "launch": set(),  # who this process is, how it stops and prints (console, exit codes), the scripts' supervisor
+    "config": {"__init__", "launch"},  # the command line, schema, validation (cli: __version__, the exit codes)
     "rundir": {"config", "launch"},  # durable writes, the run's lock, resume, the files a run leaves
     "models": {"config"},
     "data": {"config", "models"},

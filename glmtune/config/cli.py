@@ -13,6 +13,7 @@ from pathlib import Path
 from importlib.metadata import PackageNotFoundError, requires, version
 
 from .. import __version__
+from ..launch.exits import EXIT_CODES
 from .validate import CONF_DIR, MODES, ConfigError
 
 # Groups chosen in conf/config.yaml's defaults list (`model=x`), and groups appended to it (`+hw=x`).
@@ -33,15 +34,6 @@ MODE_HELP = {
     "infer": "generate for infer.prompts_file with the base model + infer.adapter (or merge: infer.merge_to=DIR)",
     "serve": "an OpenAI-compatible HTTP server for base + infer.adapter (serve.host, serve.port, serve.api_key)",
 }
-EXIT_CODES = {0: "done", 2: "bad config, command line, data or prompts file (one line, no traceback)",
-              3: "the plan or the probe says it does not fit the card; the line lists what would",
-              4: "out of memory during training", 5: "NCCL / collective error (read the other ranks' logs)",
-              6: "the checkpoint's remote code needs another transformers version",
-              7: "stopped by SIGTERM / SIGINT / SIGUSR1 after a complete checkpoint: the line names the command "
-                 "that resumes (re-running the same command also does); a sweep stops after its running trial "
-                 "saves, and the same sweep command continues it",
-              8: "training diverged (NaN/inf loss or weights): the line names the step and what to lower",
-              9: "a sweep in which no trial succeeded (each trial's line and <sweep dir>/summary.md say why)"}
 
 
 def installed(module: str) -> bool:

@@ -4,7 +4,7 @@ Clusters pre-empt jobs with SIGTERM (SLURM sends it at the time limit, or `--sig
 user presses Ctrl-C (SIGINT). Before the training loop runs there is nothing worth saving, so the signal
 stops the run at once with one line. Once the loop runs, the handler only records the signal: the
 training guard (guard.py) lets the current optimizer step finish, has every rank agree, writes a
-complete checkpoint and stops; the launcher then exits with EXIT_INTERRUPTED and re-running the same
+complete checkpoint and stops; the launcher then exits with EXIT_INTERRUPTED (7) and re-running the same
 command resumes. A second signal while that save is running stops at once (the last complete
 checkpoint is still there).
 
@@ -17,8 +17,6 @@ import signal
 import sys
 import threading
 
-EXIT_INTERRUPTED = 7  # stopped by a signal; re-run the same command to resume
-EXIT_DIVERGED = 8  # a NaN/inf loss or weight stopped training (train/guard.py)
 STOP_SIGNALS = tuple(s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGUSR1", None)) if s)
 
 

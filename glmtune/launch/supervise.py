@@ -39,10 +39,10 @@ import subprocess
 import sys
 import threading
 
-from .signals import EXIT_INTERRUPTED, STOP_SIGNALS
+from .exits import ERROR_PREFIX, EXIT_BAD_INPUT, EXIT_INTERRUPTED
+from .signals import STOP_SIGNALS
 
 OURS = re.compile(r"glmtune: (error: |stopped by )")  # glmtune's one line: an error, or a stop that kept its work
-ERROR = "glmtune: error: "  # the supervisor's own lines
 STOPPED = re.compile(r"glmtune: (?:error: )?stopped by (SIG\w+)")
 EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")  # torchrun's failure report, one per failed rank
 # torchrun's first line about a failure: the first failed rank's code; all it prints after is its report.
@@ -146,8 +146,8 @@ class Supervisor:
         try:
             command = launcher_command(self.argv)
         except LookupError as missing:
-            print(f"{ERROR}{missing}", file=sys.stderr)
-            return 2
+            print(f"{ERROR_PREFIX}{missing}", file=sys.stderr)
+            return EXIT_BAD_INPUT
         self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1,
                                      start_new_session=True, preexec_fn=_die_with_parent)
         for sig in STOP_SIGNALS:
@@ -169,7 +169,7 @@ class Supervisor:
             return self.first_failure  # torchrun's 1 for any failure: the rank's documented code instead
         if code != 0 and not self.seen and not self.reporting:  # nothing said why: the deepspeed launcher runs at
             # --log_level critical (scripts/deepspeed_launch.sh), without its "exits with return code" line
-            print(f"{ERROR}{os.path.basename(self.argv[0])} ended with exit code {code} and no rank said why: "
+            print(f"{ERROR_PREFIX}{os.path.basename(self.argv[0])} ended with exit code {code} and no rank said why: "
                   "read the rank<N>.log files in the run dir", file=sys.stderr)
         return code
 
@@ -177,7 +177,7 @@ class Supervisor:
 def main() -> None:
     if len(sys.argv) < 2:
         print("usage: python -m glmtune.supervise LAUNCHER [ARGS...]", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_BAD_INPUT)
     if os.path.basename(sys.argv[1]) == "deepspeed":  # its runner and launcher import DeepSpeed too: tell them
         from .quiet import quiet_libraries  # the accelerator, as the ranks are told (costs a torch import)
 

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 from ..config.units import GIB
+from ..launch.exits import EXIT_NCCL, EXIT_OOM, EXIT_TRANSFORMERS
 
-EXIT = {"oom": 4, "nvml_oom": 4, "nccl": 5, "transformers_version": 6}
+EXIT = {"oom": EXIT_OOM, "nvml_oom": EXIT_OOM, "nccl": EXIT_NCCL, "transformers_version": EXIT_TRANSFORMERS}
 
 EXPLAIN = {
     "oom": "CUDA ran out of memory during training: the run needs more than the card has at some step "

@@ -10,7 +10,7 @@ one-node cluster only). When a worker or its node is lost, Ray restarts the whol
 =K)) and glmtune resumes from its last complete checkpoint in that dir; with --workers MIN-MAX the new group may have
 another size, and glmtune re-plans for it. `--name` of an earlier run resumes that run.
 
-Exit codes are glmtune's (README "When a run fails"), with the rank's one line; a failure Ray's restarts did not
+Exit codes are glmtune's (launch/exits.py), with the rank's one line; a failure Ray's restarts did not
 fix exits with its rank's code (1 when no rank said why, e.g. a worker killed K + 1 times).
 """
 from __future__ import annotations
@@ -25,7 +25,8 @@ from pathlib import Path
 
 from ..config import ConfigError, check_override_keys
 from ..config.cli import check_command_line, chosen_mode
-from ..rundir.files import fail
+from ..launch.console import fail
+from ..launch.exits import ERROR_PREFIX, EXIT_CRASH
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -104,18 +105,18 @@ def main(argv: list[str] | None = None) -> None:
         failure = err
     if final.exists():  # a rank's final exit (2 bad input, 3 does not fit, ...), with or without Ray's restarts
         recorded = json.loads(final.read_text())
-        print(recorded["line"] or f"glmtune: error: a rank exited {recorded['exit_code']}", file=sys.stderr)
+        print(recorded["line"] or f"{ERROR_PREFIX}a rank exited {recorded['exit_code']}", file=sys.stderr)
         sys.exit(recorded["exit_code"])
     if failure is None:
         print(f"glmtune on Ray: done; run dir {run_dir}, adapter {run_dir / 'adapter'}", flush=True)
         return
     ranks = [e for e in getattr(failure, "worker_failures", {}).values() if isinstance(e, RankFailed)]
     said = ranks[0].line if ranks and ranks[0].line.startswith("glmtune: ") else ""
-    print(said or f"glmtune: error: the Ray run failed after {args.max_failures} restart(s) "
+    print(said or f"{ERROR_PREFIX}the Ray run failed after {args.max_failures} restart(s) "
           f"({' '.join(str(failure).split())[:300]})", file=sys.stderr)
     print(f"glmtune on Ray: the last complete checkpoint is in {run_dir}/checkpoints; the same command with --name "
           f"{name} resumes it", file=sys.stderr)
-    sys.exit(ranks[0].code if ranks and ranks[0].code > 0 else 1)
+    sys.exit(ranks[0].code if ranks and ranks[0].code > 0 else EXIT_CRASH)
 
 
 if __name__ == "__main__":

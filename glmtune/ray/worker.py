@@ -25,14 +25,15 @@ import threading
 import time
 from pathlib import Path
 
+from ..launch.exits import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_NO_FIT, EXIT_OOM, EXIT_TRANSFORMERS
 from ..rundir.atomic import write_json
 from ..rundir.lock import RunDirLock
 
-# Exits a restart would only repeat (README "When a run fails": 2 bad input, 3 does not fit, 4 out of memory, 6
-# remote code, 8 diverged): recorded in FINAL_FILE, so that the group Ray restarts ends at once and the driver exits
-# with the code. Any other failure restarts the group (FailureConfig) to resume: 1 a crash, 5 NCCL (a peer died
-# first), a rank killed by a signal, and 7, a rank stopped by SIGTERM with a complete checkpoint (a node reclaimed).
-FINAL_EXITS = (2, 3, 4, 6, 8)
+# Exits a restart would only repeat (bad input, does not fit, out of memory, remote code, diverged): recorded in
+# FINAL_FILE, so that the group Ray restarts ends at once and the driver exits with the code. Any other failure
+# restarts the group (FailureConfig) to resume: a crash, NCCL (a peer died first), a rank killed by a signal, and a
+# rank stopped by SIGTERM with a complete checkpoint (EXIT_INTERRUPTED: a node reclaimed).
+FINAL_EXITS = (EXIT_BAD_INPUT, EXIT_NO_FIT, EXIT_OOM, EXIT_TRANSFORMERS, EXIT_DIVERGED)
 FINAL_FILE = "final-exit.json"  # beside the run dir: {"exit_code", "line"} of a final exit, for a restarted group
 LOCK_WAIT_S = 120  # a restarted group waits this long for the last group's ranks to let go of the run dir
 

@@ -16,7 +16,7 @@ import os
 import textwrap
 
 from ..config import ConfigError, DistConfig, RunConfig
-from ..rundir.files import LOG_WIDTH
+from ..launch.console import LOG_WIDTH
 
 
 def launched() -> bool:

@@ -33,12 +33,14 @@ from ..plan.host import set_tokens
 from .launched import check_launch, launch_note
 from .report import crash_line, header, no_fit_line, plan_written, report_probe, summary
 from ..rundir.resume import check_inputs, input_fingerprints, refuse_training_run, resume_command
-from ..rundir.files import STOP_PREFIX, console, fail, probed_peak, remove_empty_dirs, write_run_files
+from ..launch.console import console, fail
+from ..launch.exits import EXIT_CRASH, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_NO_FIT, STOP_PREFIX
+from ..rundir.files import probed_peak, remove_empty_dirs, write_run_files
 from ..rundir.lock import Start, decide, trim_metrics, write_state
 from ..train.checkpoints import checkpoint_step, damage, last_complete
 from ..train.compile import check_attention, describe, resolve_compile
 from ..train.preflight import check_device, check_disk, check_host_memory
-from ..launch.signals import EXIT_DIVERGED, EXIT_INTERRUPTED, STOP, Interrupted
+from ..launch.signals import STOP, Interrupted
 
 
 @dataclass
@@ -171,7 +173,7 @@ def planned(prep: Prepared, run_dir: Path, plan_scratch: bool):
         if note := launch_note(run):  # dist.nproc_per_node=N in one process: how to launch N (run/launched.py)
             console.print(note, markup=False)
     if not plan.fits:
-        fail(no_fit_line(plan), code=3)
+        fail(no_fit_line(plan), code=EXIT_NO_FIT)
     return plan, start
 
 
@@ -188,7 +190,7 @@ def probe_stage(prep: Prepared, plan, start: Start, run_dir: Path) -> tuple[Choi
         check_device(plan.choices)
         check_host_memory(run, plan)
     except MemoryError as err:
-        fail(str(err), code=3)
+        fail(str(err), code=EXIT_NO_FIT)
     if rank() == 0 and start.note:
         console.print(start.note)
     if run.mode == "train" and rank() == 0:
@@ -221,11 +223,11 @@ def probe_stage(prep: Prepared, plan, start: Start, run_dir: Path) -> tuple[Choi
         if is_disk_full(crash) or isinstance(crash, (ConfigError, Interrupted)):
             raise
         fail(f"the probe failed before training: {crash_line(crash)} — the run would fail the same way; the traceback "
-             f"is in {log_traceback(crash) or 'rank0.log'}", code=1)
+             f"is in {log_traceback(crash) or 'rank0.log'}", code=EXIT_CRASH)
     report_probe(probe, run_dir, plan.peak_bytes)
     remove_empty_dirs(run_dir, "probe")  # the probe's Trainer makes an output folder it never writes to
     if not probe.fits:
-        fail(probe_shortfall(probe, run), code=3)
+        fail(probe_shortfall(probe, run), code=EXIT_NO_FIT)
     return Choices(**probe.final), probe.predicted_peak_bytes, probe.measured_peak_bytes
 
 
@@ -303,7 +305,7 @@ def train_mode(prep: Prepared, plan, start: Start, choices: Choices, peaks: tupl
             raise  # sys.exit of a diagnosed failure (its line is out), or a signal the entry point reports
         fail(f"training failed in {getattr(crash, 'glmtune_where', 'training')}: {crash_line(crash)} — the traceback "
              f"is in {log_traceback(crash) or 'rank0.log'}; run_state.json says failed. Re-running resumes from the "
-             "last complete checkpoint, if any", code=1)
+             "last complete checkpoint, if any", code=EXIT_CRASH)
     remove_empty_dirs(run_dir, "checkpoints")  # nothing was due: no save_steps/save_minutes point was reached
     if leader:
         write_state(run_dir, status="done", step=metrics["steps"], adapter=metrics["adapter_dir"])

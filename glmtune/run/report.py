@@ -16,7 +16,8 @@ from ..launch import rank
 from ..config.units import GIB
 from ..plan.planner import Choices, Plan
 from ..rundir.atomic import write_json
-from ..rundir.files import ERROR_PREFIX, LOG_WIDTH, console
+from ..launch.console import LOG_WIDTH, console
+from ..launch.exits import ERROR_PREFIX
 from ..train.checkpoints import last_complete
 
 

@@ -43,15 +43,15 @@ from hydra.experimental.callback import Callback
 
 from ..rundir.atomic import append_line, read_jsonl, write_text
 from ..launch import rank
-from ..rundir.files import ERROR_PREFIX, console
-from ..launch.signals import EXIT_INTERRUPTED, Requeued
+from ..launch.console import console
+from ..launch.exits import ERROR_PREFIX, EXIT_INTERRUPTED, EXIT_NO_FIT, EXIT_NO_TRIAL
+from ..launch.signals import Requeued
 from . import sweepstop
 from ..config.units import GIB
 
 # The text of glmtune's one line, anywhere in a line: a progress bar's last update (ended by \r) may precede it.
 ONE_LINE = re.compile(re.escape(ERROR_PREFIX) + r"(.*)|glmtune: (stopped by .*)")
 
-EXIT_NO_TRIAL = 9  # a sweep in which no trial succeeded
 _SWEEP_DIR: Path | None = None  # where this process recorded trials, for the sweep's last line (final_line)
 
 
@@ -95,7 +95,7 @@ def run_trial(task: Callable[[], float | None], sweep_dir: Path, run_dir: Path, 
         raise SystemExit(again.code) from None
     except SystemExit as exc:  # glmtune's own stops: 2 bad input, 3 does not fit, 4 out of memory, 7 a signal...
         code = exc.code if isinstance(exc.code, int) else 1
-        status = {0: "ok", 3: "does not fit", EXIT_INTERRUPTED: "stopped"}.get(code, "failed")
+        status = {0: "ok", EXIT_NO_FIT: "does not fit", EXIT_INTERRUPTED: "stopped"}.get(code, "failed")
         error = tee.error_line() or f"exit code {code}"
     except Exception as exc:  # noqa: BLE001 - any crash is one failed trial, not the end of the sweep
         import logging

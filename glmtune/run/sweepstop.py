@@ -24,9 +24,10 @@ from pathlib import Path
 from omegaconf import read_write
 
 from ..launch import rank
-from ..launch.signals import EXIT_INTERRUPTED, StopSignals
+from ..launch.signals import StopSignals
 from ..rundir.atomic import write_json
-from ..rundir.files import ERROR_PREFIX, console
+from ..launch.console import console
+from ..launch.exits import ERROR_PREFIX, EXIT_INTERRUPTED
 
 BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"  # Hydra's: every trial in this process
 MARKER = "stopped.json"

@@ -1,4 +1,5 @@
-"""What a run leaves in its run dir besides the adapter: config, versions, and the console summary.
+"""What a run leaves in its run dir besides the adapter (config, versions, plan), the output folders checked
+before Hydra makes them, and what a launch that stopped on bad input takes back (empty logs and folders).
 
 Written by rank 0 only, and only after the inputs validated, so a run that stops on bad input never
 overwrites the files of an earlier run in the same folder; each file atomically (atomic.py), so a full
@@ -9,38 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from rich.console import Console
-
 from .atomic import write_json, write_text
 from ..launch import rank
-
-ERROR_PREFIX = "glmtune: error: "  # the sweep summary picks a failed trial's reason out of stderr by it
-STOP_PREFIX = "glmtune: "  # a stop signal that saved a checkpoint: "glmtune: stopped by SIGTERM at step ..." (exit 7)
-# Not a terminal (a log file, SLURM output, CI): tables wrap their cells at 120 columns (rich's default would be 80)
-# rather than growing to the longest cell, and are never cut ("…"). soft_wrap: plain lines are never folded by rich,
-# so a path or a step line stays whole for grep; the header and the plan's options wrap themselves at 120.
-LOG_WIDTH = 120
-console = Console(highlight=False, width=None if sys.stdout.isatty() else LOG_WIDTH, soft_wrap=True)
-
-
-def fail(message: str, code: int = 2, leader_speaks: bool = False, prefix: str = ERROR_PREFIX) -> None:
-    """One line on stderr, no traceback: what is wrong and what to do.
-
-    `leader_speaks`: a line every rank would say alike (a stop on a signal) is printed by rank 0 only; the other
-    ranks write it to their own log (rank<N>.log), so the console shows it once. `prefix`: STOP_PREFIX for a stop
-    that was asked for (not an error, though the exit code is 7)."""
-    if leader_speaks and rank() != 0:
-        for handler in logging.getLogger().handlers:
-            if isinstance(handler, logging.FileHandler):
-                handler.emit(logging.makeLogRecord({"msg": message, "levelno": logging.WARNING,
-                                                    "levelname": "WARNING", "name": "glmtune"}))
-        sys.exit(code)
-    print(f"{prefix}{message}", file=sys.stderr)
-    sys.exit(code)
+from ..launch.console import fail
 
 
 def check_output_dirs(argv: list[str]) -> list[Path]:

@@ -27,7 +27,7 @@ from ..infer.generate import RESERVE, inference_dtype, load_merged, load_quantiz
 from ..infer.sampling import free_gpu_bytes
 from ..models import load_config
 from ..models.identity import check_adapter_base
-from ..rundir.files import console
+from ..launch.console import console
 from .app import Service, make_app
 from .engine import Engine
 from .guard import Hosts

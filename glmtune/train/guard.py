@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from ..launch.signals import EXIT_DIVERGED, EXIT_INTERRUPTED, STOP
+from ..launch.signals import STOP
 
-__all__ = ["EXIT_DIVERGED", "EXIT_INTERRUPTED", "Diverged", "Guard", "StoppedBySignal"]
+__all__ = ["Diverged", "Guard", "StoppedBySignal"]
 
 
 class Diverged(Exception):

@@ -17,7 +17,9 @@ import dataclasses
 import math
 import os
 from pathlib import Path
+
 from ..config.units import GIB
+from ..launch.exits import EXIT_CRASH, EXIT_INTERRUPTED
 
 MLFLOW_STATUS = {"done": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
 
@@ -112,7 +114,7 @@ class TrackerRuns:
     def _close_wandb(self, outcome: str) -> None:
         import wandb
 
-        wandb.finish(exit_code={"done": 0, "stopped": 7}.get(outcome, 1))
+        wandb.finish(exit_code={"done": 0, "stopped": EXIT_INTERRUPTED}.get(outcome, EXIT_CRASH))
 
     # MLflow: MLFLOW_TRACKING_URI / MLFLOW_EXPERIMENT_NAME / MLFLOW_RUN_ID are read by mlflow itself --------------
     def _open_mlflow(self) -> None:
