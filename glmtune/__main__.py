@@ -41,10 +41,11 @@ from .launch.exits import EXIT_INTERRUPTED, EXIT_NO_TRIAL, STOP_PREFIX
 from .rundir.files import check_output_dirs, discard_unused, own_new_logs, unmake
 from .rundir.lock import RunDirLock
 from .rundir.resume import redirect
-from .run.modes import prepare, run_mode
-from .run import sweepstop
-from .run.report import disk_full_line
-from .run.sweep import final_line, none_succeeded, run_trial
+from .modes import sweepstop
+from .modes.prepare import prepare
+from .modes.report import disk_full_line
+from .modes.run import run_mode
+from .modes.sweep import final_line, none_succeeded, run_trial
 
 # Every rank of one launch must agree on the run dir; ${now:} alone would differ by a second. Cached in the
 # config, so a SLURM sweep's jobs reuse the sweep dir the submitting process resolved.
@@ -104,7 +105,7 @@ def execute(cfg: DictConfig) -> float | None:
         fail(disk_full_line(err, run_dir))
     finally:
         lock.release()
-        gc.unfreeze()  # modes.settle_process froze the heap for the run; the exit's own collection sees it again
+        gc.unfreeze()  # modes/run.settle_process froze the heap for the run; the exit's own collection sees it again
         STOP.uninstall()
         STOP.received, STOP.deferred = None, False  # a sweep runs the next trial in this process
 
@@ -162,7 +163,7 @@ def cli() -> None:
     except (HydraException, OmegaConfBaseException) as err:
         unmake(made)
         fail(" ".join(str(err).split()))
-    except Interrupted as sig:  # a second stop signal between two trials of a sweep (run/sweepstop.py)
+    except Interrupted as sig:  # a second stop signal between two trials of a sweep (modes/sweepstop.py)
         sweepstop.mark_stopped()
         fail(f"stopped by a second {sig.name} between two trials; no trial was running — re-run the same sweep "
              "command to continue it: finished trials are kept", code=EXIT_INTERRUPTED, prefix=STOP_PREFIX)

@@ -1,4 +1,4 @@
-"""The probe of each case of tests/test_rehearse.py, the way mode=probe runs it (run/modes.py: prepare, plan,
+"""The probe of each case of tests/test_rehearse.py, the way mode=probe runs it (glmtune/modes: prepare, planned,
 probe_stage), either as one rank of a real launch (`torchrun --nproc_per_node N rehearse_worker.py CASES OUT`, gloo)
 or as one process rehearsing every case's world in turn (`python rehearse_worker.py CASES OUT`: probe.rehearse=auto
 with dist.nproc_per_node=N). CASES: {name: [overrides]}; rank 0 writes {name: probe.json} to OUT."""
@@ -14,16 +14,17 @@ from accelerate.state import AcceleratorState
 from hydra import compose, initialize_config_dir
 
 from glmtune.config import CONF_DIR
-from glmtune.run import modes
+from glmtune.modes.prepare import prepare
+from glmtune.modes.run import planned, probe_stage
 
 
 def probe(overrides: list[str], run_dir: Path) -> dict | None:
     with initialize_config_dir(str(CONF_DIR), version_base=None):
         cfg = compose("config", overrides=["mode=probe", *overrides])
-    prep = modes.prepare(cfg, overrides)
-    plan, start = modes.planned(prep, run_dir, plan_scratch=True)
-    modes.probe_stage(prep, plan, start, run_dir)
-    report = run_dir / "probe.json"  # rank 0's (run/report.report_probe)
+    prep = prepare(cfg, overrides)
+    plan, start = planned(prep, run_dir, plan_scratch=True)
+    probe_stage(prep, plan, start, run_dir)
+    report = run_dir / "probe.json"  # rank 0's (modes/report.report_probe)
     return json.loads(report.read_text()) if report.is_file() else None
 
 

@@ -233,7 +233,7 @@ def test_a_probe_of_one_process_says_it_is_not_the_n_asked_for(monkeypatch):
     """probe.rehearse=false measures this one process: the note says so. auto (the default) rehearses rank 0 of
     the 4 here (probe/rehearse.py), so there is nothing to say."""
     from glmtune.config import parse_config
-    from glmtune.run.launched import launch_note
+    from glmtune.modes.launched import launch_note
     from test_config import composed
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)

@@ -28,8 +28,8 @@ ALLOWED = {
     "infer": {"config", "rundir", "models", "data", "plan"},
     "serve": {"config", "launch", "rundir", "models", "data", "plan", "infer"},  # mode=serve's HTTP server
     "scale": {"__init__", "config", "launch", "rundir", "models", "plan", "train"},  # a plan's cluster objects
-    "run": {"config", "launch", "rundir", "models", "data", "plan", "probe", "train", "infer", "serve", "scale"},
-    "__main__": {"config", "launch", "rundir", "run"},
+    "modes": {"config", "launch", "rundir", "models", "data", "plan", "probe", "train", "infer", "serve", "scale"},
+    "__main__": {"config", "launch", "rundir", "modes"},
     "ray": {"config", "launch", "rundir"},  # `python -m glmtune.ray`: Ray Train workers that are glmtune ranks
     "supervise": {"launch"},  # `python -m glmtune.supervise`: the documented name of launch/supervise.py
 }

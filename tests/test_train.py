@@ -15,7 +15,7 @@ from glmtune.data.pipeline import DataCollator, build_datasets
 from glmtune.models import load_config, load_model, load_tokenizer
 from glmtune.models.presets import arch_config, ensure_tiny
 from glmtune.plan.planner import make_plan
-from glmtune.run.report import optimizer_steps
+from glmtune.modes.report import optimizer_steps
 from glmtune.train.trainer import train
 
 from conftest import glmtune_in_process

@@ -3,5 +3,5 @@ base's own layout, or the HF-native one of `hf_layout.py`; the adapter converted
 `adapter_export.py`; the vllm serve command and SERVE.md in `serve_command.py`), where an export may write: never
 over an input, only over an earlier export (`targets.py`), device maps over several GPUs (`devicemap.py`).
 
-May import: glmtune.config, rundir, models, data, plan. Imported by run/modes.py only.
+May import: glmtune.config, rundir, models, data, plan. Imported by the modes (glmtune/modes/) only.
 """

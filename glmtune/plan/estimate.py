@@ -26,7 +26,7 @@ from .reserve import phase_reserves
 from .variants import BYTES, HEADS, linear_shapes, peft_adapter_dtype, roles  # noqa: F401 (shared with variants)
 from .archsize import (IMAGE_TOKENS, VISION_LAYER_TOKENS, block_params, frozen_params,  # noqa: F401 (re-exported)
                        image_extra_tokens, vision_params, vision_working)
-from ..config.units import GIB, MIB
+from ..config.units import MIB
 
 
 # ZeRO-3 buffer sizes in elements. The prefetch bucket and the largest gathered layer are what ZeRO-3

@@ -37,7 +37,7 @@ RESUMABLE_CHANGES = ("train.resume", "train.max_steps", "train.num_epochs", "tra
 # The memory levers: they change where and how fast the run trains, never what it computes (the loss is the mean
 # over each optimizer step's target tokens, train/steps.py), so a resume may move to another card, GPU count or
 # engine. The micro-batch and accumulation may change as long as the global batch (micro x accumulation x
-# processes, recorded at the first launch) stays; run/modes.py checks that and re-plans for the new hardware.
+# processes, recorded at the first launch) stays; modes/run.py checks that and re-plans for the new hardware.
 MEMORY_LEVERS = ("train.per_device_batch_size", "train.grad_accum", "train.eval_batch_size",
                  "train.gradient_checkpointing", "train.precision", "train.compile", "train.packed_attention",
                  "data.packing", "data.pack_length")  # packing: rows of the same examples (data/packing.py)

@@ -5,5 +5,5 @@ requests (`engine.py`), the routes, the bounded body and OpenAI's answer and err
 before anything loads and the key a network needs (`port.py`), and the process: model loading, start line, clean
 stop (`server.py`). The server reads and writes no file a request names.
 
-May import: glmtune.config, launch, rundir, models, data, plan, infer. Imported by run/modes.py only.
+May import: glmtune.config, launch, rundir, models, data, plan, infer. Imported by the modes (glmtune/modes/) only.
 """

@@ -16,7 +16,7 @@ A re-run into the same `hydra.sweep.dir` skips every trial already recorded as o
 returns the recorded metric, so a seeded optuna sampler proposes the same next trials); an unfinished trial
 runs again in its own run dir (`<sweep dir>/<num>/`), which resumes it from its last complete checkpoint.
 
-A stop signal (SIGTERM, Ctrl-C's SIGINT, SIGUSR1) stops the sweep, not only its trial (run/sweepstop.py): the
+A stop signal (SIGTERM, Ctrl-C's SIGINT, SIGUSR1) stops the sweep, not only its trial (modes/sweepstop.py): the
 trial saves its checkpoint and is recorded `stopped`, no further trial starts, the sweep exits 7 with one line,
 and the same sweep command continues it. A trial of the SLURM launcher (a job of its own) is recorded `stopped`
 and its sweep goes on: the other jobs run anyway.
@@ -44,7 +44,7 @@ from hydra.experimental.callback import Callback
 from ..rundir.atomic import append_line, read_jsonl, write_text
 from ..launch import rank
 from ..launch.console import console
-from ..launch.exits import ERROR_PREFIX, EXIT_INTERRUPTED, EXIT_NO_FIT, EXIT_NO_TRIAL
+from ..launch.exits import ERROR_PREFIX, EXIT_INTERRUPTED, EXIT_NO_FIT
 from ..launch.signals import Requeued
 from . import sweepstop
 from ..config.units import GIB

@@ -4,7 +4,7 @@
     glmtune +hparams_search=lora_optuna ...     # the same command: trial 0 kept, trial 1 resumed, then 2, 3 ...
 
 During a trial the run's own handler (launch/signals.STOP) answers a signal: the trial saves its checkpoint and
-exits 7, which run/sweep.run_trial records as `stopped` and turns into the end of the sweep. Between trials (the
+exits 7, which modes/sweep.run_trial records as `stopped` and turns into the end of the sweep. Between trials (the
 sweeper's own code, a trial's set-up and bookkeeping) SWEEP_STOP records the signal, and the sweep ends before
 the next trial starts; a second signal there ends it at once. Only with Hydra's basic launcher: a SLURM
 launcher's trials are jobs of their own, and their launching process must stay stoppable as it is.
@@ -12,7 +12,7 @@ launcher's trials are jobs of their own, and their launching process must stay s
 A stopped sweep leaves `stopped.json` in its sweep dir with its command line. Hydra names every sweep dir afresh
 (multirun/DATE/TIME.mmm-<id>), so on its own the same command would start over; instead, when no
 `hydra.sweep.dir=` is given, a sweep first looks under ./multirun for the newest stopped sweep of the same
-command and continues in its dir (run/sweep.py then skips its finished trials and resumes the stopped one).
+command and continues in its dir (modes/sweep.py then skips its finished trials and resumes the stopped one).
 """
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def mark_stopped(sweep_dir: Path | None = None) -> None:
 
 
 def trial_stop_advice() -> str | None:
-    """What a trial's stop line (run/modes.py) tells to do, when the run is a trial of a sweep in this process."""
+    """What a trial's stop line (modes/train.py) tells to do, when the run is a trial of a sweep in this process."""
     if _TRIAL is None:
         return None
     num, sweep_dir = _TRIAL
