@@ -8,7 +8,9 @@ import torch
 from glmtune.config import ConfigError, RunConfig
 from glmtune.config import userds
 from glmtune.plan.estimate import PREFETCH_BUCKET, REDUCE_BUCKET
-from glmtune.plan.planner import Choices
+from glmtune.models import GLMConfig
+from glmtune.models.loading import TINY_ARCH
+from glmtune.plan.planner import Choices, make_plan
 from glmtune.train.zero3 import merged
 
 from conftest import glmtune
@@ -17,6 +19,7 @@ USER = {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_
                               "offload_optimizer": {"device": "cpu"}, "overlap_comm": False},
         "bf16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
         "train_batch_size": "auto", "wall_clock_breakdown": False}
+TINY = GLMConfig(**TINY_ARCH, padded_vocab_size=1024)
 
 
 def choices(**kw) -> Choices:
@@ -43,13 +46,14 @@ def test_the_file_s_zero_settings_reach_the_plan(tmp_path):
     path.write_text(json.dumps(USER))
     run = RunConfig()
     run.dist.deepspeed_config = str(path)
-    assert userds.apply(run) == USER and run.dist.strategy == "zero3"
-    assert userds.offloads(run) == (False, True)
+    user = userds.load(run)
+    assert user.data == USER and (user.stage, user.offload_params, user.offload_optimizer) == (3, False, True)
+    assert userds.with_strategy(run, user).dist.strategy == "zero3" and run.dist.strategy == "auto"  # a copy
+    assert make_plan(userds.with_strategy(run, user), TINY, 2, False, user_ds=user).choices.offload_optimizer
     path.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
     run = RunConfig()
     run.dist.deepspeed_config = str(path)
-    userds.apply(run)
-    assert run.dist.strategy == "ddp"  # stage 0-2 shard only adapter states: planned as stage 0
+    assert userds.with_strategy(run, userds.load(run)).dist.strategy == "ddp"  # stage 0-2: planned as stage 0
 
 
 def test_conflicts_are_one_line_naming_each(tmp_path):
@@ -59,13 +63,13 @@ def test_conflicts_are_one_line_naming_each(tmp_path):
                                 "fp16": {"enabled": True}}))
     run = RunConfig()
     run.dist.deepspeed_config, run.dist.strategy, run.train.precision = str(path), "ddp", "bf16"
-    message = str(pytest.raises(ConfigError, userds.apply, run).value)
+    message = str(pytest.raises(ConfigError, userds.load, run).value)
     assert "\n" not in message and message.startswith(f"{path}: ")
     for fragment in ('"optimizer" block', '"scheduler" block', "train_micro_batch_size_per_gpu=4",
                      "dist.strategy=ddp", "fp16.enabled=true but train.precision=bf16"):
         assert fragment in message
     path.write_text('{"zero_optimization": {"stage": 3,}}')
-    assert f"{path}:1: invalid JSON" in str(pytest.raises(ConfigError, userds.apply, run).value)
+    assert f"{path}:1: invalid JSON" in str(pytest.raises(ConfigError, userds.load, run).value)
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
-"""dist.deepspeed_config=FILE.json: the user's own DeepSpeed config, read once, checked against the run, and
-its ZeRO settings given to the plan.
+"""dist.deepspeed_config=FILE.json: the user's own DeepSpeed config, read and checked against the run once
+(`load`), into a typed value the plan, the probe and the trainer are handed (UserDeepSpeed).
 
     glmtune dist.deepspeed_config=ds_zero3_offload.json +hw=rtx4090_24g dist.nproc_per_node=2 ...
 
@@ -10,10 +10,12 @@ offload_optimizer: the adapter's states leave the card). Every "auto" in it is f
 (train/zero3.py). A value that contradicts the run is one line, exit 2: optimizer and scheduler blocks (glmtune
 builds its own over the LoRA parameters: train.optimizer, train.lr_scheduler), a batch size other than the
 config's, a precision the plan did not choose, stage 3 with dist.strategy=ddp or with model.quantize.
+dist.strategy=auto takes the file's stage (`with_strategy`): ZeRO-3 for stage 3, plain data parallel below.
 """
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,23 @@ from .validate import ConfigError, RunConfig
 # Keys whose number must equal a glmtune setting (or be "auto"): key -> (config key, attribute of TrainConfig).
 _SAME = {"train_micro_batch_size_per_gpu": ("train.per_device_batch_size", "per_device_batch_size"),
          "gradient_accumulation_steps": ("train.grad_accum", "grad_accum")}
+
+
+@dataclass(frozen=True)
+class UserDeepSpeed:
+    """dist.deepspeed_config as read and checked by `load`: the file's settings the plan counts, and its JSON
+    object, which train/zero3.merged copies with the plan's values where it says "auto" (never changed here)."""
+
+    path: str  # as given in dist.deepspeed_config
+    data: dict[str, Any]
+    stage: int  # zero_optimization.stage; 0 without that block
+    offload_params: bool  # zero_optimization.offload_param.device is not "none"
+    offload_optimizer: bool  # zero_optimization.offload_optimizer.device is not "none"
+
+    @property
+    def strategy(self) -> str:
+        """What dist.strategy=auto becomes: ZeRO-3 shards the weights; stages 0-2 shard only adapter states."""
+        return "zero3" if self.stage == 3 else "ddp"
 
 
 def read(path: str) -> dict[str, Any]:
@@ -84,20 +103,17 @@ def check(data: dict[str, Any], run: RunConfig, shown: str) -> None:
         raise ConfigError(f"{shown}: " + "; ".join(problems))
 
 
-def apply(run: RunConfig) -> dict[str, Any] | None:
-    """Read and check dist.deepspeed_config (None when unset); its stage then decides dist.strategy."""
+def load(run: RunConfig) -> UserDeepSpeed | None:
+    """Read and check dist.deepspeed_config (None when unset); every contradiction with `run` is one ConfigError."""
     if not run.dist.deepspeed_config:
         return None
     data = read(run.dist.deepspeed_config)
     check(data, run, run.dist.deepspeed_config)
-    if run.dist.strategy == "auto":
-        run.dist.strategy = "zero3" if zero(data)[0] == 3 else "ddp"
-    return data
+    return UserDeepSpeed(run.dist.deepspeed_config, data, *zero(data))
 
 
-def offloads(run: RunConfig) -> tuple[bool, bool]:
-    """(offload_params, offload_optimizer) the plan starts from: the file's, else none."""
-    if not run.dist.deepspeed_config:
-        return False, False
-    _, params, optimizer = zero(read(run.dist.deepspeed_config))
-    return params, optimizer
+def with_strategy(run: RunConfig, user: UserDeepSpeed | None) -> RunConfig:
+    """`run` with dist.strategy=auto decided by the file's stage (a copy; `run` itself is left as it is)."""
+    if user is None or run.dist.strategy != "auto":
+        return run
+    return replace(run, dist=replace(run.dist, strategy=user.strategy))

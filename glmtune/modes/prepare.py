@@ -34,6 +34,7 @@ class Prepared:
     run: Any  # config_schema.RunConfig
     arch: Any
     overrides: list[str]
+    user_ds: userds.UserDeepSpeed | None  # dist.deepspeed_config
     model_dir: Path | None = None
     tokenizer: Any = None
     data: Any = None
@@ -46,10 +47,11 @@ def prepare(cfg: DictConfig, overrides: list[str]) -> Prepared:
     config = OmegaConf.to_container(cfg, resolve=True)
     try:
         run = parse_config(config)
-        userds.apply(run)  # dist.deepspeed_config: checked now; its ZeRO stage decides dist.strategy=auto
+        user_ds = userds.load(run)  # dist.deepspeed_config, read and checked once, before anything loads
+        run = userds.with_strategy(run, user_ds)  # its ZeRO stage decides dist.strategy=auto
         check_launch(run)  # dist.nproc_per_node=N without a launcher: exit 2 for mode=train (modes/launched.py)
         check_attention(run.train)
-        prep = Prepared(cfg, config, run, arch_config(run.model), overrides)  # config.json only: no weights read
+        prep = Prepared(cfg, config, run, arch_config(run.model), overrides, user_ds)  # config.json: no weights
         if run.mode != "plan":
             prep.model_dir = resolve_model_dir(run.model)
             check_weight_files(prep.model_dir)  # missing, truncated or pickled weights: one line now, not mid-load

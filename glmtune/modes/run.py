@@ -93,7 +93,7 @@ def planned(prep: Prepared, run_dir: Path, plan_scratch: bool):
     length_set = run.data.max_length != 500 or typed(prep.overrides, "data.max_length")
     packed = prep.packing.shape() if prep.packing else planned_packing(run.data, image_extra_tokens(arch))
     plan = make_plan(run, arch, world, length_set, data_max_tokens=longest_length(data.stats) if data else None,
-                     packed=packed, data_tokens=set_tokens(data.stats) if data else 0)
+                     packed=packed, data_tokens=set_tokens(data.stats) if data else 0, user_ds=prep.user_ds)
     world = plan.choices.world_size  # the data-parallel width: processes / the planned sequence-parallel degree
     if plan.packing and prep.packing is not None:  # the data's own rows per micro-step at the plan's micro-batch
         plan.packing["expected_rows_per_micro_step"] = expected_rows(prep.packing, plan.choices.micro_batch_size)
@@ -165,7 +165,8 @@ def probe_stage(prep: Prepared, plan, start: Start, run_dir: Path) -> tuple[Choi
     try:
         probe = run_probe(run, plan, arch, prep.model_dir, longest_length(prep.data.stats), prep.tokenizer,
                           collator(prep), run_dir, world_size(), evaluates=prep.data.val is not None,
-                          packed=prep.packing.shape(), rehearsed=rehearsed_world(run, world_size()))
+                          packed=prep.packing.shape(), rehearsed=rehearsed_world(run, world_size()),
+                          user_ds=prep.user_ds)
     except Exception as crash:  # noqa: BLE001 - not an out-of-memory (that is a rung): the run would fail the same way
         if is_disk_full(crash) or isinstance(crash, (ConfigError, Interrupted)):
             raise

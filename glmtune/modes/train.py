@@ -44,7 +44,7 @@ def train_mode(prep: Prepared, plan, start: Start, choices: Choices, peaks: tupl
         with diagnosed(run_dir, plan.breakdown, choices.to_dict(), run.probe.enabled):
             metrics, _ = train(run, choices, run_dir, prep.model_dir, data.train, data.val, collator(prep),
                                prep.tokenizer, peaks[0], plan.budget_bytes, resume_from=start.resume_from,
-                               probe_bytes=peaks[1], packer=prep.packing.packer())
+                               probe_bytes=peaks[1], packer=prep.packing.packer(), user_ds=prep.user_ds)
     except StoppedBySignal as stop:
         STOP.settle()  # the checkpoint is complete: nothing left for a later signal to protect
         last = last_complete(run_dir / "checkpoints")

@@ -212,18 +212,20 @@ def _budget(run: RunConfig, margin: float) -> int | None:
 
 def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
               data_max_tokens: int | None = None, margin: float | None = None,
-              packed: tuple[int, int] | None = None, advice: bool = True, data_tokens: int = 0) -> Plan:
+              packed: tuple[int, int] | None = None, advice: bool = True, data_tokens: int = 0,
+              user_ds: userds.UserDeepSpeed | None = None) -> Plan:
     """world_size: the processes of the launch; the plan's width (Choices.world_size) is that over the
-    sequence-parallel degree. data_tokens: the tokenized set's size, for the host budget (0 = unknown)."""
+    sequence-parallel degree. data_tokens: the tokenized set's size, for the host budget (0 = unknown).
+    user_ds: dist.deepspeed_config as config/userds.load read it; the plan starts from its offloads."""
     budget = _budget(run, run.hw.margin if margin is None else margin)
     processes, sp = world_size, sequence.first_degree(run, arch, world_size)
     world_size = processes // sp
     dtype, why_dtype = local_dtype(run)
     max_length = run.data.max_length if user_set_max_length else DEFAULT_MAX_LENGTH
-    offload_params, offload_optimizer = userds.offloads(run)  # dist.deepspeed_config's offloads, else none
     c = Choices(dtype=dtype, gradient_checkpointing=run.train.gradient_checkpointing == "on",
-                zero_stage=3 if run.dist.strategy == "zero3" else 0, offload_params=offload_params,
-                offload_optimizer=offload_optimizer,
+                zero_stage=3 if run.dist.strategy == "zero3" else 0,  # the offloads: the user's file's, else none
+                offload_params=bool(user_ds and user_ds.offload_params),
+                offload_optimizer=bool(user_ds and user_ds.offload_optimizer),
                 micro_batch_size=run.train.per_device_batch_size, grad_accum=run.train.grad_accum,
                 max_length=max_length, world_size=world_size, eval_batch_size=run.train.eval_batch_size,
                 sequence_parallel=sp,
@@ -273,7 +275,7 @@ def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
     if plan.packing:
         reasons["packed_attention"] = path_reason(run.train.packed_attention, plan.packing)
     if not ok and advice and budget is not None:  # the options are other cards and levers for a card budget
-        plan.advice = _advice(run, arch, processes, c.max_length, data_max_tokens, margin, packed, data_tokens)
+        plan.advice = _advice(run, arch, processes, c.max_length, data_max_tokens, margin, packed, data_tokens, user_ds)
     return plan
 
 
@@ -320,9 +322,9 @@ def _reasons(run, start: Choices, c: Choices, budget, weights: int, world_size: 
 
 
 def _advice(run, arch, world_size: int, max_length: int, data_max_tokens, margin,
-            packed: tuple[int, int] | None = None, data_tokens: int = 0) -> list[str]:
+            packed: tuple[int, int] | None = None, data_tokens: int = 0, user_ds=None) -> list[str]:
     """The overrides that would fit, each one planned again (plan/advice.py); empty when none does."""
     def replan(changed: RunConfig, world: int) -> Plan:
-        return make_plan(changed, arch, world, True, data_max_tokens, margin, packed, False, data_tokens)
+        return make_plan(changed, arch, world, True, data_max_tokens, margin, packed, False, data_tokens, user_ds)
 
     return advise(run, world_size, max_length, replan)

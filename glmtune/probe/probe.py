@@ -120,12 +120,12 @@ def emulate_card(memory_gib: float | None) -> bool:
 
 
 def _attempt(run: RunConfig, choices: Choices, model_dir: Path, examples: list[dict], eval_examples, collator,
-             scratch: Path, packer: RowPacker | None = None) -> tuple[dict | None, dict]:
+             scratch: Path, packer: RowPacker | None = None, user_ds=None) -> tuple[dict | None, dict]:
     """One probe attempt through the run's own Trainer and phases (train/phases.py): a training step, an
     evaluation when the run evaluates, training again, evaluating again. Returns (peak bytes per phase, detail),
     or (None, detail) when it ran out of memory; detail["phase"] then names the phase it ran out in."""
     args = training_args(run.train, choices, scratch, has_eval=bool(eval_examples), probe_steps=run.probe.steps,
-                         user_ds=userds.apply(run))
+                         user_ds=user_ds)
     model = trainer = None
     try:
         model = build_model(model_dir, run, choices)
@@ -205,10 +205,11 @@ def _restore_rng(state: tuple) -> None:
 
 def run_probe(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, tokenizer, collator,
               run_dir: Path, world_size: int, evaluates: bool, packed: tuple[int, int] | None = None,
-              rehearsed: int = 0) -> ProbeReport:
+              rehearsed: int = 0, user_ds: userds.UserDeepSpeed | None = None) -> ProbeReport:
     """packed: (positions per row, images per row) when the data is packed: the probe then runs the fullest
     micro-step packing can make of its micro-batch (plan/packrows.py), laid out by the run's own packer.
-    rehearsed: this one process is rank 0 of that many ranks (probe/rehearse.py), measured as rank 0."""
+    rehearsed: this one process is rank 0 of that many ranks (probe/rehearse.py), measured as rank 0.
+    user_ds: dist.deepspeed_config (config/userds.load), which the probed runs' DeepSpeed config starts from."""
     start, rng = time.perf_counter(), _rng_state()
     world_size = rehearsed or world_size
     emulated = emulate_card(run.hw.memory_gib)
@@ -217,7 +218,7 @@ def run_probe(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, t
     world = rehearse.rehearsal_world(world_size, max(1, world_size // run.dist.nnodes)) if rehearsed else nullcontext()
     with world:
         attempts, choices = _ladder(run, plan, arch, model_dir, longest, tokenizer, collator, run_dir, world_size,
-                                    evaluates, packed, image, rehearsed)
+                                    evaluates, packed, image, rehearsed, user_ds)
     _restore_rng(rng)
     last = attempts[-1]
     added = last.detail.get("added_terms", {})
@@ -234,7 +235,8 @@ def run_probe(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, t
 
 
 def _ladder(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, tokenizer, collator, run_dir: Path,
-            world_size: int, evaluates: bool, packed, image, rehearsed: int) -> tuple[list[Attempt], Choices]:
+            world_size: int, evaluates: bool, packed, image, rehearsed: int,
+            user_ds: userds.UserDeepSpeed | None) -> tuple[list[Attempt], Choices]:
     """The probe's attempts, one rung down the ladder after each that does not fit."""
     choices, attempts = plan.choices, []
     while True:
@@ -259,7 +261,7 @@ def _ladder(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, tok
         t0 = time.perf_counter()
         if rehearsed and choices.zero_stage == 3:
             rehearse.deepspeed_on_rehearsal_group()
-        peaks, detail = _attempt(run, choices, model_dir, examples, eval_examples, collator, run_dir, packer)
+        peaks, detail = _attempt(run, choices, model_dir, examples, eval_examples, collator, run_dir, packer, user_ds)
         detail["host_rss_bytes"] = _host_rss()
         if rehearsed:  # rank 0 is the one rank here: its peaks, plus what no rehearsal allocates
             peaks, detail = rehearse.with_added(peaks, detail, rehearse.added_terms(choices.zero_stage, world_size,

@@ -48,7 +48,7 @@ _TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.flo
 
 
 def training_args(cfg: TrainConfig, choices: Choices, run_dir: Path, has_eval: bool,
-                  probe_steps: int = 0, user_ds: dict | None = None) -> TrainingArguments:
+                  probe_steps: int = 0, user_ds: userds.UserDeepSpeed | None = None) -> TrainingArguments:
     """Built before the model loads: under ZeRO-3 these arguments switch on deepspeed.zero.Init.
 
     probe_steps > 0 gives the probe's arguments: the same engine, dtype and batch, but that many steps, an
@@ -104,7 +104,7 @@ def training_args(cfg: TrainConfig, choices: Choices, run_dir: Path, has_eval: b
         disable_tqdm=quiet,
         include_num_input_tokens_seen=not quiet,  # tokens/s in the summary (padded tokens, all ranks)
         save_safetensors=True,
-        deepspeed=deepspeed_config(choices, user_ds),  # user_ds: dist.deepspeed_config, read by plan/userds.py
+        deepspeed=deepspeed_config(choices, user_ds.data if user_ds else None),  # dist.deepspeed_config's or the plan's
         # Without a GPU, accelerate 1.x starts no gloo group unless told the run is CPU-only: every rank of
         # a torchrun/deepspeed launch then believed it was rank 0 of 1 (same batches, every rank writing).
         use_cpu=not torch.cuda.is_available(),
@@ -162,8 +162,8 @@ def swanlab_callback(report_to: list[str]) -> list:
 
 def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, train_set, val_set,
           collator, tokenizer=None, planned_bytes: int | None = None, budget_bytes: int | None = None,
-          resume_from: Path | None = None, probe_bytes: int | None = None, packer=None
-          ) -> tuple[dict, torch.nn.Module]:
+          resume_from: Path | None = None, probe_bytes: int | None = None, packer=None,
+          user_ds: userds.UserDeepSpeed | None = None) -> tuple[dict, torch.nn.Module]:
     """Fine-tune (from `resume_from`, a complete checkpoint, when given), save the adapter (rank 0) and
     return (metrics, the trained PEFT model). Raises guard.Diverged / guard.StoppedBySignal instead of
     returning when the run stopped early; the last complete checkpoint is then in run_dir/checkpoints.
@@ -171,8 +171,9 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
     tokenizer: needed for eval.generate (replies are generated and decoded). planned_bytes and budget_bytes
     (the plan's per-GPU peak and budget) are drawn on memory_timeline.png; they and probe_bytes (the probe's
     measured peak) go to the trackers with every training log line. packer: data.packing's RowPacker when
-    packing (each micro-batch's examples laid into rows), else None."""
-    args = training_args(run.train, choices, run_dir, has_eval=bool(val_set), user_ds=userds.apply(run))
+    packing (each micro-batch's examples laid into rows), else None. user_ds: dist.deepspeed_config
+    (config/userds.load), merged with the plan's choices."""
+    args = training_args(run.train, choices, run_dir, has_eval=bool(val_set), user_ds=user_ds)
     output_dir = Path(args.output_dir)
     if resume_from is not None:
         allow_numpy_rng_state()
