@@ -6,14 +6,14 @@
                                                            # CUDA: 2 blocks of glm-4-9b-chat in bf16 (gpu_pending)
 
 One packed row of `length` positions cut into documents of each `--docs` size (the last one shorter) runs forward +
-backward through the model's own forward (modeling_glm4.ChatGLMModel) with train.packed_attention forced to each
+backward through the model's own forward (models/chatglm/modeling.ChatGLMModel) with train.packed_attention forced to each
 path. The tiny GLM-4 (2 blocks, hidden 64, 4 heads over 2 KV groups, fp32: attention is most of a step at these
 lengths) runs on CPU; `--model glm4_9b` builds glm-4-9b-chat's blocks (32 heads of 128 over 2 KV groups, hidden
 4,096, the 151,552-token head behind a 1,024-token chunked loss) with `--layers` blocks on the GPU in bf16. Per row:
 the median step time of `--steps` timed steps after one warm-up (the paths take turns), the step's peak memory
 above what it started with (CUDA: max_memory_allocated; CPU: live tensor bytes, train/livebytes.py), and the dense
 mask's own bytes (B x S^2 bool; SDPA's bias made of it, in the compute dtype, comes on top per block). The segments
-path has no [seq, seq] tensor. The closing line is the DENSE_MASK_MAX (models/docattention.py) the rows suggest:
+path has no [seq, seq] tensor. The closing line is the DENSE_MASK_MAX (models/kernels/docattention.py) the rows suggest:
 the longest length up to which the dense mask is never more than 5 % slower than per-document SDPA for any
 document size, and its extra step memory stays under 2 % of a 24 GB card.
 """

@@ -5,7 +5,7 @@
 Each SP degree is one real `torchrun --nproc_per_node N` launch on gloo (this file is also the worker). Every
 rank builds the same GLM-shaped model — 32 query heads over 2 KV groups like GLM-4-9B, narrower and shallower
 so a CPU step takes seconds — and trains fwd + bwd with reentrant checkpointing on its 1/N of one row of
-`--seq` tokens (models/ulysses.py). Times are rank 0's, after one warm-up step:
+`--seq` tokens (models/kernels/ulysses.py). Times are rank 0's, after one warm-up step:
 
 - step ms: one forward + backward of the whole row (all N ranks in parallel, each on its shard);
 - tokens/s: row tokens / step time (the group's), and per process (what one GPU would contribute);

@@ -129,7 +129,7 @@ def vision_results(rank: int, pairs) -> dict[str, dict]:
             sp = SequenceGroup.of(pairs[rank // 2] if size == 2 else None)
             loss, logits, grads = run_vision_case(model, data, sp)
             ref_local = pad_and_shard(ref_logits, 0.0, sp)[:, :logits.shape[1]]
-            # Compared where a token is: a pad's query row attends to every key (modeling_glm4.build_attention_mask),
+            # Compared where a token is: a pad's query row attends to every key (models/kernels/masks.build_attention_mask),
             # the sequence-parallel pads included; no loss ever reads it.
             real = pad_and_shard(merged_mask(model, data, ref_logits.shape[:2]), 0, sp).bool()
             results[f"glm4v packed={packed} sp={size}"] = differences(

@@ -1,10 +1,12 @@
-"""Config: compose and validate. The command line before Hydra (`cli.py`), one composition for a plain run
-(`compose.py`), the typed schema (`schema.py`), its validation into one ConfigError (`validate.py`; serve.* in
-`serving.py`), and the user's own DeepSpeed JSON, read and checked against the run (`userds.py`: the plan reads its
-ZeRO stage and offloads, the trainer the file itself), and the sample sets' val pairing, a resolver the data configs
-name (`samples.py`: registered here, so any composition of conf/ can resolve it).
+"""Config: the command line checked and composed, then validated once into typed dataclasses. The command line
+before Hydra (`cli.py`), one composition for a plain run (`compose.py`), the typed schema (`schema.py`), its
+validation into one ConfigError (`validate.py`; serve.* in `serving.py`, plan.* in `planemit.py`), the user's own
+DeepSpeed JSON read and checked once into a typed value (`userds.py`), the sample sets' val pairing, a resolver the
+data configs name (`samples.py`: registered here, so any composition of conf/ can resolve it), and the units of
+memory every module counts in (`units.py`).
 
-Imports nothing else of glmtune: every stage below receives these objects, and reads them from here.
+May import: glmtune.launch (the exit codes --help lists). Every stage below receives these objects and reads
+them from here.
 """
 from .validate import (CONF_DIR, EVAL_METRICS, GROUPS, LORA_TARGETS, MODES, TRACKERS, ConfigError,  # noqa: F401
                        DataConfig, DistConfig, EvalConfig, HwConfig, InferConfig, LoraConfig, ModelConfig,

@@ -3,8 +3,8 @@
 `hydra.main` (hydra-core 1.3.8, `_internal/utils.py: _run_hydra`) composes the whole config twice before a
 single run: `Hydra.get_mode` composes it as a multirun to read `hydra.mode`, then `Hydra.run` composes it again
 to run. glmtune's command line already says whether it is a multirun (`cli.is_multirun`), so the first one is
-waste: 0.5-0.6 s of `mode=plan`'s ~4 s on a 2-core VM, which is the whole point of an "instant" plan (issue 32,
-`bench/plan_import.py`). A plain run is handed to the same `Hydra.run` hydra.main would call, with the same
+waste: 0.5-0.6 s of `mode=plan`'s ~4 s on a 2-core VM, which is the whole point of an "instant" plan
+(`bench/plan_import.py`). A plain run is handed to the same `Hydra.run` hydra.main would call, with the same
 task name and search path (`--config-dir` included). Everything else (`-m`, a config that sets
 `hydra.mode: MULTIRUN` such as `+hparams_search=`, --cfg, --info, --hydra-help, shell completion,
 --experimental-rerun, --config-path/--config-name) still goes through `hydra.main`, unchanged.

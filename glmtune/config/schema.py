@@ -37,7 +37,7 @@ class DataConfig:
     mix: Optional[list[float]] = None  # with several train files: each file's share of the training examples; None = all of each
     val_size: float = 0.0  # hold out this fraction (< 1) or count (>= 1) of the train examples as the val set; 0 = none
     # GLM-Z1 (a chat template whose generation prompt opens <think>): the last assistant turn's reasoning is trained
-    # (keep) or left out (drop: <think></think> then the answer); earlier turns follow the template (issue 41)
+    # (keep) or left out (drop: <think></think> then the answer); earlier turns follow the template
     thinking: str = "keep"
 
 
@@ -56,7 +56,7 @@ class DistConfig:
     strategy: str = "auto"  # auto: the plan decides; ddp: plain data parallel; zero3: DeepSpeed ZeRO-3
     nnodes: int = 1
     nproc_per_node: int = 1
-    deepspeed_config: Optional[str] = None  # your DeepSpeed JSON; the plan fills its "auto" values (train/ds_json.py)
+    deepspeed_config: Optional[str] = None  # your DeepSpeed JSON (config/userds.py); the plan fills its "auto" values
     # Processes that share each row (Ulysses, train/sequence.py): 1 = off; N must divide the processes and the
     # query heads, and be a multiple or divisor of the KV groups. The rest of the world is data parallel.
     # auto: the planner's rung, the smallest such N that fits (plan/sequence.py); an int is used as given.
@@ -91,8 +91,8 @@ class TrainConfig:
     # levers never change the gradient; micro_batch: each micro-batch's own mean, averaged (the official demo)
     loss_normalization: str = "tokens"
     compile: str = "auto"  # auto | on | off: torch.compile each decoder block; auto = on CUDA without ZeRO-3
-    packed_attention: str = "auto"  # auto | sdpa | segments | flex: attention of packed rows (models/docattention.py)
-    tiled_mlp: str = "auto"  # auto | on | off: the MLP in token tiles (models/tiling.py); auto = when the plan needs it
+    packed_attention: str = "auto"  # auto | sdpa | segments | flex: attention of packed rows (models/kernels/docattention.py)
+    tiled_mlp: str = "auto"  # auto | on | off: the MLP in token tiles (models/kernels/tiling.py); auto = when the plan needs it
 
 
 @dataclass
@@ -179,7 +179,7 @@ class PlanConfig:
 
 
 MODES = ("train", "plan", "probe", "infer", "chat", "serve")
-# infer.merge_format / infer.adapter_for (issue 40): checked with the other choices (validate.py _CHOICES)
+# infer.merge_format / infer.adapter_for: checked with the other choices (validate.py _CHOICES)
 EXPORT_CHOICES = {"infer.merge_format": ("remote", "hf"), "infer.adapter_for": ("none", "peft", "vllm")}
 
 

@@ -28,7 +28,7 @@ class ConfigError(ValueError):
 
 
 _CHOICES = {
-    "mode": MODES, **EXPORT_CHOICES,  # EXPORT_CHOICES: infer.merge_format, infer.adapter_for (issue 40)
+    "mode": MODES, **EXPORT_CHOICES,  # EXPORT_CHOICES: infer.merge_format, infer.adapter_for
     "model.quantize": ("none", "nf4", "int8"),
     "dist.strategy": ("auto", "ddp", "zero3"),
     "train.precision": ("auto", "bf16", "fp16", "fp32"),

@@ -2,7 +2,7 @@
 
     python -m glmtune data.packing=on data.pack_length=4096
 
-Packing is a speed lever, never another training (issue 31). The optimizer step's examples are decided first,
+Packing is a speed lever, never another training. The optimizer step's examples are decided first,
 exactly as unpacked (train/steps.py: the global batch in examples, the same sampler and order), and each rank's
 micro-batch receives the same examples it would receive unpacked. Only then are that micro-batch's examples laid,
 first-fit in the sampler's order, into rows of up to `pack_length` positions (RowPacker, called by the collator):
@@ -46,7 +46,7 @@ from ..config import DataConfig
 from .pipeline import IGNORE_INDEX
 
 # Default row length when data.pack_length is not set: on an H100 a 2,048-token row already runs the 9B model
-# at ~47 % of the card's bf16 matmul rate, against ~15 % for a single 512-token example (issue 13).
+# at ~47 % of the card's bf16 matmul rate, against ~15 % for a single 512-token example (measured).
 DEFAULT_PACK_LENGTH = 2048
 # `auto` packs when packing at least halves the rows of a micro-batch: below that the saved launches are few.
 AUTO_MIN_GAIN = 2.0
@@ -109,7 +109,7 @@ def positions(example: dict[str, Any], image_extra: int) -> int:
 
 def example_positions(split, image_extra: int) -> np.ndarray:
     """Positions of every example of a split: from the cache's length column for a TokenizedSplit (no token
-    list is read: issue 25, 2.8 M list conversions at 200K conversations), else from the dicts themselves."""
+    list is read: that was 2.8 M list conversions at 200K conversations), else from the dicts themselves."""
     if hasattr(split, "positions"):
         return split.positions(image_extra)
     return np.array([positions(e, image_extra) for e in split], dtype=np.int64)

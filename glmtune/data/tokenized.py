@@ -86,7 +86,7 @@ class TokenizedSplit(torch.utils.data.Dataset):
 
     def positions(self, image_extra: int) -> np.ndarray:
         """Positions of each kept example (tokens, plus image_extra when it has an image), from the length and
-        image columns alone: packing plans and counts with these, never reading a token list (issue 25)."""
+        image columns alone: packing plans and counts with these, never reading a token list."""
         lengths = self.column("length")[self.rows].astype(np.int64)
         if image_extra and self._has_images:
             lengths += self.column("image")[self.rows] * image_extra

@@ -3,7 +3,7 @@
 Without it each decode step copies every layer's whole cache into a new, one-token-longer tensor
 (torch.cat): O(tokens^2) bytes moved per generation and a stream of ever larger allocations. Inside
 `preallocated_kv_cache(model, new_tokens)` the prompt's forward allocates each layer's buffer for prompt +
-new_tokens positions and every step writes one position into it (models/layers.py SelfAttention._store);
+new_tokens positions and every step writes one position into it (models/kernels/attention.py _store);
 the cache handed back to generate() is a view of the filled part, so nothing else changes.
 """
 from __future__ import annotations

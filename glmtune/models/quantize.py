@@ -111,7 +111,7 @@ def _never_pack_on_cpu(layer: nn.Module) -> None:
     to bf16 and transposed, double-quant scales expanded. Its way back (run by a later training forward, `.to()`
     or `state_dict()`) is "best-effort": without double quant the scales stay transposed (a layer's weights
     off by up to 0.22 with |w| <= 1.31), with it they are re-quantized from bf16 (1.7e-3), so the training
-    steps after an evaluation used other base weights than those before (issue 31, D7).
+    steps after an evaluation used other base weights than those before (tests/test_nf4_cpu.py).
 
     The choice is a per-layer flag, set from the CPU at construction; cleared, the layer dequantizes and
     multiplies in the compute dtype in every mode, as training does and as every other CPU does. The codes and
@@ -139,7 +139,7 @@ def peft_without_bitsandbytes() -> Iterator[None]:
     layer (~2 s of imports, and on CPUs with AVX512-BF16 a warning about an optional 'kernels' package). A
     model that is not quantized has no bitsandbytes layer for them to match, so while peft adapts one, its two
     availability checks answer False. A quantized model's loader has imported bitsandbytes already: then
-    nothing changes (issue 25)."""
+    nothing changes."""
     if "bitsandbytes" in sys.modules:
         yield
         return

@@ -1,6 +1,6 @@
 """Per-GPU peak memory of a GLM LoRA training step, from the architecture and run shape alone.
 
-The tensor terms follow what glmtune's own model (models/layers.py) keeps for backward, counted per
+The tensor terms follow what glmtune's own model (models/chatglm/, on models/kernels/) keeps for backward, counted per
 storage: RMSNorm keeps its input and (bf16/fp16) an fp32 copy; SDPA keeps q, the GQA-expanded K and V
 (expand+reshape copies to all heads), its output and an fp32 log-sum-exp; SwiGLU keeps the fused
 h_to_4h output (silu and the product reference it) and silu's output; frozen Linears keep nothing,
@@ -85,7 +85,7 @@ class RunShape:
     double_quant: bool = True  # nf4: quantized absmax scales
     allocator: str = "expandable"  # expandable | default: the CUDA caching allocator's mode (plan/reserve.py)
     use_dora: bool = False  # DoRA's terms and the 8-bit optimizer's states: plan/variants.py
-    document_mask: bool = False  # packed rows on the dense path (sdpa; models/docattention.py): what estimate() says
+    document_mask: bool = False  # packed rows on the dense path (sdpa; models/kernels/docattention.py): what estimate() says
     mlp_tile_tokens: int = 0  # >0: the MLP runs in tiles of this many tokens (plan/tiledmlp.py), 0 = whole
     optimizer: str = "adamw_torch"  # adamw_torch | adamw_8bit
     sequence_parallel: int = 1  # ranks sharing each row (Ulysses): per-rank tokens seq/N (plan/longctx.py)

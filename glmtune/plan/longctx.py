@@ -1,7 +1,7 @@
 """Long-context terms of the estimator: Ulysses sequence parallelism on the card (the node's host memory is
 plan/host.py's).
 
-Sequence parallelism (models/ulysses.py, dist.sequence_parallel = N): a rank keeps ceil(seq / N) tokens of every
+Sequence parallelism (models/kernels/ulysses.py, dist.sequence_parallel = N): a rank keeps ceil(seq / N) tokens of every
 row through embeddings, norms, the MLP, LoRA's saved inputs, the checkpointed block inputs and the loss, so all
 of estimate.py's per-token terms take the local token count. Attention works on the whole row for heads / N query
 heads: q, the GQA-expanded K and V, the output and the log-sum-exp are [heads / N, seq] each, the same bytes as

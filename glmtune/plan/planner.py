@@ -49,7 +49,7 @@ class Choices:
     loss_chunk_tokens: int = 0  # 0 = reference loss; >0 = chunked loss, fp32 logits for this many tokens at a time
     offload_checkpoints: bool = False  # checkpointed block inputs kept in pinned CPU memory instead of on the GPU
     sequence_parallel: int = 1  # ranks sharing each row (plan/sequence.py); world_size is then processes / N
-    mlp_tile_tokens: int = 0  # >0: the MLP runs in token tiles of this size (models/tiling.py); 0 = whole
+    mlp_tile_tokens: int = 0  # >0: the MLP runs in token tiles of this size (models/kernels/tiling.py); 0 = whole
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -56,7 +56,7 @@ def largest_transients(arch: GLMConfig, shape, e: int) -> dict[str, int]:
     generation the prefill's SwiGLU output and the
     last position's fp32 logits (the model returns only those while generating)."""
     v, two_f = arch.padded_vocab_size, 2 * arch.ffn_hidden_size
-    tile = getattr(shape, "mlp_tile_tokens", 0)  # a tiled MLP (models/tiling.py) widens one tile at a time
+    tile = getattr(shape, "mlp_tile_tokens", 0)  # a tiled MLP (models/kernels/tiling.py) widens one tile at a time
 
     def wide(tokens: int) -> int:
         """The SwiGLU output; tiled, one tile's, or the norms' fp32 [tokens, hidden] once that is larger."""

@@ -1,13 +1,13 @@
 """The planner's sequence-parallel rung: which degrees it may use, the next one down, and the reasons it gives.
 
-dist.sequence_parallel = auto lets the planner add Ulysses sequence parallelism as its last rung: after every
-cheaper lever (micro-batch, chunked loss, checkpointing, checkpoint offload, ZeRO-3) it tries the next degree N
-that divides the processes and the model's heads (models/ulysses.SequenceGroup.check_heads: 32 heads over 2 KV
-groups take 2, 4, 8, 16, 32), smallest first. N ranks then share each row, so the data-parallel width is
-processes / N; accumulation grows by the same factor, and the global batch (micro x accumulation x width) stays.
-An integer is taken as given. The micro-batch loss mean (a shard's mean is not the row's) keeps N = 1. GLM-4V is
-sharded after the image merge (models/modeling_glm4.merge_images): every rank of a group runs the tower on the
-whole images, the rows it keeps are 1/N of the merged rows.
+dist.sequence_parallel = auto lets the planner add Ulysses sequence parallelism as a rung: after every cheaper lever
+(micro-batch, chunked loss, checkpointing, checkpoint offload, ZeRO-3) and before the tiled MLP it tries the next
+degree N that divides the processes and the model's heads (models/kernels/ulysses.SequenceGroup.check_heads: 32
+heads over 2 KV groups take 2, 4, 8, 16, 32), smallest first. N ranks then share each row, so the data-parallel
+width is processes / N; accumulation grows by the same factor, and the global batch (micro x accumulation x width)
+stays. An integer is taken as given. The micro-batch loss mean (a shard's mean is not the row's) keeps N = 1. GLM-4V
+is sharded after the image merge (models/chatglm/modeling.ChatGLMModel.merge_images): every rank of a group runs the
+tower on the whole images, the rows it keeps are 1/N of the merged rows.
 """
 from __future__ import annotations
 

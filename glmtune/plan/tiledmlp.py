@@ -1,6 +1,6 @@
 """Tiled MLP in the plan: the tile size, the estimator's terms for a tiled MLP, and the ladder rung's test.
 
-models/tiling.py computes a block's MLP `tile` tokens at a time, each tile under a non-reentrant checkpoint.
+models/kernels/tiling.py computes a block's MLP `tile` tokens at a time, each tile under a non-reentrant checkpoint.
 What that changes in the estimate (estimate.py block_saved / block_working), checked against measured live
 tensor bytes on CPU (tests/test_tiled_mlp.py):
 - kept for backward: only the tiles' input, the block's normed hidden state [tokens, hidden] (the tiles are

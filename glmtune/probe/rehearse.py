@@ -1,4 +1,4 @@
-"""Will an N-GPU job fit? The probe rehearses rank 0 of the planned world in this one process (issue 42).
+"""Will an N-GPU job fit? The probe rehearses rank 0 of the planned world in this one process.
 
     python -m glmtune mode=probe +hw=a100_80g dist.nproc_per_node=8 model.path=...   # one GPU (or CPU), 8 planned
 

@@ -16,7 +16,7 @@ def measure_lora_step(arch, shape, seed: int = 0, sequence=None) -> tuple[int, i
     """Peak live tensor bytes (incl. weights, adapters, Adam states, batch) of one steady-state LoRA step on
     CPU, built as glmtune/train/trainer.py's build_model does. Adam states are created untracked; the step
     after is measured. Returns (peak_bytes, baseline_bytes). `arch` is a GLMConfig, `shape` a memory.RunShape.
-    sequence: this rank's models/ulysses.SequenceGroup (a torchrun of N ranks): the step runs on its shard of the
+    sequence: this rank's models/kernels/ulysses.SequenceGroup (a torchrun of N ranks): the step runs on its shard of the
     rows, as the trainer runs it (train/sequence.shard_batch), and the peak is this rank's."""
     from ..config import LoraConfig
     from ..train.lora import apply_lora, trainable_parameters

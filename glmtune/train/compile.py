@@ -1,7 +1,7 @@
 """`train.compile=auto|on|off`: torch.compile of each decoder block, for fewer kernel launches.
 
 Short examples leave a GPU launch-bound: the 9B model at 512 tokens per step launches ~6,500 kernels and
-keeps the GPU busy 57 ms of a ~190 ms step (issue 13). Compiling each block (not the whole model) lets
+keeps the GPU busy 57 ms of a ~190 ms step (measured on an H100). Compiling each block (not the whole model) lets
 inductor fuse the element-wise chains that dominate the launch count — RMSNorm's fp32 variance, the
 rotary rotation, SwiGLU's silu(gate) * up, the LoRA path's dropout/scale/add — while the model code stays
 plain PyTorch, the HF Trainer still drives the step, and gradient checkpointing still wraps whole
@@ -67,7 +67,7 @@ def resolve_packed_attention(cfg: TrainConfig, compiled: bool, attention_dropout
 
     sdpa: a dense [B, 1, S, S] boolean block-diagonal causal mask (S^2 bytes per row: 64 MiB at 8K); runs
     everywhere, but the masked kernel computes every block of the row. segments: causal SDPA per document
-    (models/docattention.py), no [S, S] tensor; a row of k examples costs ~1/k of the attention, in k kernel calls.
+    (models/kernels/docattention.py), no [S, S] tensor; a row of k examples costs ~1/k of the attention, in k kernel calls.
     flex: FlexAttention with a block mask skips the blocks between examples, but is only fast compiled, has no
     CPU backward and no dropout. auto without flex: the model picks sdpa or segments by each row's length."""
     if cfg.packed_attention != "auto":

@@ -63,7 +63,7 @@ class LoraTrainer(Trainer):
 
     guard: Guard | None = None
     step_sampler: StepSampler | None = None
-    sequence = None  # this rank's sequence-parallel group (models/ulysses.SequenceGroup), None without
+    sequence = None  # this rank's sequence-parallel group (models/kernels/ulysses.SequenceGroup), None without
     normalization = "tokens"  # train.loss_normalization
     example_log: ExampleLog | None = None
     glm = None  # the GLM model under PEFT (and the engine): its loss_reduction is switched per micro-batch

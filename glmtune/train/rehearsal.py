@@ -9,11 +9,11 @@ torch's own fake group could not be used as it is: its work objects carry no res
 reducer asserts on that at the first backward ("expected the hook result is either a Tensor or a TensorList").
 
 One collective's values decide the program, so they are the real ones here: the row layout a sequence-parallel
-rank gathers before attention (models/ulysses.gather_sequence: the seq ids of packed rows, the padding mask).
+rank gathers before attention (models/kernels/ulysses.gather_sequence: the seq ids of packed rows, the padding mask).
 Per-document attention reads the documents' spans from the gathered seq ids, and refuses a document in two
 pieces, which rank 0's shard repeated N times would be (0 0 1 1 | 0 0 1 1); the padding mask decides whether a
-mask is built at all (models/masks.py). Every rank of a group gets the same micro-batch and rank 0 holds each row
-whole before cutting it, so the rows models/ulysses.pad_and_shard cuts are offered to the group first
+mask is built at all (models/kernels/masks.py). Every rank of a group gets the same micro-batch and rank 0 holds each row
+whole before cutting it, so the rows models/kernels/ulysses.pad_and_shard cuts are offered to the group first
 (`remember`: integer rows only, by weak reference, so nothing stays alive for it), and an all-gather of this
 rank's shard of a remembered row returns that row's shards, as the real ranks would send them: exact, not a guess.
 """
@@ -55,7 +55,7 @@ class RehearsalGroup(dist.ProcessGroup):
         return BACKEND
 
     def remember(self, row: torch.Tensor) -> None:
-        """A whole (padded) row [B, S] that models/ulysses.pad_and_shard is about to cut over this group."""
+        """A whole (padded) row [B, S] that models/kernels/ulysses.pad_and_shard is about to cut over this group."""
         if not row.is_floating_point() and row.dim() == 2:
             self._rows.append(weakref.ref(row))
 

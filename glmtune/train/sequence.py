@@ -1,6 +1,6 @@
 """Sequence parallelism in training (dist.sequence_parallel = N > 1): N processes share each micro-batch's rows,
 each holding a contiguous 1/N of every row through embeddings, MLP, norms and the loss; attention exchanges
-shards for heads (models/ulysses.py). The other factor of the world is data parallel: W processes form W / N
+shards for heads (models/kernels/ulysses.py). The other factor of the world is data parallel: W processes form W / N
 groups of N consecutive ranks (one node's GPUs), and each group trains its own micro-batches.
 
 Nothing else about a step changes (train/steps.py):
@@ -16,7 +16,7 @@ Nothing else about a step changes (train/steps.py):
 
 GLM-4V: a micro-batch with images reaches the model whole on every rank of the group; each rank runs the (frozen,
 adapter-free) vision tower and the image merge on the whole rows and only then keeps its 1/N of the merged rows,
-cut the same way (models/modeling_glm4.py merge_images). The patches' shared position id travels with them.
+cut the same way (models/chatglm/modeling.py merge_images). The patches' shared position id travels with them.
 
 Evaluation's loss runs under the same layout, so a length that trains also evaluates. Each group is one data-
 parallel rank of the evaluation loader (group_eval_loader: the group's N ranks score the same batches, the

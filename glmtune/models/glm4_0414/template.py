@@ -10,7 +10,7 @@ the special tokens (`eos_token`, ...) are template variables. A GLM message's `t
 official fine-tune format) become the template's `tools`; a system message that carried only tools is dropped, as an
 OpenAI request carries them beside the messages.
 
-Which tokens are trained (data.pipeline's loss mask, issue 41):
+Which tokens are trained (data.pipeline's loss mask):
 - the last assistant message: the prompt is the template's rendering of the messages before it with the
   generation prompt (`<|assistant|>`; GLM-Z1: `<|assistant|>\\n<think>`), and the trained text is what the model
   writes after that prompt: the rest of the template's rendering of the message, tokenized on its own (an engine

@@ -1,7 +1,7 @@
 """Which attention a packed row runs (train.packed_attention): the rule the model applies on every forward
-(models/docattention.py, modeling_glm4.py) and the planner names in the plan (plan/packrows.py).
+(docattention.py, masks.py) and the planner names in the plan (plan/packrows.py).
 
-It imports nothing, so `mode=plan` reads the rule without the attention code: models/docattention.py needs
+It imports nothing, so `mode=plan` reads the rule without the attention code: docattention.py needs
 torch.compiler, whose first use imports torch._dynamo (~1 s of a ~3.5 s plan on 2 cores, bench/plan_import.py).
 """
 from __future__ import annotations

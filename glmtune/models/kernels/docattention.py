@@ -1,7 +1,7 @@
-"""Attention of packed rows, one document at a time: no [seq, seq] tensor at any length (issue 30).
+"""Attention of packed rows, one document at a time: no [seq, seq] tensor at any length.
 
 A packed row (data/packing.py) lays its examples end to end, each a contiguous span of positions with its own
-seq id (pads, -1, at the end). The dense path (modeling_glm4.document_mask) builds a block-diagonal causal
+seq id (pads, -1, at the end). The dense path (masks.document_mask) builds a block-diagonal causal
 boolean mask [B, 1, S, S] and SDPA turns it into an additive bias of the compute dtype that backward keeps:
 S^2 x (1 + 2) bytes per row in bf16, 48 GiB at 128K positions. The segments path runs plain causal SDPA
 (is_causal=True, no mask) on each span's slice of q, k and v and joins the outputs, so a query sees exactly the
@@ -9,7 +9,7 @@ earlier keys of its own document, as with the mask, and the largest attention pr
 
 The spans are read once per forward (`document_spans`, from the seq ids: one device-to-host copy of a [B, S]
 integer tensor) and passed to every layer as its `mask`, as a BlockMask is for FlexAttention. Under sequence
-parallelism attention sees the whole gathered row for its share of the heads (models/ulysses.py), so the spans
+parallelism attention sees the whole gathered row for its share of the heads (ulysses.py), so the spans
 of the gathered seq ids are the spans it needs.
 
 `auto` (train.packed_attention, train/compile.py) keeps the dense mask up to DENSE_MASK_MAX positions a row,

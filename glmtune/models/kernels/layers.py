@@ -100,7 +100,7 @@ def no_early_stop():
     the last saved tensor is rebuilt, by raising an exception from the saved-tensor hook, i.e. from inside a
     C++ op; on CUDA with the allocator's history recording on (the run's OOM snapshot, probe/diagnose.py) that
     exception was lost while the op's temporaries were freed, and backward died with `SystemError: <built-in
-    function cross_entropy_loss> returned NULL without setting an exception` (issue 33, bench/ckpt_early_stop.py).
+    function cross_entropy_loss> returned NULL without setting an exception` (bench/ckpt_early_stop.py).
     Without early stop nothing is raised; the price is the ops after the last saved tensor (none in a loss
     chunk, the block's last projection in a GLM block). Read when the forward runs; reentrant ones ignore it."""
     return set_checkpoint_early_stop(False)

@@ -1,5 +1,5 @@
 """Attention masks of the GLM models: the padding/causal SDPA mask, and the dense or FlexAttention mask of packed
-rows (data/packing.py) that keeps each example's attention inside the example (models/docattention.py is the
+rows (data/packing.py) that keeps each example's attention inside the example (docattention.py is the
 per-document path that needs neither)."""
 from __future__ import annotations
 

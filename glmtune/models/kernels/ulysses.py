@@ -1,5 +1,5 @@
 """Ulysses sequence parallelism for GLM attention: each rank of a group of N holds seq/N tokens everywhere but
-inside attention, where an all-to-all trades the sequence shard for a head shard and back (issue 30).
+inside attention, where an all-to-all trades the sequence shard for a head shard and back.
 
 Around attention a rank of the group holds, for its 1/N of the query heads, the whole sequence: attention is
 then the ordinary (causal or per-document) attention over all positions, computed exactly as on one process.
