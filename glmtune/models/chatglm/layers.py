@@ -58,17 +58,14 @@ class SelfAttention(GroupedAttention):
         # GQA with as many groups as heads keeps the blocked layout.
         self.per_head_qkv = not config.multi_query_attention
 
-    def project(self, x: torch.Tensor, rope: torch.Tensor):
+    def split_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, s, _ = x.shape
         hd = self.head_dim
         qkv = self.query_key_value(x)
         if self.per_head_qkv:
-            q, k, v = qkv.view(b, s, self.heads, 3 * hd).split(hd, dim=-1)
-        else:
-            q, k, v = qkv.split([self.heads * hd, self.groups * hd, self.groups * hd], dim=-1)
-            q, k, v = q.view(b, s, self.heads, hd), k.view(b, s, self.groups, hd), v.view(b, s, self.groups, hd)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        return apply_rotary(q, rope), apply_rotary(k, rope), v
+            return qkv.view(b, s, self.heads, 3 * hd).split(hd, dim=-1)
+        q, k, v = qkv.split([self.heads * hd, self.groups * hd, self.groups * hd], dim=-1)
+        return q.view(b, s, self.heads, hd), k.view(b, s, self.groups, hd), v.view(b, s, self.groups, hd)
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         return self.dense(out)
@@ -80,9 +77,8 @@ class MLP(TiledMLP):
         self.dense_h_to_4h = nn.Linear(config.hidden_size, 2 * config.ffn_hidden_size, bias=config.add_bias_linear)
         self.dense_4h_to_h = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear)
 
-    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.dense_h_to_4h(x).chunk(2, dim=-1)
-        return self.dense_4h_to_h(F.silu(gate) * up)
+    def projections(self) -> tuple[nn.Module, nn.Module]:
+        return self.dense_h_to_4h, self.dense_4h_to_h
 
 
 class GLMBlock(nn.Module):

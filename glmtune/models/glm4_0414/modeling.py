@@ -25,7 +25,6 @@ against transformers' own class.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
@@ -33,7 +32,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..kernels.attention import GroupedAttention, set_sequence_group
 from ..kernels.causal_lm import lm_loss, reorder_cache, step_positions
-from ..kernels.layers import RMSNorm, RotaryEmbedding, TiledMLP, apply_rotary, run_layers
+from ..kernels.layers import RMSNorm, RotaryEmbedding, TiledMLP, run_layers
 from ..kernels.masks import default_positions, layer_mask
 from ..kernels.ulysses import SequenceGroup
 from .configuration import Glm4Config
@@ -54,12 +53,11 @@ class Glm4Attention(GroupedAttention):
         self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=False)
         self.dropout_p = config.attention_dropout
 
-    def project(self, x: torch.Tensor, rope: torch.Tensor):
+    def split_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.groups, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.groups, self.head_dim).transpose(1, 2)
-        return apply_rotary(q, rope), apply_rotary(k, rope), v
+        q = self.q_proj(x).view(b, s, self.heads, self.head_dim)
+        k = self.k_proj(x).view(b, s, self.groups, self.head_dim)
+        return q, k, self.v_proj(x).view(b, s, self.groups, self.head_dim)
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         return self.o_proj(out)
@@ -71,9 +69,8 @@ class Glm4MLP(TiledMLP):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(up * F.silu(gate))
+    def projections(self) -> tuple[nn.Module, nn.Module]:
+        return self.gate_up_proj, self.down_proj
 
 
 class Glm4DecoderLayer(nn.Module):

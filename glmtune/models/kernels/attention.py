@@ -2,8 +2,9 @@
 once per generate() call, or concatenation), one-token decoding over the KV groups as stored, the GQA expansion,
 the three mask paths (dense SDPA mask, per-document spans, FlexAttention block mask) and Ulysses' exchanges.
 
-A family's attention module subclasses GroupedAttention and supplies `project` (its projections and rotary
-embedding: q [b, heads, s, d], k and v [b, groups, s, d]) and `output` (its output projection). What attention sees
+A family's attention module subclasses GroupedAttention and supplies `split_qkv` (its projections: q [b, s, heads,
+d], k and v [b, s, groups, d], which `project` turns to heads first and rotates) and `output` (its output
+projection). What attention sees
 is then the same for every family, and so is what the plan counts for it. The whole path is one `forward`, one
 frame for torch.compile: per-document attention breaks the compiled block's graph there (segment_attention is
 kept out of it), and a break one call deeper would cut the block into 6 graphs instead of 4.
@@ -16,13 +17,14 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from .docattention import DocumentSpans, segment_attention
+from .layers import apply_rotary
 from .ulysses import SequenceGroup, heads_for_attention, heads_to_sequence
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key, value), each [batch, kv_groups, seq, head_dim]
 
 
 class GroupedAttention(nn.Module):
-    """Set by the subclass: heads, groups (KV heads), head_dim, dropout_p; and the two methods below."""
+    """Set by the subclass: heads, groups (KV heads), head_dim, dropout_p; and split_qkv and output below."""
 
     heads: int
     groups: int
@@ -34,9 +36,14 @@ class GroupedAttention(nn.Module):
     kv_reserve = 0
     _kv_buffer: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def split_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [b, s, hidden] -> q [b, s, heads, d], k and v [b, s, groups, d]: the family's projections."""
+        raise NotImplementedError
+
     def project(self, x: torch.Tensor, rope: torch.Tensor):
         """x [b, s, hidden] -> q [b, heads, s, d], k and v [b, groups, s, d], rotary applied."""
-        raise NotImplementedError
+        q, k, v = (t.transpose(1, 2) for t in self.split_qkv(x))
+        return apply_rotary(q, rope), apply_rotary(k, rope), v
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         """Attention output [b, s, heads x d] -> [b, s, hidden]."""

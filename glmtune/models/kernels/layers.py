@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
@@ -77,7 +78,8 @@ def apply_rotary(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 
 
 class TiledMLP(nn.Module):
-    """A SwiGLU MLP whose `swiglu` (the family's projections) runs in token tiles when the plan says so."""
+    """GLM's SwiGLU MLP, down(silu(gate) * up) with [gate | up] fused in one projection, run in token tiles when
+    the plan says so. A family gives its two projections under its checkpoint's names (`projections`)."""
 
     # Set by models.kernels.tiling.set_mlp_tile_tokens from the plan: above this many tokens (batch x sequence)
     # the MLP runs in tiles of it, one tile's [tile, 2 x ffn] intermediate live at a time (0 = never tiled);
@@ -91,8 +93,14 @@ class TiledMLP(nn.Module):
             return tiled(self.swiglu, x, self.mlp_tile_tokens, zero3)
         return self.swiglu(x)
 
-    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+    def projections(self) -> tuple[nn.Module, nn.Module]:
+        """(the fused [gate | up] projection, 2 x ffn wide with the gate rows first; the down projection)."""
         raise NotImplementedError
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up, down = self.projections()
+        gate, up = gate_up(x).chunk(2, dim=-1)
+        return down(F.silu(gate) * up)
 
 
 def no_early_stop():
