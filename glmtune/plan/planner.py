@@ -1,6 +1,6 @@
 """Run decisions: dtype, checkpointing, ZeRO stage, offload, micro-batch, accumulation, max length.
 
-`Choices` is what the trainer applies. `make_plan` fills it from the memory estimator (estimate.py): it
+`Choices` (choices.py) is what the trainer applies. `make_plan` fills it from the memory estimator (estimate.py): it
 starts from the fastest configuration and walks down `step_down`'s ladder (smaller micro-batch with
 more accumulation, chunked loss, checkpointing, checkpoint offload, ZeRO-3) until the estimate fits under
 budget = hw.memory_gib x margin. Without a budget (no preset, no GPU) everything fits and the plan
@@ -8,76 +8,26 @@ still reports the estimate.
 """
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
-from ..config import ConfigError, RunConfig
-from ..models.kernels.attnpath import packed_path
-from .advice import advise
+from ..config import ConfigError, RunConfig, userds
 from ..config.units import GIB
-from .estimate import RunShape, estimate, gpu_family, image_extra_tokens
-from .packrows import fullest_micro_step, most_rows, path_figures, path_reason
-from ..config import userds
+from . import longctx, sequence
+from .advice import advise
+from .choices import Choices, Plan, packing_figures, run_shape
+from .estimate import estimate
+from .host import host_figures, host_reason
+from .packrows import path_reason
 from .provenance import derived_near_budget, term_sources
 from .quantized import allows_zero3
+from .reasons import decision_reasons
 from .tiledmlp import tile_tokens
-from .reserve import ALLOCATORS, allocator_in_force
-from . import longctx, sequence
-from .host import host_figures, host_reason
 
 DEFAULT_MAX_LENGTH = 500
 LOSS_CHUNK = 1024  # tokens per chunk of the lower-memory loss: 1024 x 151,552 x 12 B = 1.9 GB peak
 LOSS_CHUNK_SMALL = 256  # the next rung: 0.47 GB; the head matmul per chunk is still 256 x 4096 x 151,552
-DEFAULT_EVAL_NEW_TOKENS = 512  # the GLM-4 demo's generation_config.max_new_tokens
-
-
-@dataclass
-class Choices:
-    dtype: str  # bf16 | fp16 | fp32: compute dtype and dtype of the frozen weights
-    gradient_checkpointing: bool
-    zero_stage: int  # 0 (plain data parallel) or 3 (DeepSpeed ZeRO-3)
-    offload_params: bool
-    offload_optimizer: bool
-    micro_batch_size: int
-    grad_accum: int
-    max_length: int
-    world_size: int
-    eval_batch_size: int
-    loss_chunk_tokens: int = 0  # 0 = reference loss; >0 = chunked loss, fp32 logits for this many tokens at a time
-    offload_checkpoints: bool = False  # checkpointed block inputs kept in pinned CPU memory instead of on the GPU
-    sequence_parallel: int = 1  # ranks sharing each row (plan/sequence.py); world_size is then processes / N
-    mlp_tile_tokens: int = 0  # >0: the MLP runs in token tiles of this size (models/kernels/tiling.py); 0 = whole
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
-class Plan:
-    fits: bool
-    budget_bytes: int | None
-    peak_bytes: int
-    breakdown: dict[str, int]
-    choices: Choices
-    reasons: dict[str, str]
-    advice: list[str] = field(default_factory=list)
-    sources: dict[str, str] = field(default_factory=dict)  # per breakdown term: measured / CPU-verified / derived
-    unmeasured_risk: str = ""  # a near-budget peak that rests on derived terms (plan/provenance.py)
-    packing: dict = field(default_factory=dict)  # packed runs: rows per micro-step and step (packing_figures)
-    host: dict = field(default_factory=dict)  # one node's RAM: bytes, budget_bytes, fits, breakdown (plan/host.py)
-
-    def to_json(self) -> str:
-        keys = ("dtype", "gradient_checkpointing", "zero_stage", "offload_params", "offload_optimizer",
-                "micro_batch_size", "grad_accum", "max_length", "world_size", "loss_chunk_tokens",
-                "offload_checkpoints", "sequence_parallel", "mlp_tile_tokens")
-        return json.dumps({"fits": self.fits, "budget_bytes": self.budget_bytes, "peak_bytes": self.peak_bytes,
-                           "breakdown": self.breakdown, "choices": {k: getattr(self.choices, k) for k in keys},
-                           "reasons": self.reasons, "advice": self.advice, "sources": self.sources,
-                           "unmeasured_risk": self.unmeasured_risk, "packing": self.packing or None,
-                           "host": self.host or None}, indent=2)
 
 
 def plan_world(run: RunConfig, processes: int) -> int:
@@ -112,53 +62,6 @@ def local_dtype(run: RunConfig) -> tuple[str, str]:
     if run.hw.bf16 and (run.hw.memory_gib is not None or torch.cuda.is_bf16_supported()):
         return "bf16", "the card supports bfloat16: half the memory of fp32, no loss scaling needed"
     return "fp16", "no bfloat16 on this card: fp16 with dynamic loss scaling"
-
-
-def packing_figures(run: RunConfig, arch, c: Choices, data_max_tokens: int | None,
-                    packed: tuple[int, int] | None) -> dict:
-    """How many rows a step becomes when packed (data/packing.py: each micro-batch's examples, first-fit into rows):
-    the probed (fullest) micro-step, the most rows any micro-step can make, and per optimizer step."""
-    if packed is None:
-        return {}
-    seq = (min(c.max_length, data_max_tokens) if data_max_tokens else c.max_length) + \
-        (image_extra_tokens(arch) if arch.vision_config else 0)
-    layout = fullest_micro_step(c.micro_batch_size, seq, packed[0])
-    most = most_rows(c.micro_batch_size, seq, packed[0])
-    steps = c.grad_accum * c.world_size  # micro-steps of one optimizer step, over all groups
-    return {"pack_length": packed[0], "examples_per_micro_step": c.micro_batch_size,
-            "probed_rows_per_micro_step": layout.rows, "probed_row_positions": layout.row_positions,
-            "most_rows_per_micro_step": most, "micro_steps_per_step": steps,
-            "most_rows_per_step": most * steps, **path_figures(run.train.packed_attention, layout.row_positions)}
-
-
-def run_shape(run: RunConfig, arch, c: Choices, data_max_tokens: int | None = None,
-              packed: tuple[int, int] | None = None, data_tokens: int = 0) -> RunShape:
-    """packed: (positions per row, most images in a row) when the data is packed (data/packing.py)."""
-    seq = min(c.max_length, data_max_tokens) if data_max_tokens else c.max_length
-    images = 1 if arch.vision_config else 0  # GLM-4V: one image per conversation, sized for the worst case
-    seq += image_extra_tokens(arch) * images
-    micro_batch = c.micro_batch_size
-    if packed is not None:  # the micro-batch's examples in rows (plan/packrows.py): the fullest micro-step
-        layout = fullest_micro_step(c.micro_batch_size, seq, packed[0])
-        micro_batch, seq = layout.rows, layout.row_positions
-        images = layout.per_row if arch.vision_config else 0  # the probe's examples each carry an image
-    on_gpu = run.hw.memory_gib is not None or torch.cuda.is_available()
-    return RunShape(dtype=c.dtype, micro_batch=micro_batch, seq_len=seq,
-                    lora_r=run.lora.r, lora_targets=arch.lora_modules(run.lora.target_modules),
-                    lora_dropout=run.lora.dropout,
-                    gradient_checkpointing=c.gradient_checkpointing, loss_chunk_tokens=c.loss_chunk_tokens,
-                    offload_checkpoints=c.offload_checkpoints, autocast=c.dtype != "fp32",
-                    zero_stage=c.zero_stage, offload_params=c.offload_params, offload_optimizer=c.offload_optimizer,
-                    images_per_sample=images, **sequence.shape_fields(run, c, data_tokens),
-                    eval_batch=c.eval_batch_size if run.data.val_file or run.data.val_size else 0,
-                    eval_max_new_tokens=run.eval.max_new_tokens if run.eval.generate else 0,
-                    device="cuda" if on_gpu else "cpu", gpu_family=gpu_family(run.hw.name),
-                    quantize=run.model.quantize, double_quant=run.model.double_quant, use_dora=run.lora.use_dora,
-                    optimizer=run.train.optimizer, allocator=allocator_in_force(os.environ.get("PYTORCH_CUDA_ALLOC_CONF")),
-                    # Only the dense path has the mask (auto: rows up to DENSE_MASK_MAX). auto may pick FlexAttention
-                    # only with compiled blocks on CUDA, so it is planned by length, as without them.
-                    document_mask=packed is not None and packed_path(run.train.packed_attention, seq) == "sdpa",
-                    mlp_tile_tokens=c.mlp_tile_tokens)
 
 
 def step_down(plan_or_choices: Plan | Choices, run: RunConfig, arch, world_size: int) -> Choices | None:
@@ -265,7 +168,7 @@ def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
     est = peak(c)
     host = host_figures(est, run, budget is not None)
     ok = (budget is None or est.peak_bytes <= budget) and host["fits"]
-    reasons.update(_reasons(run, start, c, budget, weights_only, processes, ok))
+    reasons.update(decision_reasons(run, start, c, budget, weights_only, processes, ok))
     reasons["sequence_parallel"] = sequence.reason(run, arch, c, processes)
     reasons["host"] = host_reason(host, sequence.shape_fields(run, c, 0)["ranks_per_node"])
     sources = term_sources(est.breakdown, run_shape(run, arch, c, data_max_tokens, packed))
@@ -277,48 +180,6 @@ def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
     if not ok and advice and budget is not None:  # the options are other cards and levers for a card budget
         plan.advice = _advice(run, arch, processes, c.max_length, data_max_tokens, margin, packed, data_tokens, user_ds)
     return plan
-
-
-def _reasons(run, start: Choices, c: Choices, budget, weights: int, world_size: int,
-             fits: bool = True) -> dict[str, str]:
-    gib = (lambda x: f"{x / GIB:.1f} GiB")
-    r = {}
-    r["gradient_checkpointing"] = (f"train.gradient_checkpointing={run.train.gradient_checkpointing}"
-                                   if run.train.gradient_checkpointing != "auto" else
-                                   "on: activations of every block do not fit" if c.gradient_checkpointing else
-                                   "off: activations fit, no recompute cost")
-    if run.dist.strategy != "auto":
-        r["zero_stage"] = f"dist.strategy={run.dist.strategy}"
-    elif c.zero_stage == 3 and budget is not None and weights > budget:
-        r["zero_stage"] = f"3: frozen weights {gib(weights)} exceed the {gib(budget)} budget; sharded over {world_size} GPUs"
-    else:
-        r["zero_stage"] = ("3: needed to fit" if c.zero_stage == 3 else
-                           "0: plain data parallel fits (ZeRO-1/2 shard nothing useful for LoRA)" if fits else
-                           "0: nothing fits this card set (see the advice)")
-    r["loss_chunk_tokens"] = (f"{c.loss_chunk_tokens}: the full fp32 logits do not fit" if c.loss_chunk_tokens
-                              else "0: reference loss fits")
-    r["offload_checkpoints"] = ("on: the checkpointed block inputs do not fit; they wait in pinned CPU memory "
-                                "(two PCIe copies per block and step)" if c.offload_checkpoints else "off")
-    r["mlp_tile_tokens"] = (f"train.tiled_mlp={run.train.tiled_mlp}" if run.train.tiled_mlp != "auto" else
-                            f"{c.mlp_tile_tokens}: the MLP's intermediate (tokens x 2 ffn) does not fit; one tile's "
-                            "does (one more MLP forward per step)" if c.mlp_tile_tokens else "0: the whole MLP fits")
-    r["offload_params"] = ("off: DeepSpeed's parameter offload kept the whole model on the card when measured "
-                           "(H100, deepspeed 0.19.8)")
-    r["micro_batch_size"] = sequence.batch_reason(start, c)
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
-    allocator = allocator_in_force(conf)
-    r["allocator"] = (f"{ALLOCATORS[allocator]} (PYTORCH_CUDA_ALLOC_CONF="
-                      f"{conf if conf is not None else 'unset: glmtune sets expandable_segments:True'})"
-                      + ("" if allocator == "expandable" else
-                         "; its reserve is planned larger (up to 1.21 x at an evaluation after training, measured)"))
-    r["eval_batch_size"] = ("halved until evaluation, with its own allocator reserve, fits" if c.eval_batch_size < start.eval_batch_size
-                            else "train.eval_batch_size")
-    if c.sequence_parallel > 1 and (run.data.val_file or run.data.val_size):  # train/sequence.py
-        r["eval_batch_size"] += (f"; the eval loss is sharded over each group's {c.sequence_parallel} GPUs"
-                                 " like training" + ("; eval.generate decodes whole rows on every GPU (a KV cache "
-                                 "grows token by token, it is not cut), its cache budgeted at the whole prompt + "
-                                 "eval.max_new_tokens" if run.eval.generate else ""))
-    return r
 
 
 def _advice(run, arch, world_size: int, max_length: int, data_max_tokens, margin,
