@@ -176,7 +176,7 @@ def test_probe_shortfall_names_measurement_and_what_would_fit():
     from glmtune.config import HwConfig
     from glmtune.models import released_config
     from glmtune.plan.planner import Choices
-    from glmtune.probe.probe import Attempt, ProbeReport, probe_shortfall
+    from glmtune.probe.report import Attempt, ProbeReport, probe_shortfall
 
     run = RunConfig(hw=HwConfig(**yaml.safe_load((Path(__file__).parents[1] / "conf/hw/rtx4090_24g.yaml").read_text())),
                     data=DataConfig(max_length=65536))

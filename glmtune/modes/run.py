@@ -143,7 +143,8 @@ def probe_stage(prep: Prepared, plan, start: Start, run_dir: Path) -> tuple[Choi
     if run.mode == "train" and rank() == 0:
         console.print(check_disk(run_dir, run, arch, Choices(**start.choices) if start.choices else plan.choices))
     # the Trainer stack: ~0.7 s mode=plan does not need
-    from ..probe.probe import emulate_card, probe_shortfall, run_probe
+    from ..probe.probe import emulate_card, run_probe
+    from ..probe.report import probe_shortfall
 
     if rank() == 0:
         console.print(format_stats(prep.data.stats))

@@ -22,7 +22,7 @@ import gc
 import random
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +34,6 @@ from ..data.packing import RowPacker
 from ..data.pipeline import IMAGE_PLACEHOLDERS
 from ..config.units import GIB
 from ..plan.estimate import CUDA_CONTEXT_DEFAULT, estimate, image_extra_tokens
-from ..plan.advice import cards_for_measured
 from ..config import userds
 from ..plan.packrows import fullest_micro_step
 from ..plan.planner import Choices, Plan, run_shape, step_down
@@ -42,38 +41,8 @@ from ..train.gpumem import outside_allocator_bytes
 from ..train.phases import estimated_phases
 from ..train.trainer import build_model, make_trainer, training_args
 from .diagnose import classify, record_memory_history
+from .report import Attempt, ProbeReport, merge_ranks, over_in_evaluation
 from . import rehearse
-
-
-@dataclass
-class Attempt:
-    choices: dict
-    outcome: str  # "fits" | "over budget" | "out of memory"
-    predicted_peak_bytes: int
-    measured_peak_bytes: int | None  # max over ranks; None when a rank ran out of memory
-    per_rank: list[int | None]
-    seconds: float
-    detail: dict = field(default_factory=dict)  # CUDA: peak allocated/active, allocation retries
-
-
-@dataclass
-class ProbeReport:
-    device: str
-    emulated: bool
-    method: str
-    budget_bytes: int | None
-    predicted_peak_bytes: int
-    measured_peak_bytes: int | None
-    per_rank: list[int | None]
-    attempts: list[Attempt]
-    final: dict
-    fits: bool
-    seconds: float
-    rehearsed: int = 0  # ranks of the world rehearsed on this one device (probe/rehearse.py); 0 = a real probe
-    rehearsal: dict = field(default_factory=dict)  # what a rehearsal adds and what it cannot see
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def worst_case_examples(count: int, length: int, tokenizer, seed: int, image: Path | None = None) -> list[dict]:
@@ -159,35 +128,12 @@ def _attempt(run: RunConfig, choices: Choices, model_dir: Path, examples: list[d
             torch.cuda.empty_cache()
 
 
-def _over_in_evaluation(peaks: dict | None, detail: dict, budget: int | None) -> bool:
-    """Whether evaluation is the phase over budget: it ran out of memory in an evaluation, or the training
-    steps before the first evaluation fit and an evaluation did not."""
-    if peaks is None:
-        return detail.get("phase") == "eval"
-    first = detail.get("first_training_peak_bytes")
-    return (budget is not None and "eval" in peaks and peaks["eval"] > budget
-            and first is not None and first <= budget)
-
-
 def _gather(value):
     if torch_dist.is_available() and torch_dist.is_initialized():
         out: list = [None] * torch_dist.get_world_size()
         torch_dist.all_gather_object(out, value)
         return out
     return [value]
-
-
-def _merge_ranks(per_rank: list[tuple[dict | None, dict]]) -> tuple[dict | None, dict]:
-    """Every rank's (phase peaks, detail) as one: the largest peak of each phase; out of memory when any rank
-    was, in the phase that rank ran out in."""
-    oom = [d for p, d in per_rank if p is None]
-    if oom:
-        return None, {**per_rank[0][1], **oom[0]}
-    peaks = {k: max(p.get(k, 0) for p, _ in per_rank) for k in per_rank[0][0]}
-    firsts = [d.get("first_training_peak_bytes") for _, d in per_rank]
-    detail = {**per_rank[0][1], "phase_peak_bytes": peaks,
-              "first_training_peak_bytes": max(firsts) if None not in firsts else None}
-    return peaks, detail
 
 
 def _rng_state() -> tuple:
@@ -269,7 +215,7 @@ def _ladder(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, tok
         gathered = [(peaks, detail)] if rehearsed else _gather((peaks, detail))
         per_rank = [None if p is None else max(p.values()) for p, _ in gathered]
         host = [d.get("host_rss_bytes") for _, d in gathered]  # every rank's peak RSS; the node's is their sum
-        peaks, detail = _merge_ranks(gathered)
+        peaks, detail = merge_ranks(gathered)
         detail["host_rss_per_rank"] = host
         detail["predicted_tensor_bytes"] = max(est.phases.values())  # beside the measured allocated peak
         detail["predicted_phase_peak_bytes"] = estimated_phases(est)  # beside phase_peak_bytes, phase by phase
@@ -283,7 +229,7 @@ def _ladder(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, tok
         if outcome == "fits":
             break
         # Evaluation over budget costs training nothing to fix: its batch is halved before any training rung.
-        if _over_in_evaluation(peaks, detail, plan.budget_bytes) and choices.eval_batch_size > 1:
+        if over_in_evaluation(peaks, detail, plan.budget_bytes) and choices.eval_batch_size > 1:
             nxt = replace(choices, eval_batch_size=choices.eval_batch_size // 2)
             detail["next_rung"] = (f"train.eval_batch_size={nxt.eval_batch_size}: evaluation was the phase over "
                                    "budget")
@@ -293,16 +239,6 @@ def _ladder(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, tok
             break
         choices = nxt
     return attempts, choices
-
-
-def probe_shortfall(report: ProbeReport, run: RunConfig) -> str:
-    """The exit-3 line when no rung fit: what was measured against which budget, and the presets whose budget
-    holds the smallest measured peak (measured, not re-planned: the estimate was already shown too low)."""
-    measured = [a.measured_peak_bytes for a in report.attempts if a.measured_peak_bytes]
-    seen = (f"measured {min(measured) / GIB:.2f} GiB at best" if measured else "every rung ran out of memory")
-    fits = cards_for_measured(run, min(measured)) if measured else []
-    return (f"the probe found no rung that fits: {seen}, budget {report.budget_bytes / GIB:.2f} GiB"
-            + (f"; what fits: {'; '.join(fits)}" if fits else "; no preset holds it: shorten data.max_length"))
 
 
 def _host_rss() -> int:

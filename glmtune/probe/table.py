@@ -5,7 +5,7 @@ import textwrap
 
 from ..config.units import GIB
 from ..train.phases import format_peaks
-from .probe import ProbeReport
+from .report import ProbeReport
 
 
 def format_probe(report: ProbeReport):
