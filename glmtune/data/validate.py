@@ -24,12 +24,10 @@ from typing import Any, NamedTuple
 from ..config import SAMPLE_SETS, ConfigError, DataConfig, train_files
 from .formats import detect, to_glm
 from .images import image_problem
+from .messages import check_message, kind
 from .sources import DataError, is_rows, is_saved_dataset, records
 
-ROLES = ("system", "user", "assistant", "observation")
 MESSAGE_KEYS = ("messages", "conversations")  # GLM-4 name first, then the ChatGLM3 alias
-# Tool types the GLM-4 chat template renders: user functions plus its three built-in tools.
-TOOL_TYPES = ("function", "python", "simple_browser", "cogview")
 _SHOWN_LINES = 5  # how many further bad line numbers the one-line message lists
 _UTF8_BOM = b"\xef\xbb\xbf"  # written by some Windows editors; harmless, so it is skipped
 # data.format=auto on a file whose first record is GLM messages: each record read as GLM, or as OpenAI chat when it
@@ -198,7 +196,7 @@ def _parse_line(text: str, line_no: int, prompts: bool = False, fmt: str = "glm"
         return _Problem(line_no, "JSON nested too deeply to parse",
                         "a conversation needs only a few levels: {\"messages\": [{\"role\": ..., \"content\": ...}]}")
     if not isinstance(obj, dict):
-        return _Problem(line_no, f"line is {_kind(obj)}, not an object",
+        return _Problem(line_no, f"line is {kind(obj)}, not an object",
                         'write one {"messages": [...]} object per line')
     if fmt == GLM_OR_OPENAI:
         fmt = "openai" if detect(obj) == "openai" else "glm"
@@ -213,14 +211,14 @@ def _parse_line(text: str, line_no: int, prompts: bool = False, fmt: str = "glm"
                         'put the conversation under "messages" (or ChatGLM3\'s "conversations")')
     messages = obj[key]
     if not isinstance(messages, list) or not messages:
-        got = "empty" if isinstance(messages, list) else _kind(messages)
+        got = "empty" if isinstance(messages, list) else kind(messages)
         return _Problem(line_no, f"\"{key}\" is {got}", f"make \"{key}\" a non-empty list of messages")
     if "tools" in obj:  # ChatGLM3's top-level tools: its own demo refuses them too
         return _Problem(line_no, "top-level \"tools\" is not supported",
                         "move the tools list onto the system message: {\"role\": \"system\", \"content\": \"\", "
                         "\"tools\": [...]}, or set data.format=openai for OpenAI chat records")
     for index, message in enumerate(messages):
-        problem = _check_message(message, f"{key}[{index}]")
+        problem = check_message(message, f"{key}[{index}]")
         if problem is not None:
             return _Problem(line_no, *problem)
     with_image = [i for i, m in enumerate(messages) if "image" in m]
@@ -243,32 +241,6 @@ def _parse_line(text: str, line_no: int, prompts: bool = False, fmt: str = "glm"
     return messages
 
 
-def _check_message(message: Any, where: str) -> tuple[str, str] | None:
-    """(what is wrong, what to do) for the first problem of one message, or None."""
-    if not isinstance(message, dict):
-        return f"{where} is {_kind(message)}, not an object", 'write each message as {"role": ..., "content": ...}'
-    role = message.get("role")
-    if role not in ROLES:
-        what = f"{where} has no role" if role is None else f"{where} has unknown role {_short(role)}"
-        hint = " (OpenAI chat with tool turns: set data.format=openai)" if role in ("tool", "function") else ""
-        return what, f"use one of: {', '.join(ROLES)}{hint}"
-    if "content" not in message:
-        return f"{where} ({role}) has no \"content\"", 'add "content": "" (an empty string is allowed)'
-    if not isinstance(message["content"], str):
-        return (f"{where} ({role}) content is {_kind(message['content'])}, not a string",
-                "write content as text; tool calls and tool results go in as JSON text (json.dumps)")
-    if "metadata" in message and not isinstance(message["metadata"], str):
-        return (f"{where} ({role}) metadata is {_kind(message['metadata'])}, not a string",
-                'write metadata as text (e.g. the called function name) or drop the key')
-    if "image" in message and (role != "user" or not isinstance(message["image"], str) or not message["image"]):
-        what = (f"{where} ({role}) has an \"image\"; only a user message may carry one" if role != "user"
-                else f"{where} image is {_kind(message['image'])}, not a file path")
-        return what, 'write "image": "path/to/picture.jpg" on the first user message'
-    if "tools" in message:
-        return _check_tools(message["tools"], role, where)
-    return None
-
-
 def _resolve_image(messages: list[dict[str, Any]], folder: Path, line_no: int) -> list[dict[str, Any]] | _Problem:
     """Make a message's image path absolute (relative = to the data file's folder) and check it whole
     (data/images.py: a regular file, under the pixel cap, decodable to its last byte)."""
@@ -282,43 +254,3 @@ def _resolve_image(messages: list[dict[str, Any]], folder: Path, line_no: int) -
             return _Problem(line_no, *problem)
         message["image"] = str(image)
     return messages
-
-
-def _check_tools(tools: Any, role: str, where: str) -> tuple[str, str] | None:
-    if role != "system":
-        return (f"{where} ({role}) has \"tools\"; only the system message may carry them",
-                'move "tools" onto a system message {"role": "system", "content": "", "tools": [...]}')
-    if not isinstance(tools, list):
-        return (f"{where} tools is {_kind(tools)}, not a list",
-                'write "tools": [{"type": "function", "function": {...}}]')
-    for index, tool in enumerate(tools):
-        here = f"{where}.tools[{index}]"
-        if not isinstance(tool, dict) or tool.get("type") not in TOOL_TYPES:
-            what = (f"{here} has type {_short(tool.get('type'))}" if isinstance(tool, dict)
-                    else f"{here} is {_kind(tool)}")
-            return what, f"write an object whose type is one of: {', '.join(TOOL_TYPES)}"
-        if tool["type"] != "function":
-            continue
-        function = tool.get("function")
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            return (f"{here} has no function name",
-                    'write "function": {"name": ..., "description": ..., "parameters": {...}}')
-        parameters = function.get("parameters")
-        if parameters is not None and (not isinstance(parameters, dict)
-                                       or not isinstance(parameters.get("properties", {}), dict)):
-            return (f"{here} parameters is not a JSON-schema object",
-                    'write "parameters": {"type": "object", "properties": {...}, "required": [...]}')
-    return None
-
-
-def _kind(value: Any) -> str:
-    """JSON's name for a Python value's type with its article ("an object", "a string"), as written in the file."""
-    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
-             float: "a number"}
-    return "null" if value is None else names.get(type(value), f"a {type(value).__name__}")
-
-
-def _short(value: Any, limit: int = 40) -> str:
-    """A value quoted for a one-line message: repr, newlines escaped, cut to `limit` characters."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
