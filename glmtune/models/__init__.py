@@ -1,10 +1,10 @@
-"""Models: glmtune's own GLM models and tokenizers, loaded from official checkpoints with no remote code. One
-folder per architecture family (`chatglm/`: GLM-4-9B-chat, GLM-4V-9B, ChatGLM3-6B; `glm4_0414/`: GLM-4-0414 and
+"""Models: glmtune's own GLM models and tokenizers, loaded from official checkpoints with no remote code. One folder
+per architecture family (`chatglm/`: GLM-4-9B-chat, GLM-4V-9B, ChatGLM3-6B; `glm4_0414/`: GLM-4-0414 and
 GLM-Z1-0414), the kernels every family's decoder shares (`kernels/`: attention, Ulysses, masks, per-document
 attention, the tiled MLP, the loss), and beside them what training and inference share whatever the family:
-checkpoint loading (`loading.py`), quantized loading (`quantize.py`), the presets (`presets.py`), generation
-(`generation.py`, `kvcache.py`), a folder's tokenizer (`tokenizer_files.py`) and the identity of the base
-checkpoint an adapter was trained on (`identity.py`).
+checkpoint loading (`loading.py`, the weight files checked first in `weightfiles.py`), quantized loading
+(`quantize.py`), the presets (`presets.py`), generation (`generation.py`, `kvcache.py`), a folder's tokenizer
+(`tokenizer_files.py`) and the identity of the base checkpoint an adapter was trained on (`identity.py`).
 
 May import: glmtune.config. The names below load their module on first use (PEP 562): `mode=plan` reads an
 architecture (GLMConfig) and must not pay for the model code, the tokenizers or accelerate.

@@ -16,7 +16,7 @@ from ..data.packing import decide_packing
 from ..data.pipeline import DataCollator, build_datasets, cache_entries
 from ..launch import rank
 from ..models import load_tokenizer
-from ..models.loading import check_weight_files
+from ..models.weightfiles import check_weight_files
 from ..models.presets import arch_config, resolve_model_dir
 from ..plan.estimate import image_extra_tokens
 from ..rundir.atomic import is_disk_full
