@@ -11,7 +11,7 @@ own): the model is built straight on the GPU from the released config.json facts
 (memory and speed do not depend on the values), under deepspeed.zero.Init for ZeRO-3 rows; a quantized row's
 weights are made one tensor at a time on the GPU and quantized as they arrive (models.quantize.load_quantized), so
 GLM-4-32B-0414's 65 GB never touch a disk, and `cap_gib` caps the allocator at a smaller card's memory. Then glmtune's
-own path runs it: `train.trainer.prepare_model` (LoRA, fp32 adapters, checkpointing, loss chunk,
+own path runs it: `train.model.prepare_model` (LoRA, fp32 adapters, checkpointing, loss chunk,
 checkpoint offload), `training_args` + `make_trainer` (the HF Trainer, the DeepSpeed engine for ZeRO-3) for
 `steps` optimizer steps on worst-case batches (every token a target; GLM-4V rows carry a 1120 px image), then
 `trainer.evaluate` on an eval batch when the row asks for one. Measured per phase (train, eval):
@@ -181,7 +181,8 @@ def run_one(cfg: dict) -> dict:
     from glmtune.plan.estimate import estimate
     from glmtune.probe.probe import _probe_image
     from glmtune.train import zero3
-    from glmtune.train.trainer import make_trainer, prepare_model, training_args
+    from glmtune.train.model import prepare_model
+    from glmtune.train.trainer import make_trainer, training_args
 
     transformers.logging.set_verbosity_error()
     for knob, value in cfg["zero_knobs"].items():  # the benchmark's experiments with DeepSpeed's knobs

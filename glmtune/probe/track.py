@@ -14,7 +14,7 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tens
 
 def measure_lora_step(arch, shape, seed: int = 0, sequence=None) -> tuple[int, int]:
     """Peak live tensor bytes (incl. weights, adapters, Adam states, batch) of one steady-state LoRA step on
-    CPU, built as glmtune/train/trainer.py's build_model does. Adam states are created untracked; the step
+    CPU, built as glmtune/train/model.py's build_model does. Adam states are created untracked; the step
     after is measured. Returns (peak_bytes, baseline_bytes). `arch` is a GLMConfig, `shape` a memory.RunShape.
     sequence: this rank's models/kernels/ulysses.SequenceGroup (a torchrun of N ranks): the step runs on its shard of the
     rows, as the trainer runs it (train/sequence.shard_batch), and the peak is this rank's."""
