@@ -179,7 +179,7 @@ def run_one(cfg: dict) -> dict:
     from glmtune.data.pipeline import DataCollator
     from glmtune.models.loading import model_class
     from glmtune.plan.estimate import estimate
-    from glmtune.probe.probe import _probe_image
+    from glmtune.probe.batch import probe_image
     from glmtune.train import zero3
     from glmtune.train.model import prepare_model
     from glmtune.train.trainer import make_trainer, training_args
@@ -190,7 +190,7 @@ def run_one(cfg: dict) -> dict:
     scratch = Path(os.environ.get("BENCH_SCRATCH", "/tmp/glmtune-bench"))
     arch, run, choices, shape = plan_for(cfg)
     est = estimate(arch, shape)
-    image = str(_probe_image(arch.vision_config["image_size"], scratch)) if cfg["image"] else None
+    image = str(probe_image(arch.vision_config["image_size"], scratch)) if cfg["image"] else None
     args = training_args(run.train, choices, scratch, has_eval=False, probe_steps=cfg["steps"])
 
     t0 = time.perf_counter()

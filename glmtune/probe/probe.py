@@ -31,7 +31,6 @@ import torch.distributed as torch_dist
 
 from ..config import RunConfig
 from ..data.packing import RowPacker
-from ..data.pipeline import IMAGE_PLACEHOLDERS
 from ..config.units import GIB
 from ..plan.estimate import CUDA_CONTEXT_DEFAULT, estimate, image_extra_tokens
 from ..config import userds
@@ -41,36 +40,9 @@ from ..train.gpumem import outside_allocator_bytes
 from ..train.phases import estimated_phases
 from ..train.trainer import build_model, make_trainer, training_args
 from .diagnose import classify, record_memory_history
+from .batch import probe_image, worst_case_examples
 from .report import Attempt, ProbeReport, merge_ranks, over_in_evaluation
 from . import rehearse
-
-
-def worst_case_examples(count: int, length: int, tokenizer, seed: int, image: Path | None = None) -> list[dict]:
-    """`count` examples of exactly `length` random text tokens (no special ones), each one a target.
-    With `image` (GLM-4V), every example carries it: its 3 placeholders right after [gMASK]<sop> become the
-    tower's embeddings, so the sequence is as long as the longest image example can be."""
-    gen = torch.Generator().manual_seed(seed)
-    plain = tokenizer.vocab_size - len(tokenizer.specials)  # specials are numbered after the plain tokens
-    rows = torch.randint(0, plain, (count, length), generator=gen).tolist()
-    if image is None:
-        return [{"input_ids": row, "labels": row} for row in rows]
-    marks = [tokenizer.get_command(t) for t in IMAGE_PLACEHOLDERS]
-    out = []
-    for row in rows:
-        row[2:5] = marks
-        out.append({"input_ids": row, "labels": row[:2] + [-100] * 3 + row[5:], "image": str(image)})
-    return out
-
-
-def _probe_image(size: int, folder: Path) -> Path:
-    """A noise image of the tower's input size; pixel values do not change the tower's memory."""
-    from PIL import Image
-
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "probe_image.png"
-    pixels = np.random.default_rng(0).integers(0, 256, (size, size, 3), dtype=np.uint8)
-    Image.fromarray(pixels).save(path)
-    return path
 
 
 def emulate_card(memory_gib: float | None) -> bool:
@@ -160,7 +132,7 @@ def run_probe(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, t
     world_size = rehearsed or world_size
     emulated = emulate_card(run.hw.memory_gib)
     record_memory_history()  # the run records it for its OOM snapshot: the probe runs under the same allocator
-    image = _probe_image(arch.vision_config["image_size"], run_dir / "probe") if arch.vision_config else None
+    image = probe_image(arch.vision_config["image_size"], run_dir / "probe") if arch.vision_config else None
     world = rehearse.rehearsal_world(world_size, max(1, world_size // run.dist.nnodes)) if rehearsed else nullcontext()
     with world:
         attempts, choices = _ladder(run, plan, arch, model_dir, longest, tokenizer, collator, run_dir, world_size,
