@@ -5,7 +5,7 @@
 
 Makes a tiny GLM-4 checkpoint, exports it with `mode=infer infer.merge_to=E` (remote layout: what vLLM's ChatGLM
 model serves), then serves E with `python -m glmtune mode=serve` and with the `vllm serve` command glmtune printed
-for E (run through tests/vllm_cli.py with the engines venv's Python: the CPU build's own `vllm` launcher cannot
+for E (run through tests/infer/vllm_cli.py with the engines venv's Python: the CPU build's own `vllm` launcher cannot
 start, see that file), and sends the same --requests chat completions (greedy, max_tokens fixed, `ignore_eos`
 where the server takes it) from --clients threads with the official openai client. tokens/s = completion tokens
 the servers report / wall time; the first request of each server is not timed. vLLM runs with a 1 GiB KV cache

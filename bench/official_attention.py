@@ -9,7 +9,7 @@ are copied. For GQA (2 groups), GQA with as many groups as heads, and full multi
 family is written, loaded by glmtune and by the official code (trust_remote_code), and the largest logit
 difference printed; then a LoRA adapter with non-zero B on query_key_value and dense is merged and exported by
 glmtune (what infer.merge_to writes) and that export reloaded by the official code, against glmtune's base +
-adapter. Measured results: bench/RESULTS.md; the suite's check without the official files: tests/test_mha_layout.py.
+adapter. Measured results: bench/RESULTS.md; the suite's check without the official files: tests/models/test_mha_layout.py.
 """
 from __future__ import annotations
 

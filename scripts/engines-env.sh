@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The serving-engine venv of the engine-parity tests: vLLM's CPU build (with transformers 5.x), PEFT and the
-# openai client, kept apart from glmtune's own stack (transformers 4.40.2). tests/engines_env.py finds it.
+# openai client, kept apart from glmtune's own stack (transformers 4.40.2). tests/helpers/engines.py finds it.
 #   scripts/engines-env.sh            # makes <repo>/.venv-engines (the README's test block runs this)
 #   scripts/engines-env.sh DIR        # makes it in DIR instead (GLMTUNE_ENGINES_PYTHON=DIR/bin/python then)
 # Idempotent: DIR/.glmtune-engines records what was installed; a second run with the same pins checks the

@@ -4,7 +4,7 @@ per launch), and `mode=plan` imports planning only: no torch._dynamo, no model c
 bench/plan_import.py). The CLI runs in a fresh interpreter; its sys.modules is read after it ends."""
 from __future__ import annotations
 
-from conftest import glmtune_inspected
+from helpers.cli import glmtune_inspected
 
 HEAVY = ("bitsandbytes", "deepspeed", "optuna", "submitit")
 # What mode=plan must leave unloaded besides HEAVY, as module-name prefixes: the compiler stack, transformers' model

@@ -11,7 +11,7 @@ task name and search path (`--config-dir` included). Everything else (`-m`, a co
 
 Hydra's `_internal` helpers are used on purpose: they are what hydra.main itself runs, so a run composed here
 gets the same run dir, logging, `.hydra/` files and HydraConfig as before. The version is pinned in
-pyproject.toml; tests/test_config_compose.py compares both paths' composed configs and Hydra settings.
+pyproject.toml; tests/config/test_config_compose.py compares both paths' composed configs and Hydra settings.
 """
 from __future__ import annotations
 

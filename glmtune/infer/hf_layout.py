@@ -17,7 +17,7 @@ A family is one `Layout` row in LAYOUTS, found by `layout_for(config, tokenizer)
 GLM-4-9B-chat is `GlmForCausalLM` (model_type glm): HF GlmMLP keeps dense_h_to_4h fused as gate_up_proj (gate
 rows first, as glmtune's SwiGLU), and vLLM 0.32 serves it through its Transformers backend, which fuses
 q/k/v into qkv_proj and accepts LoRAs on q_proj, k_proj, v_proj, o_proj, gate_up_proj, down_proj (read from
-vllm/model_executor/models/transformers/ and vllm/lora/, checked by tests/test_engines.py). ChatGLM3 and GLM-4V
+vllm/model_executor/models/transformers/ and vllm/lora/, checked by tests/infer/test_engines.py). ChatGLM3 and GLM-4V
 have no HF-native class: their exports stay `remote` (vLLM runs its own ChatGLM / GLM-4V models on them).
 """
 from __future__ import annotations

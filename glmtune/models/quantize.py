@@ -111,7 +111,7 @@ def _never_pack_on_cpu(layer: nn.Module) -> None:
     to bf16 and transposed, double-quant scales expanded. Its way back (run by a later training forward, `.to()`
     or `state_dict()`) is "best-effort": without double quant the scales stay transposed (a layer's weights
     off by up to 0.22 with |w| <= 1.31), with it they are re-quantized from bf16 (1.7e-3), so the training
-    steps after an evaluation used other base weights than those before (tests/test_nf4_cpu.py).
+    steps after an evaluation used other base weights than those before (tests/models/test_nf4_cpu.py).
 
     The choice is a per-layer flag, set from the CPU at construction; cleared, the layer dequantizes and
     multiplies in the compute dtype in every mode, as training does and as every other CPU does. The codes and

@@ -11,7 +11,7 @@ The levers, each tried by planning the changed run exactly as the command line w
 Ranked cheapest change first: the same run on the same hardware with shorter examples, then more of the same
 GPUs, then changed numerics (quantized; with shorter examples after), then new hardware. A lever that cannot fit
 at any setting is not mentioned. Each line starts with the overrides to type, so it can be pasted onto the command
-line as it is (tests/test_advice.py does exactly that), then what it means, its estimate and its headroom.
+line as it is (tests/plan/test_advice.py does exactly that), then what it means, its estimate and its headroom.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Per-GPU peak memory of a GLM LoRA training step, from the architecture and run shape alone.
 
 The tensor terms of one block, the MLP and the loss head are terms.py's, checked against measured live tensor
-bytes on CPU (tests/test_memory.py, bench/).
+bytes on CPU (tests/plan/test_memory.py, bench/).
 
 Not measured here (no GPU lent): CUDA context, cuBLAS workspaces, NCCL buffers and caching-allocator
 slack are per-family constants, marked UNCALIBRATED. ZeRO-1/2 are not modelled on purpose: for LoRA they

@@ -53,7 +53,7 @@ def exchange_bytes(arch: GLMConfig, shape, tokens: int) -> int:
 def attention_working(arch: GLMConfig, shape, tokens: int) -> int:
     """Transient bytes of one attention backward under SP: the output's gradient exchanged into heads, then
     SDPA's dq, dK and dV over the expanded heads: 4 x e x tokens x heads x head size (heads / N over the row).
-    Measured on CPU (2 gloo ranks, tests/test_longctx.py): an attention-bound model (f = 128, 12 heads x 64)
+    Measured on CPU (2 gloo ranks, tests/plan/test_longctx.py): an attention-bound model (f = 128, 12 heads x 64)
     peaked 3.9-4.0 MiB above the MLP-bound estimate at 1,024 local fp32 tokens, 3.8 such [tokens, heads x d]
     tensors over the MLP's 2.5; the exchange buffers (exchange_bytes) are freed before that peak. Without SP the
     MLP's working set (estimate.block_working) is the larger on every GLM: 0 here."""

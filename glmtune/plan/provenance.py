@@ -3,7 +3,7 @@
 - measured: a row of bench/RESULTS.md §0 (one H100 80GB, 2026-11-23, bench/gpu_calib_2026-11-23.jsonl) ran this
   kind of configuration and its figure was compared with the term: bf16 weights, LoRA states, activations,
   the loss head, GLM-4V's tower, evaluation, the context, the reserve of both allocators, ZeRO-3 on one GPU.
-- CPU-verified: tensor bytes checked on CPU against the same code (tests/test_memory.py, test_quantize.py), never
+- CPU-verified: tensor bytes checked on CPU against the same code (tests/plan/test_memory.py, test_quantize.py), never
   on a GPU: the quantized bases (bitsandbytes storage and working set).
 - derived: worked out from the architecture or from documentation, never measured: ZeRO-3 across 2+ GPUs
   (sharded weights, gather buckets, NCCL), generation's KV cache, the cuBLAS workspaces, the context of GPU

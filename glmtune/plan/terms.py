@@ -9,7 +9,7 @@ a LoRA-wrapped one keeps its (dropped-out) input, the dropout mask and lora_A's 
 checkpointing keeps one [tokens, hidden] input per block and recomputes one block in backward. The
 reference loss keeps fp32 logits, a shifted contiguous copy and log_softmax's output at once
 (14 B/token/vocab in bf16, 12 in fp32); the chunked loss holds that for `loss_chunk_tokens` only.
-These are checked against measured live tensor bytes on CPU (tests/test_memory.py, bench/). `shape` is the
+These are checked against measured live tensor bytes on CPU (tests/plan/test_memory.py, bench/). `shape` is the
 estimator's RunShape (estimate.py).
 """
 from __future__ import annotations

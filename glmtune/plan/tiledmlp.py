@@ -2,7 +2,7 @@
 
 models/kernels/tiling.py computes a block's MLP `tile` tokens at a time, each tile under a non-reentrant checkpoint.
 What that changes in the estimate (estimate.py block_saved / block_working), checked against measured live
-tensor bytes on CPU (tests/test_tiled_mlp.py):
+tensor bytes on CPU (tests/models/test_tiled_mlp.py):
 - kept for backward: only the tiles' input, the block's normed hidden state [tokens, hidden] (the tiles are
   views of it), instead of the fused [gate | up] output, silu's output and the LoRA inputs of both projections;
 - backward working set: one tile recomputed (its saved tensors, as the untiled MLP keeps them, for `tile`
@@ -42,7 +42,7 @@ def working(e: int, tokens: int, tile: int, ffn: int, hidden: int, tile_saved: i
       plus their concatenation (3 x [tokens, hidden]);
     - post_attention_layernorm's backward after it, which untiled never shows: the incoming and the MLP's input
       gradient plus ~4 fp32 [tokens, hidden] (the norm's fp32 arithmetic), less the MLP's kept input, freed by
-      then (fitted on CPU, fp32 and bf16, 1,024 tokens: tests/test_tiled_mlp.py)."""
+      then (fitted on CPU, fp32 and bf16, 1,024 tokens: tests/models/test_tiled_mlp.py)."""
     return max(tile_saved + 3 * e * tile * ffn + 3 * e * tokens * hidden, (e + 16) * tokens * hidden)
 
 

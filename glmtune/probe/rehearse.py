@@ -10,7 +10,7 @@ exists (the sequence-parallel groups, DeepSpeed's, DDP's), every collective retu
 runs every kernel at its real shape — its 1/N of each ZeRO-3 partition (DeepSpeed 0.19.8 initialises and steps on
 the group), its 1/SP of every row, its share of the batches. The probe measures each phase exactly as a real
 probe does (train/phases.py) and its ladder acts on the rehearsed peak as on a real one. Time: one rank's steps.
-On CPU the rehearsed peak equals rank 0's of a real gloo launch to the byte (tests/test_rehearse.py).
+On CPU the rehearsed peak equals rank 0's of a real gloo launch to the byte (tests/probe/test_rehearse.py).
 
 `probe.rehearse`: `auto` rehearses when the plan's world is larger than the processes running (one process,
 no launcher); `true` also rehearses a world of one; `false` plans for the processes there are, as before.

@@ -9,7 +9,7 @@ Each row stops on its own: at GLM-4's stop ids, its max_tokens, a stop string or
 (a StoppingCriteria per row); the batch ends when every row has. Tokens reach each request as they are
 decoded (a streamer per batch), so streaming and plain requests share the batch.
 
-Greedy rows in a left-padded batch give the tokens they give alone (tests/test_infer.py checks batched ==
+Greedy rows in a left-padded batch give the tokens they give alone (tests/infer/test_infer.py checks batched ==
 single), so a request's reply does not depend on what it was batched with. A sampled request with a `seed`
 runs alone: the random stream is then its own, and the same seed gives the same reply.
 """

@@ -3,7 +3,7 @@ the config.json transformers and vLLM read, the weight-name table, the stop ids,
 
 glmtune's module tree is transformers' (modeling.py), so a merged model's state_dict is already the checkpoint's
 names and an adapter trained by glmtune loads in PEFT on transformers' Glm4ForCausalLM as it is
-(tests/test_glm4_0414_reference.py). vLLM is the exception: its Glm4ForCausalLM packs `gate_up_proj` from
+(tests/models/test_glm4_0414_reference.py). vLLM is the exception: its Glm4ForCausalLM packs `gate_up_proj` from
 `gate_proj` + `up_proj` (vllm/model_executor/models/glm4.py `packed_modules_mapping`) and accepts adapter modules
 by those unpacked names only (vllm/lora/worker_manager.py builds the accepted set from the mapping;
 lora/lora_model.py raises "expected target modules in ... but received ..." for `gate_up_proj`). An adapter on the

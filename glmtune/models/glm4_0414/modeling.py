@@ -19,7 +19,7 @@ merged exports need no renaming. The maths is the reference's (transformers' mod
 (kernels/layers.py says why it is ChatGLM's), SDPA with 1/sqrt(head_dim), SwiGLU up * silu(gate), RMSNorm casting
 to the input dtype before the weight, loss on fp32 logits. What attention, the MLP tiles, the block loop and the
 loss head run is models/kernels', shared with the ChatGLM family: packing with per-document attention, Ulysses,
-the tiled MLP, checkpoint offload, the chunked loss, the KV-cache buffer. tests/test_glm4_0414_reference.py holds it
+the tiled MLP, checkpoint offload, the chunked loss, the KV-cache buffer. tests/models/test_glm4_0414_reference.py holds it
 against transformers' own class.
 """
 from __future__ import annotations

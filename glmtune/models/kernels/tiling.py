@@ -11,7 +11,7 @@ bytes) and recomputes the tile in backward. So one tile's [tile, 2 x ffn] exists
 backward, whatever the length. The price is one more MLP forward per step (bench/tiled_mlp.py measures it).
 Without grad (the first pass of reentrant block checkpointing, evaluation) the tiles just run in turn.
 
-Which checkpoint (tests/test_tiled_mlp.py runs each case on CPU, nested in the blocks' reentrant or
+Which checkpoint (tests/models/test_tiled_mlp.py runs each case on CPU, nested in the blocks' reentrant or
 non-reentrant checkpointing, with peft LoRA on both projections):
 - non-reentrant, the default: the tiles are one autograd graph, so each adapter's gradient is accumulated
   once per backward, which DDP's reducer requires (a parameter marked ready twice is an error), and no input

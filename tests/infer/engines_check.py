@@ -1,0 +1,84 @@
+"""Run by tests/infer/test_engines.py with the engines venv's Python (vLLM CPU build, transformers 5.x, PEFT), nothing of
+glmtune importable: load glmtune's exports as a user's engine does and write what the engine computed as JSON.
+
+    python engines_check.py JOB.json RESULT.json
+
+JOB: {"vllm": [{"name", "model", "lora" (folder or null), "max_lora_rank", "conversations", "max_tokens"}],
+      "transformers": [{"name", "model", "adapter" (folder or null), "conversations", "ids"}]}
+Every vLLM engine of the job runs in this one process, one after the other (each start costs ~30 s on 2 cores),
+with greedy decoding, fp32 and a 1 GiB KV cache; prompts are rendered by the engine from the export's chat template.
+"""
+import gc
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: the tiny models need a few MiB
+
+
+def run_vllm(spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    started = time.monotonic()
+    llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, max_model_len=1024, seed=0,
+              enable_lora=bool(spec.get("lora")), max_lora_rank=spec.get("max_lora_rank") or 16)
+    lora = LoRARequest("adapter", 1, spec["lora"]) if spec.get("lora") else None
+    params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], logprobs=1, prompt_logprobs=1)
+    outputs = llm.chat(spec["conversations"], params, lora_request=lora, use_tqdm=False)
+    rows = []
+    for out in outputs:
+        gen = out.outputs[0]
+        rows.append({"prompt_ids": list(out.prompt_token_ids), "ids": list(gen.token_ids), "text": gen.text,
+                     "finish_reason": gen.finish_reason, "stop_reason": gen.stop_reason,
+                     # logprob of each prompt token given the ones before it (the first has none)
+                     "prompt_logprobs": [None if lp is None else lp[t].logprob for t, lp in
+                                         zip(out.prompt_token_ids, out.prompt_logprobs)],
+                     "logprobs": [lp[t].logprob for t, lp in zip(gen.token_ids, gen.logprobs)]})
+    seconds = time.monotonic() - started
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    return {"rows": rows, "seconds": round(seconds, 1)}
+
+
+def run_transformers(spec: dict) -> dict:
+    """AutoTokenizer / AutoModelForCausalLM (no trust_remote_code), PEFT on top when an adapter is given: the chat
+    template's prompt ids and the fp32 logits of given ids."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    prompt_ids = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)
+                  ["input_ids"] for c in spec["conversations"]]
+    if not spec.get("ids"):  # the tokenizer alone
+        return {"prompt_ids": prompt_ids, "tokenizer": type(tokenizer).__name__}
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    if spec.get("adapter"):
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, spec["adapter"])
+    model.eval()
+    with torch.no_grad():
+        logits = [model(input_ids=torch.tensor([ids])).logits[0].tolist() for ids in spec["ids"]]
+    return {"prompt_ids": prompt_ids, "logits": logits, "tokenizer": type(tokenizer).__name__,
+            "model": type(model.get_base_model() if spec.get("adapter") else model).__name__}
+
+
+def main() -> None:
+    job = json.load(open(sys.argv[1]))
+    result = {"transformers": {s["name"]: run_transformers(s) for s in job.get("transformers", [])}}
+    result["vllm"] = {s["name"]: run_vllm(s) for s in job.get("vllm", [])}
+    import peft
+    import transformers
+    import vllm
+
+    result["versions"] = {"vllm": vllm.__version__, "transformers": transformers.__version__,
+                          "peft": peft.__version__}
+    with open(sys.argv[2], "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":  # vLLM starts its engine in a spawned process, which imports this file again
+    main()
