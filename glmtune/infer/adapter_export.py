@@ -57,7 +57,9 @@ def check_adapter_for(cfg: InferConfig, layout: Layout, model_config) -> None:
     if problems:
         raise ConfigError(f"infer.adapter_for=vllm: {cfg.adapter} cannot be served by vLLM: {'; '.join(problems)} "
                           "— merge it instead (infer.adapter_for=none), or use infer.adapter_for=peft")
-    adapter_targets(_tensor_names(Path(cfg.adapter).expanduser()), cfg.adapter, layout, model_config, cfg.adapter_for)
+    names = adapter_names(_tensor_names(Path(cfg.adapter).expanduser()), cfg.adapter, layout, model_config,
+                          cfg.adapter_for)
+    renamed_patterns(read_adapter_config(cfg.adapter), names, layout, model_config, cfg.adapter_for, cfg.adapter)
 
 
 def vllm_problems(config: dict) -> list[str]:
@@ -88,22 +90,51 @@ def _placed(key: str, layout: Layout, splits: dict, model_config, adapter) -> tu
     return module, leaf, (splits[last](model_config) if module and last in splits else None)
 
 
-def adapter_targets(keys, adapter, layout: Layout, model_config, engine: str) -> list[str]:
-    """The last module names the converted adapter has; ConfigError when the engine takes a LoRA on none of
-    some of them (vLLM refuses such an adapter at load: "expected target modules in ... but received ...")."""
+def adapter_names(keys, adapter, layout: Layout, model_config, engine: str) -> dict[str, list[str]]:
+    """Each adapted module's last name in the adapter -> its last names in the converted one (a split layer has
+    several, a dropped one none); ConfigError when the engine takes a LoRA on none of some of them (vLLM refuses
+    such an adapter at load: "expected target modules in ... but received ...")."""
     splits = {**layout.splits, **layout.engine_splits.get(engine, {})}
-    targets = set()
+    names: dict[str, list[str]] = {}
     for key in keys:
         module, _, parts = _placed(key, layout, splits, model_config, adapter)
-        if module:
-            targets |= {name for name, _ in parts} if parts else {module.rpartition(".")[2]}
+        new = [name for name, _ in parts] if parts else [module.rpartition(".")[2]] if module else []
+        names[_KEY.match(key)["module"].rpartition(".")[2]] = new
+    targets = {name for new in names.values() for name in new}
     accepted = layout.engine_targets.get(engine)
     if accepted is not None and targets - accepted:
         raise ConfigError(f"infer.adapter_for={engine}: {adapter} adapts {', '.join(sorted(targets - accepted))}, "
                           f"which {engine} applies no LoRA to in the {layout.name} layout (it takes "
                           f"{', '.join(sorted(accepted))}) — retrain without it (lora.target_modules) or merge the "
                           "adapter (infer.adapter_for=none)")
-    return sorted(targets)
+    return names
+
+
+def renamed_patterns(config: dict, names: dict[str, list[str]], layout: Layout, model_config, engine: str,
+                     adapter) -> dict:
+    """rank_pattern / alpha_pattern (PEFT and vLLM match each key to a module name's end) in the converted names:
+    a bare module name becomes its new names (one per part of a split layer); a dotted key is renamed by the
+    layout's rules. ConfigError for a key glmtune cannot place, rather than a LoRA scaled by the wrong rank."""
+    if not layout.renames:  # the remote layout: the adapter's own names
+        return {field_name: dict(config.get(field_name) or {}) for field_name in ("rank_pattern", "alpha_pattern")}
+    splits = {**layout.splits, **layout.engine_splits.get(engine, {})}
+    out = {}
+    for field_name in ("rank_pattern", "alpha_pattern"):
+        pattern = {}
+        for key, value in (config.get(field_name) or {}).items():
+            if "." not in key:
+                new = names.get(key, [key])
+            elif (path := rename(layout, key + ".")) is not None:
+                parent, _, last = path.removesuffix(".").rpartition(".")
+                parts = [part for part, _ in splits[last](model_config)] if last in splits else [last]
+                new = [f"{parent}.{part}" for part in parts]
+            else:
+                raise ConfigError(f"{adapter}: adapter_config.json {field_name} key {key!r} names no module glmtune "
+                                  f"can rename into the {layout.name} layout — give it as a module name "
+                                  "(e.g. q_proj), or merge the adapter (infer.adapter_for=none)")
+            pattern.update(dict.fromkeys(new, value))
+        out[field_name] = pattern
+    return out
 
 
 def _tensor_names(folder: Path) -> list[str]:
@@ -123,7 +154,7 @@ def convert_adapter(adapter: str | Path, out: Path, layout: Layout, model_config
                     base_path: str) -> dict:
     """Write the adapter in `layout`'s names for `engine` into `out`; returns its adapter_config."""
     weights = read_adapter_weights(Path(adapter).expanduser())
-    targets = adapter_targets(weights, adapter, layout, model_config, engine)
+    names = adapter_names(weights, adapter, layout, model_config, engine)
     splits = {**layout.splits, **layout.engine_splits.get(engine, {})}
     converted: dict[str, torch.Tensor] = {}
     for key, tensor in weights.items():
@@ -140,7 +171,8 @@ def convert_adapter(adapter: str | Path, out: Path, layout: Layout, model_config
             converted[f"base_model.model.{parent}.{name}.{leaf}"] = piece.contiguous()
     config = read_adapter_config(adapter)
     if layout.renames:  # GLM-4V's vision-excluding regex only exists in the remote layout, kept there
-        config["target_modules"] = targets
+        config["target_modules"] = sorted({name for new in names.values() for name in new})
+        config.update(renamed_patterns(config, names, layout, model_config, engine, adapter))
     config.update(base_model_name_or_path=base_path, inference_mode=True)
     from safetensors.torch import save_file
 

@@ -4,7 +4,8 @@
                                         null vision keys dropped: engines read them as GLM-4V)
     DIR/modeling_*.py, tokenization_*.py, tokenizer.model, ...   every other non-weight file of the base, copied
     DIR/model-0000k-of-0000n.safetensors + model.safetensors.index.json   (one model.safetensors when small)
-    DIR/generation_config.json          the base's, with GLM-4's stop ids in eos_token_id (GLM-4 #297)
+    DIR/generation_config.json          the base's, with GLM-4's stop ids in eos_token_id (GLM-4 #297); byte for
+                                        byte when it has them
     DIR/tokenizer_config.json           the base's; glmtune's chat template added when it has none; its
                                         tokenizer_class PreTrainedTokenizerFast (auto_map kept, see below)
     DIR/tokenizer.json, chat_template.jinja   the tokenizer as data and the template as a file: no engine needs
@@ -15,6 +16,11 @@
 `infer.merge_format=hf` writes the HF-native layout instead (hf_layout.py: GlmForCausalLM config and weight
 names, no remote code files); `infer.adapter_for=peft|vllm` writes the base unmerged plus DIR/adapter/ converted
 for that engine (adapter_export.py).
+
+A GLM-4-0414 / GLM-Z1 base is HF-native already (its Layout's base_is_hf), so both formats write one folder: the
+weights under its own names, config.json from the family's hf_config, and every other non-weight file of the base
+as it ships it (tokenizer.json in either merges format, tokenizer_config.json, generation_config.json when it holds
+the stop ids); only what it lacks is written (chat_template.jinja from its template, unchanged).
 
 The files are the user's, not glmtune's: with the base's `auto_map` and modeling code, `AutoModelForCausalLM
 .from_pretrained(DIR, trust_remote_code=True)`, vLLM and PEFT see the official model. A base without them (the
@@ -35,7 +41,7 @@ from ..models.chatglm.chat_template import chat_template_for
 from ..models.chatglm.configuration import TEXT_MODEL_DROPS
 from ..rundir.atomic import folder_as_one_unit
 from .adapter_export import convert_adapter, vllm_rank_flag
-from .hf_layout import REMOTE, hf_state_dict, layout_for
+from .hf_layout import REMOTE, Layout, hf_state_dict, layout_for
 from .serve_command import write_serve_md
 from .targets import mark_export, writing_export
 
@@ -91,11 +97,19 @@ def export_folder(model, tokenizer, out: str | Path, model_dir: str | Path | Non
         else:  # HF names and config; none of the base's remote code, nor the tiktoken file only it reads
             model.save_pretrained(tmp, state_dict=hf_state_dict(layout, state, model.config),
                                   safe_serialization=True, max_shard_size=shard_size)
+            if layout.base_is_hf:  # the base's own tokenizer files, chat template, README, ... as it ships them
+                for file in base_files(model_dir):
+                    shutil.copy2(file, tmp / file.name)
             hf = {**layout.hf_config(model.config), "torch_dtype": str(dtype).removeprefix("torch.")}
+            if "dtype" in hf:  # transformers 5's name for it, which GLM-4-0414's config carries too
+                hf["dtype"] = hf["torch_dtype"]
             (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
             # tokenizer_config.json stays glmtune's (it holds the base's chat template); tokenizer.model only glmtune reads
             (tmp / "tokenizer.model").unlink(missing_ok=True)
-        _fast_tokenizer_config(tmp, tokenizer)
+        if layout.base_is_hf:
+            _template_file(tmp, tokenizer)
+        else:
+            _fast_tokenizer_config(tmp, tokenizer)
         write_generation_config(tmp, model_dir, tokenizer)
         rank = None
         if cfg.adapter_for != "none":
@@ -137,25 +151,38 @@ def _fast_tokenizer_config(folder: Path, tokenizer) -> None:
     (folder / "chat_template.jinja").write_text(template, encoding="utf-8")
 
 
+def _template_file(folder: Path, tokenizer) -> None:
+    """chat_template.jinja (what --chat-template names) for a base whose tokenizer files are kept as shipped: the
+    base's own file, or the template of its tokenizer_config.json, which the tokenizer renders with, unchanged."""
+    path = folder / "chat_template.jinja"
+    if not path.is_file():
+        path.write_text(tokenizer.chat_template, encoding="utf-8")
+
+
 def write_generation_config(folder: Path, model_dir: Path, tokenizer) -> None:
     """The base's generation_config.json (sampling defaults and all) with every stop id of glmtune's generation in
     eos_token_id: <|endoftext|>, <|user|>, <|observation|> (GLM-4: 151329, 151336, 151338; ChatGLM3: eos 2 and its
     <|user|>, <|observation|>). Without them vLLM and `generate` stop only on <|endoftext|>, which a chat model
-    rarely writes: the reply runs on into a made-up next user turn (GLM-4 #297)."""
+    rarely writes: the reply runs on into a made-up next user turn (GLM-4 #297). A base file that already holds
+    them all and a pad id (GLM-4-0414's, glm-4-9b-chat's) is copied byte for byte."""
     from transformers import GenerationConfig
 
     source = model_dir / "generation_config.json"
     fields = json.loads(source.read_text()) if source.is_file() else {}
-    fields = {k: v for k, v in fields.items() if k not in ("transformers_version", "_from_model_config")}
     eos = fields.get("eos_token_id")
     eos = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
+    if set(tokenizer.stop_token_ids) <= set(eos) and fields.get("pad_token_id") is not None:
+        shutil.copy2(source, folder / source.name)  # it says all glmtune would add: the user's file, as it is
+        return
+    fields = {k: v for k, v in fields.items() if k not in ("transformers_version", "_from_model_config")}
     fields["eos_token_id"] = eos + [i for i in tokenizer.stop_token_ids if i not in eos]
     fields.setdefault("pad_token_id", tokenizer.pad_token_id)
     GenerationConfig(**fields).save_pretrained(folder)
 
 
-def export_line(cfg: InferConfig) -> str:
+def export_line(cfg: InferConfig, layout: Layout | None = None) -> str:
     """What infer.merge_to holds, as the line after an export names it."""
     what = (f"base, with its adapter for {cfg.adapter_for}," if cfg.adapter_for != "none"
             else "merged base + adapter" if cfg.adapter else "base")
-    return f"{what} ({cfg.merge_format} layout)"
+    fmt = "hf layout, the base's own" if layout is not None and layout.base_is_hf else f"{cfg.merge_format} layout"
+    return f"{what} ({fmt})"

@@ -116,7 +116,8 @@ def run_infer(cfg: InferConfig, model_cfg: ModelConfig, memory_gib: float | None
                           "infer.adapter=<run>/adapter and infer.merge_to=<folder>")
     if cfg.merge_to:  # a layout or an adapter the engine cannot take: one line now, not after the weights load
         config = load_config(model_dir)
-        check_adapter_for(cfg, layout_for(cfg.merge_format, config, tokenizer), config)
+        layout = layout_for(cfg.merge_format, config, tokenizer)
+        check_adapter_for(cfg, layout, config)
     quantized = model_cfg.quantize != "none"
     result: dict = {}
     if cfg.merge_to and unmerged:  # the base alone, in its own dtype; the adapter is written beside it
@@ -129,8 +130,8 @@ def run_infer(cfg: InferConfig, model_cfg: ModelConfig, memory_gib: float | None
     if cfg.merge_to and not unmerged:
         result["merged"], result["serve"] = map(str, export_folder(model, tokenizer, cfg.merge_to, model_dir, cfg=cfg))
     if cfg.merge_to:
-        result["merged_line"] = (f"{export_line(cfg)} written to {result['merged']}; serve it with vLLM (SERVE.md "
-                                 f"there has this and the transformers lines):\n{result['serve']}")
+        result["merged_line"] = (f"{export_line(cfg, layout)} written to {result['merged']}; serve it with vLLM "
+                                 f"(SERVE.md there has this and the transformers lines):\n{result['serve']}")
     if prompts:
         if quantized:  # one device: a quantized 9B model fits one card, so infer.gpus does not split it
             model = None

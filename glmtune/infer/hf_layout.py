@@ -13,12 +13,23 @@ A family is one `Layout` row in LAYOUTS, found by `layout_for(config, tokenizer)
                                Glm4ForCausalLM expands gate_up_proj to gate_proj + up_proj)
     engine_targets[engine]     the last name of every module that engine applies a LoRA to; anything else in an
                                adapter is refused at export (vLLM would refuse it at load, or apply nothing)
+    base_is_hf                 the base folder is already this layout (GLM-4-0414): its non-weight files
+                               (tokenizer.json, tokenizer_config.json and its chat template, generation_config.json,
+                               README, ...) are the export's as the base ships them; glmtune writes what is missing
 
 GLM-4-9B-chat is `GlmForCausalLM` (model_type glm): HF GlmMLP keeps dense_h_to_4h fused as gate_up_proj (gate
 rows first, as glmtune's SwiGLU), and vLLM 0.32 serves it through its Transformers backend, which fuses
 q/k/v into qkv_proj and accepts LoRAs on q_proj, k_proj, v_proj, o_proj, gate_up_proj, down_proj (read from
 vllm/model_executor/models/transformers/ and vllm/lora/, checked by tests/infer/test_engines.py). ChatGLM3 and GLM-4V
 have no HF-native class: their exports stay `remote` (vLLM runs its own ChatGLM / GLM-4V models on them).
+
+GLM-4-0414 / GLM-Z1 is `Glm4ForCausalLM` (model_type glm4) in its own checkpoints: glmtune's module tree has its
+names, so `remote` and `hf` are one layout. vLLM 0.32 serves it with its native vllm/model_executor/models/glm4.py
+(registry "Glm4ForCausalLM" -> glm4; tests/test_engines.py loads it and checks the class), whose
+packed_modules_mapping packs qkv_proj from q/k/v_proj and gate_up_proj from gate_proj + up_proj;
+vllm/lora/worker_manager.py accepts an adapter's modules by the unpacked names only (q_proj, k_proj, v_proj, o_proj,
+gate_proj, up_proj, down_proj: lora_model.py raises "expected target modules in ..." for gate_up_proj, and lm_head
+is a ParallelLMHead it has no LoRA for), so an adapter for vLLM has the fused MLP LoRA split (engine_splits).
 """
 from __future__ import annotations
 
@@ -29,6 +40,7 @@ from typing import Callable
 import torch
 
 from ..config import ConfigError
+from ..models.glm4_0414.export import hf_config as glm4_0414_config
 
 Split = Callable[[object], list[tuple[str, int]]]  # config -> [(part name, rows)]
 
@@ -77,8 +89,13 @@ class Layout:
     engine_splits: dict[str, dict[str, Split]] = field(default_factory=dict)
     engine_targets: dict[str, frozenset] = field(default_factory=dict)
     refusal: Callable[[object], str | None] = lambda config: None
+    base_is_hf: bool = False
 
 
+# The Linears of an HF GLM block but the fused MLP input, which engines name differently; PEFT on transformers'
+# model adapts any Linear, lm_head included.
+_HF_LINEARS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "down_proj"})
+_HF_PEFT = _HF_LINEARS | {"gate_up_proj", "lm_head"}
 _LAYER = r"transformer\.encoder\.layers\.(\d+)\."
 GLM = Layout(
     name="glm4",
@@ -94,9 +111,7 @@ GLM = Layout(
              (r"transformer\.output_layer\.", "lm_head."),
              (r"transformer\.rotary_pos_emb\.inv_freq$", "")),  # recomputed from rope_theta by every loader
     splits={"query_key_value": _qkv},
-    engine_targets={"vllm": frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"}),
-                    "peft": frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj",
-                                       "lm_head"})},
+    engine_targets={"vllm": _HF_LINEARS | {"gate_up_proj"}, "peft": _HF_PEFT},
     refusal=_glm_refusal,
 )
 # The remote (official) layout: names unchanged. vLLM's ChatGLM / GLM-4V models take LoRAs on the four linear
@@ -104,12 +119,18 @@ GLM = Layout(
 # output_layer is a ParallelLMHead there, which vLLM's LoRA does not adapt.
 REMOTE = Layout(name="remote", hf_config=lambda config: {}, renames=(),
                 engine_targets={"vllm": frozenset({"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"})})
-# A family plugs in with a Layout here, keyed by what family_of() returns for it. GLM-4-0414 (Glm4ForCausalLM) has
-# HF names already: renames=((r"(.+)", r"\1"),), splits={}, its own hf_config, gate_up_proj fused in the checkpoint
-# and engine_splits={"vllm": {"gate_up_proj": _gate_up}} (vLLM's glm4.py expands it to gate_proj + up_proj), and
-# the same Layout in REMOTE_OF (its own layout is the HF one).
-LAYOUTS = {"glm4": GLM}
-REMOTE_OF: dict[str, Layout] = {}  # family -> its `remote` layout when that is not the official ChatGLM one
+# GLM-4-0414 / GLM-Z1: HF names already (identity renames), gate_up_proj fused in the checkpoint as in glmtune.
+GLM4_0414 = Layout(
+    name="glm4_0414",
+    hf_config=glm4_0414_config,
+    renames=((r"(.+)", r"\1"),),
+    engine_splits={"vllm": {"gate_up_proj": _gate_up}},
+    engine_targets={"vllm": _HF_LINEARS | {"gate_proj", "up_proj"}, "peft": _HF_PEFT},
+    base_is_hf=True,
+)
+# A family plugs in with a Layout here, keyed by what family_of() returns for it.
+LAYOUTS = {"glm4": GLM, "glm4_0414": GLM4_0414}
+REMOTE_OF = {"glm4_0414": GLM4_0414}  # family -> its `remote` layout when that is not the official ChatGLM one
 NOT_HF = {"chatglm3": "ChatGLM3 has no HF-native class in transformers",
           "glm4v": "GLM-4V-9B has no HF-native class in transformers"}
 

@@ -6,7 +6,8 @@
         [--enable-lora --lora-modules NAME-lora=DIR/adapter --max-lora-rank R]          infer.adapter_for=vllm
 
 No `--trust-remote-code`: every export's model class is one vLLM implements itself (ChatGLM, GLM-4V,
-GlmForCausalLM) and its tokenizer is tokenizer.json; it is added only for an architecture outside VLLM_NATIVE.
+GlmForCausalLM, GLM-4-0414's Glm4ForCausalLM) and its tokenizer is tokenizer.json; it is added only for an
+architecture outside VLLM_NATIVE.
 `--generation-config DIR` makes vLLM stop at every GLM stop id of generation_config.json (without them a
 GLM-4 reply runs on into an invented next turn: GLM-4 #297); `--chat-template` is the export's own template
 (the base's, byte for byte, or glmtune's where the base had none), so the engine renders what was trained.
@@ -20,6 +21,9 @@ from pathlib import Path
 # Architectures vLLM 0.32 runs with its own code (vllm/model_executor/models/registry.py).
 VLLM_NATIVE = {"ChatGLMModel", "ChatGLMForConditionalGeneration", "GLM4VForCausalLM", "GlmForCausalLM",
                "Glm4ForCausalLM"}
+
+# The first transformers release with each HF-native class (its model_type glm / glm4).
+TRANSFORMERS_SINCE = {"GlmForCausalLM": "4.46", "Glm4ForCausalLM": "4.51.3"}
 
 
 def vllm_command(folder: Path, name: str, config: dict, adapter_rank: int | None) -> list[str]:
@@ -60,8 +64,9 @@ def transformers_snippet(folder: Path, config: dict, adapter: bool) -> str:
 
 def serve_md(folder: Path, command: list[str], snippet: str, config: dict) -> str:
     line = " ".join(shlex.quote(a) for a in command)
-    how = ("HF-native layout (GlmForCausalLM): transformers >= 4.46, vLLM and SGLang load it without remote code"
-           if config.get("model_type") != "chatglm" else
+    arch = (config.get("architectures") or ["?"])[0]
+    how = (f"HF-native layout ({arch}): transformers >= {TRANSFORMERS_SINCE.get(arch, '4.46')}, vLLM and SGLang load "
+           "it without remote code" if config.get("model_type") != "chatglm" else
            "official layout (the base's config.json and weight names): vLLM loads it with its own ChatGLM model"
            + (", transformers with the base's modeling code (auto_map)" if config.get("auto_map") else ""))
     return (f"# Serving {Path(folder).resolve().name}\n\n{how}; the tokenizer is tokenizer.json (no tokenizer code), "

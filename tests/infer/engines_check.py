@@ -3,10 +3,14 @@ glmtune importable: load glmtune's exports as a user's engine does and write wha
 
     python engines_check.py JOB.json RESULT.json
 
-JOB: {"vllm": [{"name", "model", "lora" (folder or null), "max_lora_rank", "conversations", "max_tokens"}],
+JOB: {"vllm": [{"name", "model", "lora" (folder or null), "max_lora_rank", "conversations", "max_tokens",
+                "requests": [{"name", "lora", "chat_template" (file or null), "conversations", "max_tokens"}]}],
       "transformers": [{"name", "model", "adapter" (folder or null), "conversations", "ids"}]}
 Every vLLM engine of the job runs in this one process, one after the other (each start costs ~30 s on 2 cores),
-with greedy decoding, fp32 and a 1 GiB KV cache; prompts are rendered by the engine from the export's chat template.
+with greedy decoding, fp32 and a 1 GiB KV cache; prompts are rendered by the engine from the export's chat template
+(or a request's `chat_template` file, as `vllm serve --chat-template` does). A spec's `requests` run on its engine
+after its own conversations, each with its own LoRA: more adapters of one base for the price of one engine start.
+The result names the model class vLLM chose for each engine (its native one, or the Transformers backend).
 """
 import gc
 import json
@@ -18,15 +22,31 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: the tiny models nee
 
 
 def run_vllm(spec: dict) -> dict:
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
     from vllm.lora.request import LoRARequest
 
     started = time.monotonic()
     llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, max_model_len=1024, seed=0,
               enable_lora=bool(spec.get("lora")), max_lora_rank=spec.get("max_lora_rank") or 16)
-    lora = LoRARequest("adapter", 1, spec["lora"]) if spec.get("lora") else None
+    model_class = repr(llm).split("(", 1)[0]  # the module tree vLLM built: its native class or the Transformers backend
+    rows = _chat(llm, spec, LoRARequest("adapter", 1, spec["lora"]) if spec.get("lora") else None)
+    requests = {}
+    for number, request in enumerate(spec.get("requests", []), 2):
+        template = open(request["chat_template"], encoding="utf-8").read() if request.get("chat_template") else None
+        requests[request["name"]] = _chat(llm, request, LoRARequest(request["name"], number, request["lora"]),
+                                          template)
+    seconds = time.monotonic() - started
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    return {"rows": rows, "requests": requests, "model_class": model_class, "seconds": round(seconds, 1)}
+
+
+def _chat(llm, spec: dict, lora, chat_template: str | None = None) -> list[dict]:
+    from vllm import SamplingParams
+
     params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], logprobs=1, prompt_logprobs=1)
-    outputs = llm.chat(spec["conversations"], params, lora_request=lora, use_tqdm=False)
+    outputs = llm.chat(spec["conversations"], params, lora_request=lora, chat_template=chat_template, use_tqdm=False)
     rows = []
     for out in outputs:
         gen = out.outputs[0]
@@ -36,11 +56,7 @@ def run_vllm(spec: dict) -> dict:
                      "prompt_logprobs": [None if lp is None else lp[t].logprob for t, lp in
                                          zip(out.prompt_token_ids, out.prompt_logprobs)],
                      "logprobs": [lp[t].logprob for t, lp in zip(gen.token_ids, gen.logprobs)]})
-    seconds = time.monotonic() - started
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-    return {"rows": rows, "seconds": round(seconds, 1)}
+    return rows
 
 
 def run_transformers(spec: dict) -> dict:

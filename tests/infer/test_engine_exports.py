@@ -9,7 +9,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from tokenizers import Tokenizer
 
-from glmtune.infer.adapter_export import convert_adapter
+from glmtune.config import ConfigError
+from glmtune.infer.adapter_export import convert_adapter, renamed_patterns
 from glmtune.infer.hf_layout import GLM, hf_state_dict, split_rows
 from glmtune.models import load_model, load_tokenizer
 from glmtune.models.chatglm.configuration import GLMConfig
@@ -82,6 +83,10 @@ def test_hf_names_cover_every_tensor_and_lora_split_is_exact(tmp_path):
     peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
                                                   target_modules=["query_key_value", "dense_h_to_4h"]))
     peft_model.save_pretrained(str(tmp_path / "adapter"))
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    saved.update(rank_pattern={"query_key_value": 4, "transformer.encoder.layers.1.mlp.dense_h_to_4h": 4},
+                 alpha_pattern={"dense_h_to_4h": 8})
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(saved))
     layer = peft_model.base_model.model.transformer.encoder.layers[0].self_attention.query_key_value
     fused = layer.lora_B["default"].weight @ layer.lora_A["default"].weight
     config = convert_adapter(tmp_path / "adapter", tmp_path / "out", GLM, model.config, "vllm", "BASE")
@@ -95,6 +100,10 @@ def test_hf_names_cover_every_tensor_and_lora_split_is_exact(tmp_path):
     assert f"{prefix}mlp.gate_up_proj.lora_A.weight" in got
     assert config["target_modules"] == ["gate_up_proj", "k_proj", "q_proj", "v_proj"]
     assert config["base_model_name_or_path"] == "BASE"
+    assert config["rank_pattern"] == {"q_proj": 4, "k_proj": 4, "v_proj": 4, "model.layers.1.mlp.gate_up_proj": 4}
+    assert config["alpha_pattern"] == {"gate_up_proj": 8}  # the patterns follow the renames and the q/k/v split
+    with pytest.raises(ConfigError, match="rank_pattern key 'layers.0.mlp.dense_h_to_4h' names no module"):
+        renamed_patterns({"rank_pattern": {"layers.0.mlp.dense_h_to_4h": 4}}, {}, GLM, model.config, "vllm", "A")
 
 
 def test_printed_command_and_serve_md(tmp_path):
@@ -125,10 +134,65 @@ def test_glm4v_export_keeps_vision_and_names_vllms_glm4v_model(tmp_path):
     assert proc.stdout.strip().endswith('--hf-overrides \'{"architectures": ["GLM4VForCausalLM"]}\'')
 
 
-def adapter(tmp_path, **lora) -> str:
+def test_glm4_0414_export_is_the_bases_own_layout(tmp_path):
+    """GLM-4-0414's checkpoint is HF-native: `remote` and `hf` write the same folder — the weights under the
+    checkpoint's own names, config.json from its config, and the base's other files as it ships them (tokenizer.json
+    with pair merges, tokenizer_config.json, generation_config.json, a README), the chat template as a file too —
+    which reloads with the merged model's logits; the printed command needs no remote code."""
+    from safetensors import safe_open
+
+    from glmtune.config import ModelConfig
+    from glmtune.infer.generate import load_merged
+    from glmtune.models import load_config
+    from glmtune.models.glm4_0414.export import check_weight_names, hf_config
+
+    base = tmp_path / "base"
+    shutil.copytree(ensure_tiny("glm4_0414"), base)
+    tokenizer = json.loads((base / "tokenizer.json").read_text())
+    tokenizer["model"]["merges"] = [m.split(" ") for m in tokenizer["model"]["merges"]]  # tokenizers >= 0.20's form
+    (base / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
+    (base / "README.md").write_text("the user's model card\n")
+    folder = adapter(tmp_path, "glm4_0414", target_modules=["q_proj", "gate_up_proj", "down_proj"],
+                     init_lora_weights=False)
+    out = {}
+    for fmt in ("remote", "hf"):
+        out[fmt] = tmp_path / fmt
+        proc = glmtune_in_process("mode=infer", f"model.path={base}", f"infer.adapter={folder}",
+                                  f"infer.merge_to={out[fmt]}", f"infer.merge_format={fmt}",
+                                  f"hydra.run.dir={tmp_path / ('run-' + fmt)}")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert f"merged base + adapter (hf layout, the base's own) written to {out[fmt]}" in proc.stdout
+        command = proc.stdout.strip().splitlines()[-1]
+        assert command == (f"vllm serve {out[fmt]} --served-model-name {fmt} --generation-config {out[fmt]} "
+                           f"--chat-template {out[fmt]}/chat_template.jinja")
+    own = {".glmtune-export.json", "SERVE.md"}  # they name the folder
+    files = sorted(p.name for p in out["hf"].iterdir())
+    assert files == sorted(p.name for p in out["remote"].iterdir())
+    for name in set(files) - own:
+        assert (out["hf"] / name).read_bytes() == (out["remote"] / name).read_bytes(), name
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "README.md"):
+        assert (out["hf"] / name).read_bytes() == (base / name).read_bytes(), name
+    template = json.loads((base / "tokenizer_config.json").read_text())["chat_template"]
+    assert (out["hf"] / "chat_template.jinja").read_text() == template and "tokenizer.model" not in files
+    config = load_config(base)
+    assert json.loads((out["hf"] / "config.json").read_text()) == json.loads(json.dumps(hf_config(config)))
+    with safe_open(str(out["hf"] / "model.safetensors"), "pt") as f:
+        assert check_weight_names(f.keys(), config) == ([], [])
+    serve_md = (out["hf"] / "SERVE.md").read_text()
+    assert "HF-native layout (Glm4ForCausalLM): transformers >= 4.51.3" in serve_md and "trust_remote" not in serve_md
+    ids = torch.tensor([load_tokenizer(base).encode_prompt(CHAT)])
+    with torch.no_grad():
+        merged = load_merged(base, folder, ModelConfig(), torch.float32)(input_ids=ids).logits
+        torch.testing.assert_close(load_model(out["hf"], dtype=torch.float32)(input_ids=ids).logits, merged)
+        assert (merged - load_model(base, dtype=torch.float32)(input_ids=ids).logits).abs().max() > 1e-3
+
+
+def adapter(tmp_path, family="glm4", **lora) -> str:
+    """A PEFT adapter on the tiny `family`, saved as glmtune's training saves one (no base embedding layers)."""
     torch.manual_seed(0)
     folder = tmp_path / "adapter"
-    get_peft_model(load_model(ensure_tiny("glm4")), LoraConfig(r=4, lora_alpha=8, **lora)).save_pretrained(str(folder))
+    get_peft_model(load_model(ensure_tiny(family)), LoraConfig(r=4, lora_alpha=8, **lora)).save_pretrained(
+        str(folder), save_embedding_layers=False)
     return str(folder)
 
 
@@ -136,6 +200,7 @@ def adapter(tmp_path, **lora) -> str:
     ("hf-chatglm3", "infer.merge_format=hf: ChatGLM3 has no HF-native class in transformers"),
     ("dora", "cannot be served by vLLM: it is a DoRA adapter"),
     ("output_layer", "adapts lm_head, which vllm applies no LoRA to in the glm4 layout"),
+    ("0414-lm_head", "adapts lm_head, which vllm applies no LoRA to in the glm4_0414 layout"),
     ("no-merge-to", "infer.adapter_for=vllm exports infer.adapter beside its base: it needs"),
     ("bad-format", "infer.merge_format='onnx' is not one of remote, hf"),
 ])
@@ -145,6 +210,8 @@ def test_what_an_engine_refuses_stops_the_export(tmp_path, case, expected):
                              "infer.adapter_for=vllm"],
             "output_layer": lambda: [f"infer.adapter={adapter(tmp_path, target_modules=['output_layer'])}",
                                      "infer.adapter_for=vllm", "infer.merge_format=hf"],
+            "0414-lm_head": lambda: ["model=glm4_0414_tiny", "infer.adapter_for=vllm", "infer.adapter="
+                                     f"{adapter(tmp_path, 'glm4_0414', target_modules=['gate_up_proj', 'lm_head'])}"],
             "no-merge-to": lambda: ["infer.adapter_for=vllm", "infer.prompt=hi"],
             "bad-format": lambda: ["infer.merge_format=onnx"]}[case]()
     merge = [] if case == "no-merge-to" else [f"infer.merge_to={tmp_path / 'out'}"]

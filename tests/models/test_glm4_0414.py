@@ -240,11 +240,15 @@ def test_the_estimate_is_within_5_percent_of_live_tensor_bytes(kw):
 
 # --- exports ------------------------------------------------------------------------------------------------------
 
-def test_the_vllm_split_of_the_fused_mlp_adapter_is_exact():
-    """gate_proj and up_proj with A copied and B's rows split compute the fused adapter's MLP exactly."""
+def test_the_vllm_split_of_the_fused_mlp_adapter_is_exact(tmp_path):
+    """infer/'s one adapter conversion (hf_layout.GLM4_0414, adapter_for=vllm): gate_proj and up_proj with A copied
+    and B's rows split compute the fused adapter's MLP exactly; rank_pattern follows the split; PEFT's form keeps
+    the fused name; lm_head, which vLLM has no LoRA for, is refused."""
     import torch.nn.functional as F
+    from safetensors.torch import load_file
 
-    from glmtune.models.glm4_0414.export import split_fused_mlp_lora
+    from glmtune.infer.adapter_export import adapter_names, convert_adapter
+    from glmtune.infer.hf_layout import GLM4_0414
     from glmtune.train.lora import apply_lora
 
     model = tiny_model()
@@ -252,26 +256,34 @@ def test_the_vllm_split_of_the_fused_mlp_adapter_is_exact():
     for p in lora.parameters():
         if p.requires_grad:
             torch.nn.init.normal_(p, std=0.1)
+    lora.save_pretrained(str(tmp_path / "adapter"))
+    adapter_config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    adapter_config.update(rank_pattern={"gate_up_proj": 4}, alpha_pattern={"model.layers.1.mlp.gate_up_proj": 16})
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(adapter_config))
     mlp = lora.base_model.model.model.layers[0].mlp
     x = torch.randn(3, 5, 128)
+    config = convert_adapter(tmp_path / "adapter", tmp_path / "vllm", GLM4_0414, model.config, "vllm", "BASE")
+    split = load_file(str(tmp_path / "vllm" / "adapter_model.safetensors"))
+    assert config["target_modules"] == ["down_proj", "gate_proj", "up_proj"]
+    assert config["rank_pattern"] == {"gate_proj": 4, "up_proj": 4} and config["base_model_name_or_path"] == "BASE"
+    assert config["alpha_pattern"] == {"model.layers.1.mlp.gate_proj": 16, "model.layers.1.mlp.up_proj": 16}
+    assert not [k for k in split if "gate_up_proj" in k] and len(split) == 2 * 2 * 3  # 2 layers, A and B, 3 Linears
+    scale, prefix = 16 / 4, "base_model.model.model.layers.0.mlp."
     with torch.no_grad():
         fused = mlp(x)
-        state = {k: v for k, v in lora.state_dict().items() if "lora_" in k}
-        weights = {k.replace(".default", ""): v for k, v in state.items()}
-        split, config = split_fused_mlp_lora(weights, {"target_modules": ["gate_up_proj", "down_proj"], "r": 4,
-                                                       "lora_alpha": 16, "rank_pattern": {"gate_up_proj": 4}})
-        assert sorted(config["target_modules"]) == ["down_proj", "gate_proj", "up_proj"]
-        assert config["rank_pattern"] == {"gate_proj": 4, "up_proj": 4}
-        assert not [k for k in split if "gate_up_proj" in k] and len(split) == len(weights) + 2 * 2
-        scale, prefix = 16 / 4, "base_model.model.model.layers.0.mlp."
         w_gate, w_up = mlp.gate_up_proj.base_layer.weight.chunk(2)
+
         def adapted(w, name):  # a Linear of vLLM's layout with its own LoRA
             return F.linear(x, w) + scale * F.linear(F.linear(x, split[f"{prefix}{name}.lora_A.weight"]),
                                                      split[f"{prefix}{name}.lora_B.weight"])
         out = mlp.down_proj(F.silu(adapted(w_gate, "gate_proj")) * adapted(w_up, "up_proj"))
+        swapped = mlp.down_proj(F.silu(adapted(w_gate, "up_proj")) * adapted(w_up, "gate_proj"))
     torch.testing.assert_close(out, fused, rtol=1e-6, atol=1e-6)
-    with pytest.raises(ValueError, match="DoRA"):
-        split_fused_mlp_lora(weights, {"use_dora": True})
+    assert (swapped - fused).abs().max() > 1e-3  # the halves differ: a split in the wrong order would show
+    peft = convert_adapter(tmp_path / "adapter", tmp_path / "peft", GLM4_0414, model.config, "peft", "BASE")
+    assert peft["target_modules"] == ["down_proj", "gate_up_proj"] and peft["rank_pattern"] == {"gate_up_proj": 4}
+    with pytest.raises(ConfigError, match="adapts lm_head, which vllm applies no LoRA to in the glm4_0414 layout"):
+        adapter_names(["base_model.model.lm_head.lora_A.weight"], "A", GLM4_0414, model.config, "vllm")
 
 
 def test_the_weight_name_table_is_the_checkpoints(tmp_path):

@@ -151,9 +151,11 @@ def test_infer_with_a_quantized_base_and_merge_into_the_full_weights(tmp_path, r
     cfg = InferConfig(prompts_file=str(write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)),
                       adapter=str(tmp_path / "adapter"), max_new_tokens=8, batch_size=2,
                       merge_to=str(tmp_path / "merged"))
+    run_dir = tmp_path / "run"  # an export never lies inside the run dir (infer/targets.py)
+    run_dir.mkdir()
     result = run_infer(cfg, ModelConfig(name="glm4_tiny", quantize="nf4"), None, base_dir,
-                       load_tokenizer(base_dir), tmp_path)
-    rows = [json.loads(line) for line in (tmp_path / "predictions.jsonl").read_text().splitlines()]
+                       load_tokenizer(base_dir), run_dir)
+    rows = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
     assert result["count"] == 3 and [r["line"] for r in rows] == [1, 2, 3]
     assert list(result["placement"]) == ["cpu"]
 

@@ -250,8 +250,9 @@ def test_two_servers_started_at_once_one_serves_the_other_exits_2_before_loading
     assert loser.proc.wait(60) == 2 and not loser.lines
     (line,) = [line for line in loser.err if line.strip()]
     assert f"serve.port={winner.url.rsplit(':', 1)[1].split('/')[0]}" in line and "is in use" in line
-    # it gave up at the port, before the winner had loaded the weights and warmed up (its start line)
-    assert loser.arrived[line] < winner.arrived[winner.start_line]
+    # It gave up at the port: nothing on stdout (a server that loaded would have printed its start line). When it
+    # gave up is not compared with the winner's start: with a tiny model the winner loads in well under the time
+    # a loaded machine may take to schedule the loser's imports.
     assert httpx.get(winner.url.replace("/v1", "/health")).json()["status"] == "ok"
 
 
