@@ -3,6 +3,7 @@ first sentence, and the layering rules of tests/test_layout.py (what each part m
 into docs/layout.md at every `mkdocs build`; `python docs/gen_layout.py` prints it. Nothing is imported: the files
 are read with ast, so the page follows any move of a module or rule without an edit here.
 """
+
 from __future__ import annotations
 
 import ast
@@ -92,8 +93,9 @@ def package_section(folder: Path, repo: Path, level: str, rule: str) -> list[str
 def render(repo: Path = REPO) -> str:
     rules, notes = layout_rules(repo)
     root = repo / "glmtune"
-    present = sorted({p.name for p in root.iterdir() if (p / "__init__.py").is_file()}
-                     | {p.stem for p in root.glob("*.py")})
+    present = sorted(
+        {p.name for p in root.iterdir() if (p / "__init__.py").is_file()} | {p.stem for p in root.glob("*.py")}
+    )
     order = [p for p in rules if p in present] + [p for p in present if p not in rules]
 
     def may(part: str) -> str:
@@ -108,9 +110,12 @@ def render(repo: Path = REPO) -> str:
     out = ["| part | what it owns (its docstring) | may import |", "|---|---|---|"]
     out += [f"| `{part_path(p)}` | {owns(p)} | {may(p)} |" for p in order]
     families = sorted(p.name for p in (root / "models").iterdir() if (p / "__init__.py").is_file())
-    out += ["", f"Inside `glmtune/models/`, each family folder ({', '.join(f'`{f}/`' for f in families if f != 'kernels')})"
-            " imports only `kernels/`, and `kernels/` imports no model code; the modules beside them pick a family"
-            " from a checkpoint's `config.json`.", "", "## Each package", ""]
+    rule = (
+        f"Inside `glmtune/models/`, each family folder ({', '.join(f'`{f}/`' for f in families if f != 'kernels')})"
+        " imports only `kernels/`, and `kernels/` imports no model code; the modules beside them pick a family"
+        " from a checkpoint's `config.json`."
+    )
+    out += ["", rule, "", "## Each package", ""]
     for part in order:
         folder = root / part
         if (folder / "__init__.py").is_file():

@@ -6,6 +6,7 @@
 - layout.md's `<!-- generated: layout -->` line becomes docs/gen_layout.py's tables (package docstrings and the
   rules of tests/test_layout.py).
 """
+
 from __future__ import annotations
 
 import re
@@ -15,7 +16,7 @@ from pathlib import Path
 from mkdocs.structure.files import File
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gen_layout  # noqa: E402  (a sibling file, not a package)
+import gen_layout  # noqa: E402  (a sibling file, imported after its folder is on the path)
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "RESULTS.md"
@@ -23,7 +24,7 @@ RESULTS = REPO / "bench" / "RESULTS.md"
 
 def results_page(text: str) -> str:
     """RESULTS.md with `{#sN}` on each `## N. title` heading (attr_list) and a line saying where it comes from."""
-    body = re.sub(r"^(## (\d+)\. .*?)\s*$", r"\1 {#s\2}", text, flags=re.M)
+    body = re.sub(r"^(## (\d+)\. .*?)\s*$", r"\1 {#s\2}", text, flags=re.MULTILINE)
     return body.replace("\n", "\n\n_This page is `bench/RESULTS.md`; edit it there._\n", 1)
 
 

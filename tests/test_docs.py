@@ -2,6 +2,7 @@
 figures they copy from bench/RESULTS.md are still there, every file they name exists, the generated "Where things
 are" page holds every package's docstring and layering rule, and the README stays short with the demo first and
 CI's block second (docs/development.md says how to mark a block)."""
+
 from __future__ import annotations
 
 import ast
@@ -17,11 +18,13 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())  # tests/ may nest
 DOCS = REPO / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
 # A mark, then the fenced block right after it (blank lines allowed between).
-MARKED = re.compile(r"^<!--\s*runnable(?::(?P<opts>.*?))?\s*-->\s*\n```(?P<lang>[^\n]*)\n(?P<code>.*?)\n```", re.S | re.M)
+MARKED = re.compile(
+    r"^<!--\s*runnable(?::(?P<opts>.*?))?\s*-->\s*\n```(?P<lang>[^\n]*)\n(?P<code>.*?)\n```", re.DOTALL | re.MULTILINE
+)
 
 
 @dataclass
@@ -67,7 +70,7 @@ def test_every_mark_opens_a_block_and_every_fence_renders():
     runnable) is not a fence to mkdocs' superfences, which renders the block as a paragraph of text."""
     for page in PAGES:
         text = page.read_text(encoding="utf-8")
-        marks = len(re.findall(r"^<!--\s*runnable", text, re.M))
+        marks = len(re.findall(r"^<!--\s*runnable", text, re.MULTILINE))
         assert marks == len(MARKED.findall(text)), f"{page.name}: a runnable mark not followed by a fenced block"
         for n, line in enumerate(text.splitlines(), 1):
             if line.startswith("```"):
@@ -90,13 +93,14 @@ def glmtune_args(step: str) -> list[str] | None:
     if any(w and set(w) <= set("();<>|&") for w in words):
         return None
     for head in (["glmtune"], ["python", "-m", "glmtune"]):
-        if words[:len(head)] == head:
-            return words[len(head):]
+        if words[: len(head)] == head:
+            return words[len(head) :]
     return None
 
 
-@pytest.mark.parametrize("block", [pytest.param(b, id=f"{b.page}:{b.line}", marks=[pytest.mark.slow] if b.slow else [])
-                                   for b in BLOCKS])
+@pytest.mark.parametrize(
+    "block", [pytest.param(b, id=f"{b.page}:{b.line}", marks=[pytest.mark.slow] if b.slow else []) for b in BLOCKS]
+)
 def test_runnable_block(block, tmp_path):
     """The block's commands in order, in a fresh folder that has the checkout's data/, scripts/ and bench/ (the
     docs' commands are typed in the checkout), stopping at the first that fails, as `bash -e` would. A glmtune
@@ -107,32 +111,41 @@ def test_runnable_block(block, tmp_path):
 
     for name in ("data", "scripts", "bench"):
         (tmp_path / name).symlink_to(REPO / name)
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-               PYTHON=sys.executable)
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", PYTHON=sys.executable)
     where, said, commands = f"docs/{block.page}:{block.line}", "", steps(block.code)
     for n, step in enumerate(commands, 1):
         args = glmtune_args(step)
         if args is not None:
             proc = glmtune_in_process(*args, cwd=tmp_path)
         else:
-            proc = subprocess.run(["bash", "-eo", "pipefail", "-c", step], cwd=tmp_path, env=env,
-                                  capture_output=True, text=True, timeout=600)
+            proc = subprocess.run(
+                ["bash", "-eo", "pipefail", "-c", step],
+                check=False,
+                cwd=tmp_path,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
         said += proc.stdout + proc.stderr
         if proc.returncode:
             break
-    assert (proc.returncode, n) == (block.exit, len(commands)), \
+    assert (proc.returncode, n) == (block.exit, len(commands)), (
         f"{where}: `{step}` exited {proc.returncode}; the block documents {block.exit} from its last command\n{said[-4000:]}"
+    )
     for text in block.expect:
         assert squeeze(text) in squeeze(said), f"{where}: the output lacks {text!r}\n{said[-4000:]}"
 
 
 # -- figures and files the docs name -----------------------------------------------------------------------------
 
+
 def results_sections() -> dict[str, str]:
     text = (REPO / "bench" / "RESULTS.md").read_text(encoding="utf-8")
-    heads = list(re.finditer(r"^## (\d+)\. ", text, re.M))
-    return {m[1]: text[m.start():(heads[i + 1].start() if i + 1 < len(heads) else len(text))]
-            for i, m in enumerate(heads)}
+    heads = list(re.finditer(r"^## (\d+)\. ", text, re.MULTILINE))
+    return {
+        m[1]: text[m.start() : (heads[i + 1].start() if i + 1 < len(heads) else len(text))] for i, m in enumerate(heads)
+    }
 
 
 def test_cited_figures_are_in_their_results_section():
@@ -173,12 +186,13 @@ def test_readme_links_resolve():
         path, anchor = target
         assert (REPO / path).exists(), f"README links to {path}, which does not exist"
         if anchor:
-            heads = re.findall(r"^#+ (.+?)\s*$", (REPO / path).read_text(), re.M)
+            heads = re.findall(r"^#+ (.+?)\s*$", (REPO / path).read_text(), re.MULTILINE)
             assert anchor in {slugify(h, "-") for h in heads}, f"README links to {path}#{anchor}: no such heading"
     assert markdown
 
 
 # -- the generated pages -----------------------------------------------------------------------------------------
+
 
 def load(path: Path, name: str):
     spec = importlib.util.spec_from_file_location(name, path)
@@ -199,13 +213,18 @@ def test_where_things_are_lists_every_package_and_rule():
     for init in sorted(root.rglob("__init__.py")):
         doc = ast.get_docstring(ast.parse(init.read_text()))
         assert doc, f"{init}: no docstring"
-        assert squeeze(doc.split("\n\n")[0].replace("`", "")) in text, f"{init.parent.relative_to(REPO)}: docstring missing"
+        assert squeeze(doc.split("\n\n")[0].replace("`", "")) in text, (
+            f"{init.parent.relative_to(REPO)}: docstring missing"
+        )
         for module in init.parent.glob("*.py"):
             if module.name != "__init__.py":
                 assert module.name in text, f"{module.relative_to(REPO)} is not listed"
     layout = load(next(REPO.glob("tests/**/test_layout.py")), "layout_rules")
-    rows = {line.split("|")[1].strip(): line.split("|")[-2].strip() for line in page.splitlines()
-            if line.startswith("| `glmtune/")}
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[-2].strip()
+        for line in page.splitlines()
+        if line.startswith("| `glmtune/")
+    }
     for part, allowed in layout.ALLOWED.items():
         path = f"glmtune/{part}/" if (root / part / "__init__.py").is_file() else f"glmtune/{part}.py"
         if not (REPO / path).exists():
@@ -218,10 +237,13 @@ def test_results_page_anchors_every_section():
     hooks = pytest.importorskip("mkdocs") and load(DOCS / "hooks.py", "docs_hooks")
     page = hooks.results_page((REPO / "bench" / "RESULTS.md").read_text())
     for number in results_sections():
-        assert re.search(rf"^## {number}\. .*\{{#s{number}\}}$", page, re.M), f"§{number} has no #s{number} anchor"
+        assert re.search(rf"^## {number}\. .*\{{#s{number}\}}$", page, re.MULTILINE), (
+            f"§{number} has no #s{number} anchor"
+        )
 
 
 # -- the README ----------------------------------------------------------------------------------------------------
+
 
 def fenced_blocks(text: str) -> list[str]:
     blocks, inside = [], None
