@@ -92,11 +92,11 @@ def test_cli_train_writes_a_complete_run_dir(trained, repo):
     assert "max_steps is given" not in proc.stdout + proc.stderr
     assert "Could not find a config file" not in proc.stdout + proc.stderr
     assert proc.stdout.count("'train_loss'") <= 1  # the real run's progress bar only
-    # every file and folder the run leaves is listed in the README's run-dir section
-    readme = (repo / "README.md").read_text()
-    section = readme.split("### What a run leaves in its run dir")[1].split("\n#")[0]
+    # every file and folder the run leaves is listed in the docs' run-dir table (docs/runs.md)
+    page = (repo / "docs" / "runs.md").read_text()
+    section = page.split("## What a run leaves in its run dir")[1].split("\n#")[0]
     for entry in out.iterdir():
-        assert f"`{re.sub(r'rank[0-9]+', 'rank<N>', entry.name)}" in section, f"{entry.name} is not documented in the README's run-dir section"
+        assert f"`{re.sub(r'rank[0-9]+', 'rank<N>', entry.name)}" in section, f"{entry.name} is not in docs/runs.md's run-dir table"
     config = (out / ".hydra" / "config.yaml").read_text()
     assert "train_file: data/samples/train.jsonl" in config
     versions = json.loads((out / "versions.json").read_text())
