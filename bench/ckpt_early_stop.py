@@ -14,6 +14,7 @@ capture the free's stack. If that loses the in-flight error, the binding returns
 Each row runs one loss-head forward and backward shaped like GLM-4's (4,096 hidden, 151,552-token vocabulary,
 1,024-token chunks, bf16 head, fp32 logits) and says whether backward raised, and what.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,13 +37,15 @@ def one_step(kind: str, tokens: int, hidden: int, vocab: int, chunk: int, device
     def chunk_sum(hs, ys):
         return F.cross_entropy(head(hs).to(torch.float32), ys, reduction="sum")
 
-    ckpt = {"non-reentrant, early stop": partial(checkpoint, use_reentrant=False),
-            "non-reentrant, no early stop": partial(checkpoint, use_reentrant=False),
-            "reentrant": partial(checkpoint, use_reentrant=True)}[kind]
+    ckpt = {
+        "non-reentrant, early stop": partial(checkpoint, use_reentrant=False),
+        "non-reentrant, no early stop": partial(checkpoint, use_reentrant=False),
+        "reentrant": partial(checkpoint, use_reentrant=True),
+    }[kind]
     stop = set_checkpoint_early_stop(False) if kind == "non-reentrant, no early stop" else contextlib.nullcontext()
     try:
         with stop:
-            total = sum(ckpt(chunk_sum, h[s:s + chunk], y[s:s + chunk]) for s in range(0, tokens, chunk))
+            total = sum(ckpt(chunk_sum, h[s : s + chunk], y[s : s + chunk]) for s in range(0, tokens, chunk))
         total.backward()
         if device == "cuda":
             torch.cuda.synchronize()
@@ -60,11 +63,17 @@ def main() -> None:
     hidden, vocab = (256, 32000) if args.small or device == "cpu" else (4096, 151552)
     histories = {"off": None}
     if device == "cuda":
-        histories.update({"on (glmtune's: context all, stacks all)": {},
-                          "on, context alloc": {"context": "alloc"},
-                          "on, stacks python": {"stacks": "python"}})
-    print(f"{device} {torch.cuda.get_device_name(0) if device == 'cuda' else ''} torch {torch.__version__}, "
-          f"python {sys.version.split()[0]}; {args.tokens} tokens, chunk 1024, hidden {hidden}, vocab {vocab}")
+        histories.update(
+            {
+                "on (glmtune's: context all, stacks all)": {},
+                "on, context alloc": {"context": "alloc"},
+                "on, stacks python": {"stacks": "python"},
+            }
+        )
+    print(
+        f"{device} {torch.cuda.get_device_name(0) if device == 'cuda' else ''} torch {torch.__version__}, "
+        f"python {sys.version.split()[0]}; {args.tokens} tokens, chunk 1024, hidden {hidden}, vocab {vocab}"
+    )
     print("| allocator history | checkpoint | backward |\n|---|---|---|")
     for name, options in histories.items():
         for kind in ("non-reentrant, early stop", "non-reentrant, no early stop", "reentrant"):

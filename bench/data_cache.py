@@ -14,6 +14,7 @@ Peak RSS is the kernel's VmHWM of each process, sampled every 50 ms from /proc u
 The conversations are the shipped samples (data/samples/train.jsonl) cycled, each with a numbered tag in the user
 turn so that no two lines are equal.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -121,23 +122,40 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="glmtune-bench-data-"))
     data = work / "train.jsonl"
     size = make_data(data, args.n)
-    print(f"{args.n:,} conversations, {size / 1e6:.0f} MB JSONL ({data}); tiny GLM-4, mode=probe, "
-          f"data.max_length={args.max_length}\n")
-    print("| ranks | run | whole command s | data stage s (per rank) | peak RSS MB (per rank) | other processes' peak RSS MB |")
+    print(
+        f"{args.n:,} conversations, {size / 1e6:.0f} MB JSONL ({data}); tiny GLM-4, mode=probe, "
+        f"data.max_length={args.max_length}\n"
+    )
+    print(
+        "| ranks | run | whole command s | data stage s (per rank) | peak RSS MB (per rank) | other processes' peak RSS MB |"
+    )
     print("|---|---|---|---|---|---|")
     for ranks in args.ranks:
         cache = work / f"cache-{ranks}"
         for label in ("first (build)", "cached"):
             run_dir = work / f"run-{ranks}-{label.split()[0]}"
-            glmtune = ["-m", "glmtune", "mode=probe", f"data.train_file={data}", "data.val_file=null",
-                       f"data.max_length={args.max_length}", f"data.cache_dir={cache}", f"hydra.run.dir={run_dir}"]
-            launcher = ([sys.executable] if ranks == 1 else
-                        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"])
+            glmtune = [
+                "-m",
+                "glmtune",
+                "mode=probe",
+                f"data.train_file={data}",
+                "data.val_file=null",
+                f"data.max_length={args.max_length}",
+                f"data.cache_dir={cache}",
+                f"hydra.run.dir={run_dir}",
+            ]
+            launcher = (
+                [sys.executable]
+                if ranks == 1
+                else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+            )
             result = run(launcher + glmtune, run_dir)
             stages = ", ".join(f"{s:.2f} ({how})" for s, how in result["stages"].values())
             rank_rss = ", ".join(f"{v / 1e6:.0f}" for k, v in sorted(result["rss"].items()) if k.startswith("rank"))
-            others = ", ".join(f"{k} {v / 1e6:.0f}" for k, v in sorted(result["rss"].items())
-                               if not k.startswith("rank")) or "-"
+            others = (
+                ", ".join(f"{k} {v / 1e6:.0f}" for k, v in sorted(result["rss"].items()) if not k.startswith("rank"))
+                or "-"
+            )
             print(f"| {ranks} | {label} | {result['wall']:.1f} | {stages} | {rank_rss} | {others} |", flush=True)
     entry = next((work / "cache-1").glob("train-*/meta.json"), None)
     if entry is not None:

@@ -12,6 +12,7 @@ torch's CUDA version (13.0 there), so the trimmed wheel keeps only the CPU libra
 and drops the rest from the archive and from its RECORD (pip checks the hash of every file it installs, against
 RECORD).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,11 +24,33 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:"] + [
-    arg for tag in ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
-                    "manylinux2014_x86_64", "any") for arg in ("--platform", tag)]
-BINARY = ["transformers==4.40.2", "tokenizers==0.19.1", "huggingface_hub==0.36.2", "peft==0.11.1", "hydra-core==1.3.8",
-          "omegaconf==2.3.1", "datasets==5.0.1", "dill==0.4.1", "multiprocess==0.70.19", "hjson==3.1.0",
-          "pydantic==2.14.3", "pydantic_core==2.50.4", "annotated-types", "typing-inspection"]
+    arg
+    for tag in (
+        "manylinux_2_28_x86_64",
+        "manylinux_2_27_x86_64",
+        "manylinux_2_24_x86_64",
+        "manylinux_2_17_x86_64",
+        "manylinux2014_x86_64",
+        "any",
+    )
+    for arg in ("--platform", tag)
+]
+BINARY = [
+    "transformers==4.40.2",
+    "tokenizers==0.19.1",
+    "huggingface_hub==0.36.2",
+    "peft==0.11.1",
+    "hydra-core==1.3.8",
+    "omegaconf==2.3.1",
+    "datasets==5.0.1",
+    "dill==0.4.1",
+    "multiprocess==0.70.19",
+    "hjson==3.1.0",
+    "pydantic==2.14.3",
+    "pydantic_core==2.50.4",
+    "annotated-types",
+    "typing-inspection",
+]
 SOURCE = ["antlr4-python3-runtime==4.9.3"]  # an sdist only: built here (pure Python)
 WITH_TORCH = ["deepspeed==0.19.8"]  # its setup.py imports torch: built in this venv, no build isolation
 KEEP_NATIVE = re.compile(r"libbitsandbytes_(cpu|cuda13\d)\.so$")
@@ -48,9 +71,14 @@ def trim_bitsandbytes(wheel: Path, out: Path) -> Path:
             data = src.read(name)
             if name.endswith(".dist-info/RECORD"):
                 lines = data.decode().splitlines()
-                data = ("\n".join(line for line in lines if not (line.split(",")[0].endswith(".so")
-                                                                  and not KEEP_NATIVE.search(line.split(",")[0])))
-                        + "\n").encode()
+                data = (
+                    "\n".join(
+                        line
+                        for line in lines
+                        if not (line.split(",")[0].endswith(".so") and not KEEP_NATIVE.search(line.split(",")[0]))
+                    )
+                    + "\n"
+                ).encode()
             dst.writestr(info, data)
     return target
 

@@ -17,6 +17,7 @@ path has no [seq, seq] tensor. The closing line is the DENSE_MASK_MAX (models/ke
 the longest length up to which the dense mask is never more than 5 % slower than per-document SDPA for any
 document size, and its extra step memory stays under 2 % of a 24 GB card.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,8 @@ import torch
 
 from glmtune.models import released_config
 from glmtune.models.chatglm.configuration import GLMConfig
-from glmtune.models.loading import _FAMILY, TINY_ARCH
 from glmtune.models.chatglm.modeling import ChatGLMForConditionalGeneration
+from glmtune.models.loading import _FAMILY, TINY_ARCH
 from glmtune.train.livebytes import LiveTensorTracker
 
 VOCAB = 128
@@ -102,9 +103,12 @@ def suggest(rows: list[tuple[int, int, str, float, int]]) -> int:
     document size, and its extra step memory under CARD; 0 when even the shortest fails."""
     best = 0
     for length in sorted({r[0] for r in rows}):
-        pairs = [(dense, seg) for doc in {r[1] for r in rows if r[0] == length}
-                 for dense in [r for r in rows if r[:3] == (length, doc, "sdpa")]
-                 for seg in [r for r in rows if r[:3] == (length, doc, "segments")]]
+        pairs = [
+            (dense, seg)
+            for doc in {r[1] for r in rows if r[0] == length}
+            for dense in [r for r in rows if r[:3] == (length, doc, "sdpa")]
+            for seg in [r for r in rows if r[:3] == (length, doc, "segments")]
+        ]
         if not pairs or any(d[3] > SLOWER * s[3] or d[4] - s[4] > CARD for d, s in pairs):
             break
         best = length
@@ -125,7 +129,9 @@ def main() -> None:
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     model, config = build(a.model, a.layers or (2 if cuda else None), device, dtype)
     where = torch.cuda.get_device_name(0) if cuda else f"CPU, {torch.get_num_threads()} threads"
-    print(f"{a.model}: {config.num_layers} blocks, {str(dtype).removeprefix('torch.')}, {where}, torch {torch.__version__}")
+    print(
+        f"{a.model}: {config.num_layers} blocks, {str(dtype).removeprefix('torch.')}, {where}, torch {torch.__version__}"
+    )
     print("| length | docs of | path | ms/step | step peak MiB | mask MiB |\n|---:|---:|---|---:|---:|---:|")
     rows = []
     for length in (int(x) for x in a.lengths.split(",")):
@@ -135,9 +141,11 @@ def main() -> None:
                 rows.append((length, doc, path, ms, peak))
                 mask = length * length if path == "sdpa" else 0
                 print(f"| {length} | {doc} | {path} | {ms:.1f} | {peak / 2**20:.1f} | {mask / 2**20:.1f} |", flush=True)
-    print(f"suggested DENSE_MASK_MAX: {suggest(rows)} (the longest length at which the dense mask is at most "
-          f"{SLOWER - 1:.0%} slower than per-document SDPA for every document size and needs < {CARD / 2**30:.2f} GiB "
-          "more in the step)")
+    print(
+        f"suggested DENSE_MASK_MAX: {suggest(rows)} (the longest length at which the dense mask is at most "
+        f"{SLOWER - 1:.0%} slower than per-document SDPA for every document size and needs < {CARD / 2**30:.2f} GiB "
+        "more in the step)"
+    )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ Rows:
 A checkpoint of N shard files costs N times the per-file time (the fingerprint reads about 4 KiB per MiB up to 16
 MiB per file, and the small tensors whole).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -103,16 +104,24 @@ def main() -> None:
         sparse, real = Path(folder) / "sparse.safetensors", Path(folder) / "real.safetensors"
         size = int(args.sparse_gb * GB)
         make_sparse(sparse, size)
-        row("sparse", size, f"fingerprint, warm ({len(block_offsets(size))} blocks), best of 5",
-            timed(lambda: weight_fingerprint(sparse), 5))
+        row(
+            "sparse",
+            size,
+            f"fingerprint, warm ({len(block_offsets(size))} blocks), best of 5",
+            timed(lambda: weight_fingerprint(sparse), 5),
+        )
         row("sparse", size, "size+mtime (os.stat), best of 5", timed(lambda: os.stat(sparse), 5))
         sparse.unlink()
         if args.real_gb > 0:
             size = int(args.real_gb * GB)
             make_real(real, size)
             evict(real)
-            row("real", size, f"fingerprint, cold ({len(block_offsets(size))} blocks)",
-                timed(lambda: weight_fingerprint(real)))
+            row(
+                "real",
+                size,
+                f"fingerprint, cold ({len(block_offsets(size))} blocks)",
+                timed(lambda: weight_fingerprint(real)),
+            )
             row("real", size, "fingerprint, warm, best of 5", timed(lambda: weight_fingerprint(real), 5))
             if size <= 4 * GB:  # ~4.5 s per GB here: the point is made on one shard
                 evict(real)

@@ -19,6 +19,7 @@ The batch rows also print the peak CUDA memory of generate() (CPU: peak live ten
 estimator's generate phase
 (weights + batch x (KV cache of prompt + new tokens + one block's prefill working set)).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,11 +28,11 @@ from contextlib import nullcontext
 
 import torch
 
-from glmtune.models.kvcache import preallocated_kv_cache
 from glmtune.config.units import GIB
 from glmtune.infer.sampling import auto_batch_size, free_gpu_bytes, per_row_bytes
 from glmtune.models import ChatGLMForConditionalGeneration, GLMConfig, released_config
 from glmtune.models.chatglm.layers import SelfAttention
+from glmtune.models.kvcache import preallocated_kv_cache
 from glmtune.models.loading import TINY_ARCH
 
 
@@ -53,8 +54,8 @@ def prompts(n: int, length: int, vocab: int, device, seed: int = 0) -> dict:
     ids = torch.zeros(n, width, dtype=torch.long)
     mask = torch.zeros(n, width, dtype=torch.long)
     for i, n_tok in enumerate(lengths):
-        ids[i, width - n_tok:] = torch.randint(10, vocab, (n_tok,), generator=g)
-        mask[i, width - n_tok:] = 1
+        ids[i, width - n_tok :] = torch.randint(10, vocab, (n_tok,), generator=g)
+        mask[i, width - n_tok :] = 1
     return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
 
 
@@ -71,10 +72,17 @@ def run(model, batch: dict, batch_size: int, new_tokens: int, before: bool = Fal
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for i in range(0, batch["input_ids"].shape[0], batch_size):
-        part = {k: v[i:i + batch_size] for k, v in batch.items()}
-        with torch.no_grad(), (nullcontext() if before else preallocated_kv_cache(model, new_tokens)):
-            out = model.generate(**part, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0, use_cache=True)
+        part = {k: v[i : i + batch_size] for k, v in batch.items()}
+        with torch.no_grad(), nullcontext() if before else preallocated_kv_cache(model, new_tokens):
+            out = model.generate(
+                **part,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                use_cache=True,
+            )
         assert out.shape[1] == part["input_ids"].shape[1] + new_tokens
     sync()
     return time.perf_counter() - start
@@ -84,10 +92,20 @@ def cpu_peak(model, batch: dict, new_tokens: int) -> int:
     """Peak live tensor bytes of one generate() on CPU (glmtune.probe.track; weights counted as baseline)."""
     from glmtune.probe.track import LiveTensorTracker
 
-    with torch.no_grad(), preallocated_kv_cache(model, new_tokens), \
-            LiveTensorTracker(baseline=[*model.parameters(), *model.buffers()]) as tracker:
-        model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                       eos_token_id=None, pad_token_id=0, use_cache=True)
+    with (
+        torch.no_grad(),
+        preallocated_kv_cache(model, new_tokens),
+        LiveTensorTracker(baseline=[*model.parameters(), *model.buffers()]) as tracker,
+    ):
+        model.generate(
+            **batch,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            use_cache=True,
+        )
     return tracker.peak_bytes
 
 
@@ -116,8 +134,10 @@ def main() -> None:
     name = "tiny (CPU)" if args.tiny else f"glm-4-9b-chat random bf16, {torch.cuda.get_device_name(0)}"
     print(f"{name}; prompts up to {prompt_len} tokens, {new} new tokens each; torch {torch.__version__}\n")
     for before in (True, False):  # warm-up of both paths: kernels, allocator
-        SelfAttention._decode_grouped, saved = (expanded_decode if before else SelfAttention._decode_grouped,
-                                                SelfAttention._decode_grouped)
+        SelfAttention._decode_grouped, saved = (
+            expanded_decode if before else SelfAttention._decode_grouped,
+            SelfAttention._decode_grouped,
+        )
         run(model, prompts(4, prompt_len, vocab, device), 4, 4, before=before)
         SelfAttention._decode_grouped = saved
 
@@ -133,8 +153,10 @@ def main() -> None:
         predicted = (weights + b * per_row_bytes(model.config, dtype, batch["input_ids"].shape[1], new)) / GIB
         measured = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else cpu_peak(model, batch, new)
         measured = f"{measured / GIB:.{unit}f}"
-        print(f"| batch {b} | {b} | {b} | prealloc + grouped | {t:.2f} | {b * new / t:.1f} | | {measured} "
-              f"| {predicted:.{unit}f} |")
+        print(
+            f"| batch {b} | {b} | {b} | prealloc + grouped | {t:.2f} | {b * new / t:.1f} | | {measured} "
+            f"| {predicted:.{unit}f} |"
+        )
     batch16 = prompts(16, prompt_len, vocab, device, seed=16)
     grouped = SelfAttention._decode_grouped
     SelfAttention._decode_grouped = expanded_decode
@@ -145,11 +167,14 @@ def main() -> None:
     print(f"| 16 x {new} before | 16 | 4 | cat + expanded KV | {before:.2f} | {16 * new / before:.1f} | 1.00x | | |")
     t = run(model, batch16, 4, new)
     print(f"| 16 x {new} | 16 | 4 | prealloc + grouped | {t:.2f} | {16 * new / t:.1f} | {before / t:.2f}x | | |")
-    auto = auto_batch_size(model.config, dtype, batch16["input_ids"].shape[1], new, 16,
-                           free_gpu_bytes(None, 2 * 1024 ** 3))
+    auto = auto_batch_size(
+        model.config, dtype, batch16["input_ids"].shape[1], new, 16, free_gpu_bytes(None, 2 * 1024**3)
+    )
     t = run(model, batch16, auto, new)
-    print(f"| 16 x {new} auto batch | 16 | {auto} | prealloc + grouped | {t:.2f} | {16 * new / t:.1f} "
-          f"| {before / t:.2f}x | | |")
+    print(
+        f"| 16 x {new} auto batch | 16 | {auto} | prealloc + grouped | {t:.2f} | {16 * new / t:.1f} "
+        f"| {before / t:.2f}x | | |"
+    )
 
 
 if __name__ == "__main__":

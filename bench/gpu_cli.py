@@ -12,6 +12,7 @@ A row passes when it exits 0 (or 3: refused before step 1 with advice), its run'
 probe's, and the estimate is at most 1 % under the probe's measurement (GPU only: on CPU the estimate's
 allocator terms are not modelled, so that column is shown but not judged).
 """
+
 from __future__ import annotations
 
 import json
@@ -31,9 +32,15 @@ GIB = 2**30
 def long_conversations(path: Path, count: int, words: int) -> Path:
     """`count` conversations of a 20-word prompt and a `words`-word answer (~3.7 tiny-tokenizer tokens a word:
     6,700 words are ~24,700 tokens, the issue's "long data")."""
-    rows = [{"messages": [{"role": "user", "content": " ".join(f"w{(i * 7919 + j) % 997}" for j in range(20))},
-                          {"role": "assistant", "content": " ".join(f"a{(i + j) % 991}" for j in range(words))}]}
-            for i in range(count)]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": " ".join(f"w{(i * 7919 + j) % 997}" for j in range(20))},
+                {"role": "assistant", "content": " ".join(f"a{(i + j) % 991}" for j in range(words))},
+            ]
+        }
+        for i in range(count)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -44,13 +51,19 @@ def checkpoint(preset: str, family: str, work: Path, tiny: bool, timeout: int = 
 
         return ensure_tiny(family)
     folder = work / f"ckpt-{preset}"
-    code = ("import sys, torch; from pathlib import Path; sys.path.insert(0, {bench!r}); from quantized import "
-            "write_checkpoint; from glmtune.models import released_config; "
-            "from gpu_cli import fix_image_ids, write_tokenizer; folder = Path({folder!r}); "
-            "write_checkpoint(released_config({preset!r}), folder, 'cuda:0', torch.bfloat16); "
-            "write_tokenizer(folder, {family!r}); fix_image_ids(folder)")
-    subprocess.run([sys.executable, "-c", code.format(bench=str(BENCH), folder=str(folder), preset=preset,
-                                                      family=family)], check=True, timeout=timeout, cwd=REPO)
+    code = (
+        "import sys, torch; from pathlib import Path; sys.path.insert(0, {bench!r}); from quantized import "
+        "write_checkpoint; from glmtune.models import released_config; "
+        "from gpu_cli import fix_image_ids, write_tokenizer; folder = Path({folder!r}); "
+        "write_checkpoint(released_config({preset!r}), folder, 'cuda:0', torch.bfloat16); "
+        "write_tokenizer(folder, {family!r}); fix_image_ids(folder)"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code.format(bench=str(BENCH), folder=str(folder), preset=preset, family=family)],
+        check=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
     return folder
 
 
@@ -75,7 +88,9 @@ def fix_image_ids(folder: Path) -> None:
         from glmtune.models import load_tokenizer
 
         tok = load_tokenizer(folder)
-        config.update(boi_token_id=tok.get_command("<|begin_of_image|>"), eoi_token_id=tok.get_command("<|end_of_image|>"))
+        config.update(
+            boi_token_id=tok.get_command("<|begin_of_image|>"), eoi_token_id=tok.get_command("<|end_of_image|>")
+        )
         (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -87,18 +102,40 @@ def rows(tiny: bool, work: Path) -> list[tuple[str, str, str, list[str], int]]:
     else:
         long = long_conversations(work / "long.jsonl", 16, 6700)
         length, long_len, card, small = "8192", "32768", ["+hw=a100_40g"], ["+hw=rtx4090_24g"]
-    glm4, glm4v, glm3 = ("glm4_tiny", "glm4v_tiny", "chatglm3_tiny") if tiny else ("glm4_9b_chat", "glm4v_9b",
-                                                                                  "chatglm3_6b")
+    glm4, glm4v, glm3 = (
+        ("glm4_tiny", "glm4v_tiny", "chatglm3_tiny") if tiny else ("glm4_9b_chat", "glm4v_9b", "chatglm3_6b")
+    )
     steps = ["train.max_steps=2"] if tiny else ["train.max_steps=6"]
     return [
         ("design card: shipped samples with val", glm4, "glm4", [*card, *steps], 100),
-        ("8K long data, no val", glm4, "glm4", [*small, f"data.train_file={long}", "data.val_file=null",
-                                                 f"data.max_length={length}", *steps], 80),
-        ("4K long data, eval every 2 steps", glm4, "glm4",
-         [*small, f"data.train_file={long}", f"data.val_file={long}", f"data.max_length={int(length) // 2}",
-          "train.eval_steps=2", *(["train.max_steps=2"] if tiny else ["train.max_steps=4"])], 90),
-        ("mode=probe 32K with eval", glm4, "glm4", ["mode=probe", *card, f"data.train_file={long}",
-                                                     f"data.val_file={long}", f"data.max_length={long_len}"], 80),
+        (
+            "8K long data, no val",
+            glm4,
+            "glm4",
+            [*small, f"data.train_file={long}", "data.val_file=null", f"data.max_length={length}", *steps],
+            80,
+        ),
+        (
+            "4K long data, eval every 2 steps",
+            glm4,
+            "glm4",
+            [
+                *small,
+                f"data.train_file={long}",
+                f"data.val_file={long}",
+                f"data.max_length={int(length) // 2}",
+                "train.eval_steps=2",
+                *(["train.max_steps=2"] if tiny else ["train.max_steps=4"]),
+            ],
+            90,
+        ),
+        (
+            "mode=probe 32K with eval",
+            glm4,
+            "glm4",
+            ["mode=probe", *card, f"data.train_file={long}", f"data.val_file={long}", f"data.max_length={long_len}"],
+            80,
+        ),
         ("GLM-4V vision samples", glm4v, "glm4v", ["data=samples_vision", *card, *steps], 110),
         ("ChatGLM3 shipped samples", glm3, "chatglm3", [*small, *steps], 70),
     ]
@@ -109,8 +146,13 @@ def row_result(run_dir: Path) -> dict:
     probe, metrics, plan = run_dir / "probe.json", run_dir / "metrics.json", run_dir / "plan.json"
     if probe.is_file():
         p = json.loads(probe.read_text())
-        out.update(predicted=p["predicted_peak_bytes"], probed=p["measured_peak_bytes"], rungs=len(p["attempts"]),
-                   probe_phases=p["attempts"][-1]["detail"].get("phase_peak_bytes"), final=p["final"])
+        out.update(
+            predicted=p["predicted_peak_bytes"],
+            probed=p["measured_peak_bytes"],
+            rungs=len(p["attempts"]),
+            probe_phases=p["attempts"][-1]["detail"].get("phase_peak_bytes"),
+            final=p["final"],
+        )
     if metrics.is_file():
         m = json.loads(metrics.read_text())
         out.update(phases=m.get("phase_peak_bytes"), tokens_per_s=m.get("tokens_per_s"))
@@ -122,9 +164,12 @@ def row_result(run_dir: Path) -> dict:
 def _choices(c: dict | None) -> str:
     if not c:
         return "-"
-    return (f"mb {c['micro_batch_size']}x{c['grad_accum']}, eval {c.get('eval_batch_size', '-')}, "
-            f"ckpt {'on' if c['gradient_checkpointing'] else 'off'}, chunk {c['loss_chunk_tokens']}"
-            + (", offload ckpt" if c.get("offload_checkpoints") else "") + (", ZeRO-3" if c["zero_stage"] == 3 else ""))
+    return (
+        f"mb {c['micro_batch_size']}x{c['grad_accum']}, eval {c.get('eval_batch_size', '-')}, "
+        f"ckpt {'on' if c['gradient_checkpointing'] else 'off'}, chunk {c['loss_chunk_tokens']}"
+        + (", offload ckpt" if c.get("offload_checkpoints") else "")
+        + (", ZeRO-3" if c["zero_stage"] == 3 else "")
+    )
 
 
 def judge(rc, r: dict, on_gpu: bool) -> tuple[str, bool]:
@@ -145,8 +190,11 @@ def run_cli(tiny: bool, work: Path, header: str) -> int:
 
     on_gpu = torch.cuda.is_available()
     work.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        "PYTHONUNBUFFERED": "1",
+    }
     t0, table, failures, ckpts, logs = time.perf_counter(), [], 0, {}, []
     plan = rows(tiny, work)
     only = os.environ.get("GLMTUNE_CLI_ROWS")  # e.g. "5,6": rerun some rows (1-based)
@@ -163,8 +211,17 @@ def run_cli(tiny: bool, work: Path, header: str) -> int:
             left = TOTAL_S - (time.perf_counter() - t0)
         run_dir = work / f"row{i + 1}"
         shutil.rmtree(run_dir, ignore_errors=True)
-        command = [sys.executable, "-m", "glmtune", f"model={preset}", f"model.path={ckpts[preset]}", *extra,
-                   "train.logging_steps=1", "train.save_minutes=0", f"hydra.run.dir={run_dir}"]
+        command = [
+            sys.executable,
+            "-m",
+            "glmtune",
+            f"model={preset}",
+            f"model.path={ckpts[preset]}",
+            *extra,
+            "train.logging_steps=1",
+            "train.save_minutes=0",
+            f"hydra.run.dir={run_dir}",
+        ]
         if left < 30:
             table.append(f"| {title} | skipped: the part's {TOTAL_S} s are spent | | | | | | |")
             failures += 1
@@ -180,23 +237,31 @@ def run_cli(tiny: bool, work: Path, header: str) -> int:
         verdict, ok = judge(rc, r, on_gpu)
         failures += not ok
         gib = lambda b: "-" if b is None else f"{b / GIB:.2f}"  # noqa: E731
-        probe = f"{gib(r.get('predicted'))} / {gib(r.get('probed'))}" + (f" ({r['rungs']} rungs)" if r.get("rungs", 1) > 1 else "")
+        probe = f"{gib(r.get('predicted'))} / {gib(r.get('probed'))}" + (
+            f" ({r['rungs']} rungs)" if r.get("rungs", 1) > 1 else ""
+        )
         est = f"{r['predicted'] / r['probed'] - 1:+.1%}" if r.get("probed") else "-"
         phases = ", ".join(f"{k} {v / GIB:.2f}" for k, v in (r.get("phases") or {}).items()) or "-"
         ratio = f"{max(r['phases'].values()) / r['probed']:.3f}" if r.get("phases") and r.get("probed") else "-"
         tps = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-"
-        table.append(f"| {title} | {rc} | {_choices(r.get('final'))} | {probe} | {est} | {phases} | {ratio} | {tps} | "
-                     f"{seconds:.0f} | {verdict} |")
+        table.append(
+            f"| {title} | {rc} | {_choices(r.get('final'))} | {probe} | {est} | {phases} | {ratio} | {tps} | "
+            f"{seconds:.0f} | {verdict} |"
+        )
         print(table[-1], flush=True)
         if not ok:
-            logs += [f"### row {i + 1} ({title}): `{' '.join(c if not c.startswith('/') else Path(c).name for c in command)}`",
-                     *["    " + line for line in out.strip().splitlines()[-25:]]]
+            logs += [
+                f"### row {i + 1} ({title}): `{' '.join(c if not c.startswith('/') else Path(c).name for c in command)}`",
+                *["    " + line for line in out.strip().splitlines()[-25:]],
+            ]
     if not tiny:
         for folder in ckpts.values():
             shutil.rmtree(folder, ignore_errors=True)
     print(f"\n## gpu_pending --part cli{' (tiny, CPU)' if tiny else ''}: {header}; {time.perf_counter() - t0:.0f} s")
-    print("| command | exit | final choices | probe predicted / measured GiB | estimate vs probe | run peak per phase GiB "
-          "| run / probe | tokens/s | s | verdict |\n|---|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| command | exit | final choices | probe predicted / measured GiB | estimate vs probe | run peak per phase GiB "
+        "| run / probe | tokens/s | s | verdict |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
     print("\n".join(table))
     if logs:
         print("\n".join(logs))

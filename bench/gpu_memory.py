@@ -19,6 +19,7 @@ torch's peak allocated and reserved bytes, and the whole process's device memory
 included), sampled every 2 ms by a thread. Predicted: `plan.estimate.estimate` on the run shape the planner
 builds for the same choices (`plan.planner.run_shape`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,60 +36,142 @@ QKV = ["query_key_value"]
 ALL = ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
 
 
-def row(model="glm4_9b_chat", seq=512, batch=1, ckpt=False, chunk=0, targets=QKV, image=False, eval_batch=0,
-        zero=0, offload=False, offck=False, alloc="expandable", steps=3, zero_knobs=None, tag="", r=8,
-        quantize="none", cap_gib=None):
-    return dict(model=model, seq=seq, batch=batch, ckpt=ckpt, chunk=chunk, targets=targets, image=image, r=r,
-                eval_batch=eval_batch, zero=zero, offload=offload, offck=offck, alloc=alloc, steps=steps,
-                zero_knobs=zero_knobs or {}, tag=tag, quantize=quantize, cap_gib=cap_gib)
+def row(
+    model="glm4_9b_chat",
+    seq=512,
+    batch=1,
+    ckpt=False,
+    chunk=0,
+    targets=QKV,
+    image=False,
+    eval_batch=0,
+    zero=0,
+    offload=False,
+    offck=False,
+    alloc="expandable",
+    steps=3,
+    zero_knobs=None,
+    tag="",
+    r=8,
+    quantize="none",
+    cap_gib=None,
+):
+    return dict(
+        model=model,
+        seq=seq,
+        batch=batch,
+        ckpt=ckpt,
+        chunk=chunk,
+        targets=targets,
+        image=image,
+        r=r,
+        eval_batch=eval_batch,
+        zero=zero,
+        offload=offload,
+        offck=offck,
+        alloc=alloc,
+        steps=steps,
+        zero_knobs=zero_knobs or {},
+        tag=tag,
+        quantize=quantize,
+        cap_gib=cap_gib,
+    )
 
 
 GRIDS = {
     # Fits the constants and checks the tensor terms: lengths 512-32K, batch, checkpointing, loss chunk,
     # targets, images, evaluation, ZeRO-3 with and without offload, both allocator settings.
     "calib": [
-        row(seq=512), row(seq=512, batch=4), row(seq=2048), row(seq=2048, ckpt=True),
-        row(seq=8192, ckpt=True), row(seq=8192, ckpt=True, chunk=1024), row(seq=8192, ckpt=True, chunk=256),
-        row(seq=8192, ckpt=True, chunk=256, offck=True), row(seq=512, targets=ALL),
-        row(seq=16384, ckpt=True, chunk=1024), row(seq=32768, ckpt=True, chunk=1024),
-        row(seq=500, eval_batch=4), row(seq=2048, ckpt=True, chunk=1024, eval_batch=4),
-        row(model="glm4v_9b", seq=500, image=True), row(model="glm4v_9b", seq=500, image=True, ckpt=True, chunk=1024,
-                                                        eval_batch=2),
+        row(seq=512),
+        row(seq=512, batch=4),
+        row(seq=2048),
+        row(seq=2048, ckpt=True),
+        row(seq=8192, ckpt=True),
+        row(seq=8192, ckpt=True, chunk=1024),
+        row(seq=8192, ckpt=True, chunk=256),
+        row(seq=8192, ckpt=True, chunk=256, offck=True),
+        row(seq=512, targets=ALL),
+        row(seq=16384, ckpt=True, chunk=1024),
+        row(seq=32768, ckpt=True, chunk=1024),
+        row(seq=500, eval_batch=4),
+        row(seq=2048, ckpt=True, chunk=1024, eval_batch=4),
+        row(model="glm4v_9b", seq=500, image=True),
+        row(model="glm4v_9b", seq=500, image=True, ckpt=True, chunk=1024, eval_batch=2),
         row(model="chatglm3_6b", seq=2048, ckpt=True),
-        row(seq=2048, alloc="default"), row(seq=8192, ckpt=True, alloc="default"),
+        row(seq=2048, alloc="default"),
+        row(seq=8192, ckpt=True, alloc="default"),
         row(seq=500, eval_batch=4, alloc="default"),
         row(seq=2048, ckpt=True, chunk=1024, zero=3),
         row(seq=4096, ckpt=True, chunk=1024, zero=3, offload=True, steps=2, tag="knobs as shipped"),
-        row(seq=4096, ckpt=True, chunk=1024, zero=3, offload=True, steps=2, tag="reuse 0, live 1e8",
-            zero_knobs={"MAX_REUSE_DISTANCE": 0, "MAX_LIVE_PARAMETERS": 100_000_000}),
+        row(
+            seq=4096,
+            ckpt=True,
+            chunk=1024,
+            zero=3,
+            offload=True,
+            steps=2,
+            tag="reuse 0, live 1e8",
+            zero_knobs={"MAX_REUSE_DISTANCE": 0, "MAX_LIVE_PARAMETERS": 100_000_000},
+        ),
     ],
     # Held out: none of these shapes was used to fit the estimator's constants.
     "check": [
-        row(seq=1024), row(seq=1024, batch=2, ckpt=True), row(seq=4096, ckpt=True, chunk=1024),
-        row(seq=12288, ckpt=True, chunk=256, offck=True), row(seq=24576, ckpt=True, chunk=1024),
-        row(seq=4096, ckpt=True, chunk=1024, targets=ALL, r=16), row(seq=2048, ckpt=True, chunk=1024, targets=ALL, r=64),
-        row(seq=1000, eval_batch=8), row(seq=8192, ckpt=True, chunk=256, offck=True, eval_batch=1),
+        row(seq=1024),
+        row(seq=1024, batch=2, ckpt=True),
+        row(seq=4096, ckpt=True, chunk=1024),
+        row(seq=12288, ckpt=True, chunk=256, offck=True),
+        row(seq=24576, ckpt=True, chunk=1024),
+        row(seq=4096, ckpt=True, chunk=1024, targets=ALL, r=16),
+        row(seq=2048, ckpt=True, chunk=1024, targets=ALL, r=64),
+        row(seq=1000, eval_batch=8),
+        row(seq=8192, ckpt=True, chunk=256, offck=True, eval_batch=1),
         row(model="glm4v_9b", seq=1000, image=True, ckpt=True, chunk=1024),
         row(model="glm4v_9b", seq=500, image=True, ckpt=True, chunk=256, offck=True, eval_batch=1),
-        row(model="chatglm3_6b", seq=8192, ckpt=True, chunk=1024), row(model="chatglm3_6b", seq=512, batch=4),
+        row(model="chatglm3_6b", seq=8192, ckpt=True, chunk=1024),
+        row(model="chatglm3_6b", seq=512, batch=4),
         row(seq=4096, ckpt=True, chunk=1024, zero=3, eval_batch=2),
-        row(seq=2048, ckpt=True, chunk=1024, zero=3, offload=True, steps=2, tag="reuse 0, live 1e8",
-            zero_knobs={"MAX_REUSE_DISTANCE": 0, "MAX_LIVE_PARAMETERS": 100_000_000}),
-        row(seq=2048, ckpt=True, chunk=1024, zero=3, offload=True, steps=2, tag="reuse 0, live 1e8, prefetch 1e7",
-            zero_knobs={"MAX_REUSE_DISTANCE": 0, "MAX_LIVE_PARAMETERS": 100_000_000, "PREFETCH_BUCKET": 10_000_000}),
+        row(
+            seq=2048,
+            ckpt=True,
+            chunk=1024,
+            zero=3,
+            offload=True,
+            steps=2,
+            tag="reuse 0, live 1e8",
+            zero_knobs={"MAX_REUSE_DISTANCE": 0, "MAX_LIVE_PARAMETERS": 100_000_000},
+        ),
+        row(
+            seq=2048,
+            ckpt=True,
+            chunk=1024,
+            zero=3,
+            offload=True,
+            steps=2,
+            tag="reuse 0, live 1e8, prefetch 1e7",
+            zero_knobs={"MAX_REUSE_DISTANCE": 0, "MAX_LIVE_PARAMETERS": 100_000_000, "PREFETCH_BUCKET": 10_000_000},
+        ),
     ],
     # GLM-4-0414 (issue 41): lora=default is q/k/v_proj there. 32B bf16 needs > 65 GB (an H200); its nf4 row is the
     # plan's choice for one RTX 4090 at 500 tokens (checkpointing, 1,024-token chunk) under a 24 GB cap.
     "0414": [
         row(model="glm4_9b_0414", seq=8192, ckpt=True, chunk=1024),
         row(model="glm4_32b_0414", seq=2048, ckpt=True, chunk=1024, steps=2),
-        row(model="glm4_32b_0414", seq=500, ckpt=True, chunk=1024, steps=2, quantize="nf4", cap_gib=24,
-            tag="QLoRA, 24 GB cap"),
+        row(
+            model="glm4_32b_0414",
+            seq=500,
+            ckpt=True,
+            chunk=1024,
+            steps=2,
+            quantize="nf4",
+            cap_gib=24,
+            tag="QLoRA, 24 GB cap",
+        ),
     ],
 }
 
 
 # --- one configuration, in its own process ------------------------------------------------------------------
+
 
 class NvmlPeak:
     """Device memory used by this process (NVML), sampled every 2 ms; falls back to the whole device's use
@@ -150,22 +233,34 @@ def examples(count: int, length: int, vocab: int, seed: int, image: str | None, 
 
 def plan_for(cfg: dict):
     """The architecture, run config, choices and estimator shape of one benchmark row, as the planner makes them."""
-    from glmtune.config import DataConfig, HwConfig, LoraConfig, ModelConfig, RunConfig, TrainConfig
-    from glmtune.models import released_config
     from dataclasses import replace
 
+    from glmtune.config import DataConfig, HwConfig, LoraConfig, ModelConfig, RunConfig, TrainConfig
+    from glmtune.models import released_config
     from glmtune.plan.planner import Choices, run_shape
 
     arch = released_config(cfg["model"])
-    run = RunConfig(model=ModelConfig(name=cfg["model"], quantize=cfg.get("quantize", "none")),
-                    lora=LoraConfig(r=cfg.get("r", 8), target_modules=list(cfg["targets"])),
-                    data=DataConfig(max_length=cfg["seq"], val_file="eval" if cfg["eval_batch"] else None),
-                    train=TrainConfig(per_device_batch_size=cfg["batch"], eval_batch_size=max(1, cfg["eval_batch"])),
-                    hw=HwConfig(name="h100_80g", memory_gib=cfg.get("cap_gib") or 79.1))
-    choices = Choices(dtype="bf16", gradient_checkpointing=cfg["ckpt"], zero_stage=cfg["zero"],
-                      offload_params=cfg["offload"], offload_optimizer=False, micro_batch_size=cfg["batch"],
-                      grad_accum=1, max_length=cfg["seq"], world_size=1, eval_batch_size=max(1, cfg["eval_batch"]),
-                      loss_chunk_tokens=cfg["chunk"], offload_checkpoints=cfg["offck"])
+    run = RunConfig(
+        model=ModelConfig(name=cfg["model"], quantize=cfg.get("quantize", "none")),
+        lora=LoraConfig(r=cfg.get("r", 8), target_modules=list(cfg["targets"])),
+        data=DataConfig(max_length=cfg["seq"], val_file="eval" if cfg["eval_batch"] else None),
+        train=TrainConfig(per_device_batch_size=cfg["batch"], eval_batch_size=max(1, cfg["eval_batch"])),
+        hw=HwConfig(name="h100_80g", memory_gib=cfg.get("cap_gib") or 79.1),
+    )
+    choices = Choices(
+        dtype="bf16",
+        gradient_checkpointing=cfg["ckpt"],
+        zero_stage=cfg["zero"],
+        offload_params=cfg["offload"],
+        offload_optimizer=False,
+        micro_batch_size=cfg["batch"],
+        grad_accum=1,
+        max_length=cfg["seq"],
+        world_size=1,
+        eval_batch_size=max(1, cfg["eval_batch"]),
+        loss_chunk_tokens=cfg["chunk"],
+        offload_checkpoints=cfg["offck"],
+    )
     # The row's process ran with the allocator it names (run_grid sets or removes PYTORCH_CUDA_ALLOC_CONF).
     return arch, run, choices, replace(run_shape(run, arch, choices), allocator=cfg.get("alloc", "expandable"))
 
@@ -235,8 +330,13 @@ def run_one(cfg: dict) -> dict:
     start = time.perf_counter()
     trainer.train()
     torch.cuda.synchronize()
-    out = {"train": {"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved(),
-                     "nvml": nv.peak}}
+    out = {
+        "train": {
+            "allocated": torch.cuda.max_memory_allocated(),
+            "reserved": torch.cuda.max_memory_reserved(),
+            "nvml": nv.peak,
+        }
+    }
     steps = [b - a for a, b in zip([start] + clock.marks, clock.marks)]
     if cfg["eval_batch"]:
         eval_set = examples(cfg["eval_batch"], cfg["seq"], vocab, 1, image, arch)
@@ -244,20 +344,34 @@ def run_one(cfg: dict) -> dict:
         nv.reset()
         trainer.evaluate(eval_dataset=eval_set)
         torch.cuda.synchronize()
-        out["eval"] = {"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved(),
-                       "nvml": nv.peak}
+        out["eval"] = {
+            "allocated": torch.cuda.max_memory_allocated(),
+            "reserved": torch.cuda.max_memory_reserved(),
+            "nvml": nv.peak,
+        }
     context = nv.now() - torch.cuda.memory_reserved()  # what NVML sees beyond the allocator: context, modules
     tokens = cfg["batch"] * (shape.seq_len)
     steady = sorted(steps[1:]) if len(steps) > 1 else steps
     nv.close()
-    return {**cfg, "measured": out, "context_bytes": context, "after_build_allocated": after_build,
-            "build_s": round(build_s, 2), "step_s": [round(s, 3) for s in steps],
-            "allocated_after_steps": clock.allocated,
-            "tokens_per_s": round(tokens / steady[len(steady) // 2], 1) if steady else None,
-            "estimate": {"peak": est.peak_bytes, "phase": est.phase, "phases": est.phases, "breakdown": est.breakdown},
-            "device": torch.cuda.get_device_name(), "driver": nv.driver(),
-            "versions": {"torch": torch.__version__, "cuda": torch.version.cuda,
-                         "transformers": transformers.__version__, **_versions()}}
+    return {
+        **cfg,
+        "measured": out,
+        "context_bytes": context,
+        "after_build_allocated": after_build,
+        "build_s": round(build_s, 2),
+        "step_s": [round(s, 3) for s in steps],
+        "allocated_after_steps": clock.allocated,
+        "tokens_per_s": round(tokens / steady[len(steady) // 2], 1) if steady else None,
+        "estimate": {"peak": est.peak_bytes, "phase": est.phase, "phases": est.phases, "breakdown": est.breakdown},
+        "device": torch.cuda.get_device_name(),
+        "driver": nv.driver(),
+        "versions": {
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "transformers": transformers.__version__,
+            **_versions(),
+        },
+    }
 
 
 def random_quantized(arch, quantize: str, folder: Path):
@@ -289,6 +403,7 @@ def _versions() -> dict:
 
 # --- the grid, one process per configuration -----------------------------------------------------------------
 
+
 def run_grid(name: str, out: Path, budget_s: float) -> list[dict]:
     results, t0 = [], time.perf_counter()
     for cfg in GRIDS[name]:
@@ -301,8 +416,9 @@ def run_grid(name: str, out: Path, budget_s: float) -> list[dict]:
         else:
             env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
         t = time.perf_counter()
-        proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(cfg)], env=env, capture_output=True,
-                              text=True, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--one", json.dumps(cfg)], env=env, capture_output=True, text=True, timeout=600
+        )
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         result = json.loads(line[7:]) if line else {**cfg, "error": (proc.stderr or proc.stdout)[-1500:]}
         result["wall_s"] = round(time.perf_counter() - t, 1)
@@ -317,17 +433,29 @@ def short(r: dict) -> str:
     if "error" in r:
         return f"{label(r)}: ERROR {r['error'][-400:]}"
     m = r["measured"]["train"]
-    return (f"{label(r)}: alloc {m['allocated'] / GIB:.2f} reserved {m['reserved'] / GIB:.2f} nvml {m['nvml'] / GIB:.2f} "
-            f"est {r['estimate']['peak'] / GIB:.2f} GiB, ctx {r['context_bytes'] / 2**20:.0f} MiB, "
-            f"{r['tokens_per_s']} tok/s, {r['wall_s']} s")
+    return (
+        f"{label(r)}: alloc {m['allocated'] / GIB:.2f} reserved {m['reserved'] / GIB:.2f} nvml {m['nvml'] / GIB:.2f} "
+        f"est {r['estimate']['peak'] / GIB:.2f} GiB, ctx {r['context_bytes'] / 2**20:.0f} MiB, "
+        f"{r['tokens_per_s']} tok/s, {r['wall_s']} s"
+    )
 
 
 def label(r: dict) -> str:
-    bits = [r["model"], f"{r['seq']}x{r['batch']}", f"r {r['r']}" if r.get("r", 8) != 8 else "", "ckpt" if r["ckpt"] else "", f"chunk {r['chunk']}" if r["chunk"] else "",
-            "offck" if r["offck"] else "", "all4" if len(r["targets"]) == 4 else "",
-            r["quantize"] if r.get("quantize", "none") != "none" else "", "img" if r["image"] else "",
-            f"eval {r['eval_batch']}" if r["eval_batch"] else "", f"zero3{'+offload' if r['offload'] else ''}"
-            if r["zero"] else "", "" if r["alloc"] == "expandable" else "default alloc", r.get("tag", "")]
+    bits = [
+        r["model"],
+        f"{r['seq']}x{r['batch']}",
+        f"r {r['r']}" if r.get("r", 8) != 8 else "",
+        "ckpt" if r["ckpt"] else "",
+        f"chunk {r['chunk']}" if r["chunk"] else "",
+        "offck" if r["offck"] else "",
+        "all4" if len(r["targets"]) == 4 else "",
+        r["quantize"] if r.get("quantize", "none") != "none" else "",
+        "img" if r["image"] else "",
+        f"eval {r['eval_batch']}" if r["eval_batch"] else "",
+        f"zero3{'+offload' if r['offload'] else ''}" if r["zero"] else "",
+        "" if r["alloc"] == "expandable" else "default alloc",
+        r.get("tag", ""),
+    ]
     return " ".join(b for b in bits if b)
 
 
@@ -335,8 +463,10 @@ def table(results: list[dict]) -> str:
     """Estimate vs measured: the whole process (NVML, context included) and torch's allocated peak."""
     from glmtune.plan.estimate import estimate
 
-    lines = ["| configuration | est. GiB | NVML GiB | error | est. tensors GiB | alloc GiB | error | reserved/alloc | tokens/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| configuration | est. GiB | NVML GiB | error | est. tensors GiB | alloc GiB | error | reserved/alloc | tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         if "error" in r:
             lines.append(f"| {label(r)} | error | | | | | | | |")
@@ -348,9 +478,11 @@ def table(results: list[dict]) -> str:
         arch, _, _, shape = plan_for(r)  # today's estimator on the row's shape, not the one saved with it
         est = estimate(arch, shape)
         tensors = max(est.phases.values())
-        lines.append(f"| {label(r)} | {est.peak_bytes / GIB:.2f} | {peak_nvml / GIB:.2f} | {est.peak_bytes / peak_nvml - 1:+.1%} "
-                     f"| {tensors / GIB:.2f} | {peak_alloc / GIB:.2f} | {tensors / peak_alloc - 1:+.1%} "
-                     f"| {peak_res / peak_alloc:.3f} | {r['tokens_per_s']} |")
+        lines.append(
+            f"| {label(r)} | {est.peak_bytes / GIB:.2f} | {peak_nvml / GIB:.2f} | {est.peak_bytes / peak_nvml - 1:+.1%} "
+            f"| {tensors / GIB:.2f} | {peak_alloc / GIB:.2f} | {tensors / peak_alloc - 1:+.1%} "
+            f"| {peak_res / peak_alloc:.3f} | {r['tokens_per_s']} |"
+        )
     return "\n".join(lines)
 
 

@@ -12,6 +12,7 @@ map workers of a build). The target: cached <= 25 % of the first launch's wall, 
 
 The conversations are bench/data_cache.py's: the shipped samples cycled, a numbered tag in each user turn.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,17 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def launch(data: Path, cache: Path, packing: str, run_dir: Path) -> dict:
-    cmd = [sys.executable, "-m", "glmtune", "mode=probe", f"data.train_file={data}", "data.val_file=null",
-           f"data.cache_dir={cache}", f"data.packing={packing}", f"hydra.run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "glmtune",
+        "mode=probe",
+        f"data.train_file={data}",
+        "data.val_file=null",
+        f"data.cache_dir={cache}",
+        f"data.packing={packing}",
+        f"hydra.run.dir={run_dir}",
+    ]
     started = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = proc.stdout.read()
@@ -43,8 +53,13 @@ def launch(data: Path, cache: Path, packing: str, run_dir: Path) -> dict:
         raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}:\n{out[-3000:]}")
     found = DATA_LINE.search(out)
     rows = re.search(r"train: micro-batches of \d+ examples -> ([\d.]+) rows", out)
-    return {"wall": wall, "data_s": float(found.group(4)) if found else float("nan"), "how": found.group(3) if found
-            else "?", "rss_gb": usage.ru_maxrss * 1024 / 1e9, "rows": rows.group(1) if rows else "-"}
+    return {
+        "wall": wall,
+        "data_s": float(found.group(4)) if found else float("nan"),
+        "how": found.group(3) if found else "?",
+        "rss_gb": usage.ru_maxrss * 1024 / 1e9,
+        "rows": rows.group(1) if rows else "-",
+    }
 
 
 def main() -> None:
@@ -55,9 +70,13 @@ def main() -> None:
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="glmtune-launch-"))
     work.mkdir(parents=True, exist_ok=True)
-    print(f"# {time.strftime('%Y-%m-%d %H:%M')} {platform.node()} {os.cpu_count()} cores, load "
-          f"{os.getloadavg()[0]:.1f}; python {platform.python_version()}")
-    print("| conversations | packing | launch | wall s | data stage s | peak RSS GB | rows per micro-batch | cached / first |")
+    print(
+        f"# {time.strftime('%Y-%m-%d %H:%M')} {platform.node()} {os.cpu_count()} cores, load "
+        f"{os.getloadavg()[0]:.1f}; python {platform.python_version()}"
+    )
+    print(
+        "| conversations | packing | launch | wall s | data stage s | peak RSS GB | rows per micro-batch | cached / first |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for n in args.n:
         data = work / f"conv{n}.jsonl"
@@ -69,8 +88,11 @@ def main() -> None:
             cached = launch(data, cache, packing, work / f"run-{n}-{packing}-cached")
             for name, r in (("first", first), ("cached", cached)):
                 ratio = f"{cached['wall'] / first['wall']:.0%}" if name == "cached" else ""
-                print(f"| {n:,} | {packing} | {name} ({r['how']}) | {r['wall']:.1f} | {r['data_s']:.2f} | "
-                      f"{r['rss_gb']:.2f} | {r['rows']} | {ratio} |", flush=True)
+                print(
+                    f"| {n:,} | {packing} | {name} ({r['how']}) | {r['wall']:.1f} | {r['data_s']:.2f} | "
+                    f"{r['rss_gb']:.2f} | {r['rows']} | {ratio} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ sequence-parallel all-to-all moves (heads + KV rows) x head size x 2 B per local
 backward, at 150 GB/s (NVLink) or 12 GB/s (PCIe, no peer-to-peer on RTX 4090). nf4 is counted at the bf16 rate
 (its dequantization is not measured on a GPU yet): treat those figures as an upper bound.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,10 +33,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from glmtune.config import DataConfig, DistConfig, ModelConfig, RunConfig  # noqa: E402
+from glmtune.config.units import GIB  # noqa: E402
 from glmtune.models import released_config  # noqa: E402
 from glmtune.plan.advice import hw_presets  # noqa: E402
 from glmtune.plan.archsize import frozen_params  # noqa: E402
-from glmtune.config.units import GIB  # noqa: E402
 from glmtune.plan.planner import make_plan  # noqa: E402
 
 MODELS = ("glm4_9b_chat", "glm4v_9b", "chatglm3_6b", "glm4_9b_0414", "glm4_32b_0414")
@@ -53,9 +54,12 @@ GLM4_PARAMS = frozen_params(released_config("glm4_9b_chat"))
 def plan_at(name: str, base: str, gpus: int, card: str, length: int):
     hw = hw_presets()[card]
     nodes = -(-gpus // hw.gpus_per_node)  # 8 RTX 4090s are 2 nodes of 4: each node's RAM holds its own ranks
-    run = RunConfig(model=ModelConfig(name=name, quantize=base), hw=hw,
-                    data=DataConfig(max_length=length, val_file=None),
-                    dist=DistConfig(nnodes=nodes, nproc_per_node=gpus // nodes))
+    run = RunConfig(
+        model=ModelConfig(name=name, quantize=base),
+        hw=hw,
+        data=DataConfig(max_length=length, val_file=None),
+        dist=DistConfig(nnodes=nodes, nproc_per_node=gpus // nodes),
+    )
     return make_plan(run, released_config(name), gpus, True, advice=False)
 
 
@@ -73,9 +77,13 @@ def longest(name: str, base: str, gpus: int, card: str):
 
 
 def rungs(c) -> str:
-    on = [("ckpt", c.gradient_checkpointing), (f"chunk {c.loss_chunk_tokens}", c.loss_chunk_tokens),
-          ("offload", c.offload_checkpoints), ("ZeRO-3", c.zero_stage == 3),
-          ("tiled MLP", getattr(c, "mlp_tile_tokens", 0))]  # branch tiledmlp's rung, where merged
+    on = [
+        ("ckpt", c.gradient_checkpointing),
+        (f"chunk {c.loss_chunk_tokens}", c.loss_chunk_tokens),
+        ("offload", c.offload_checkpoints),
+        ("ZeRO-3", c.zero_stage == 3),
+        ("tiled MLP", getattr(c, "mlp_tile_tokens", 0)),
+    ]  # branch tiledmlp's rung, where merged
     return ", ".join(n for n, v in on if v) or "none"
 
 
@@ -101,8 +109,13 @@ def cell(name: str, base: str, gpus: int, card: str) -> dict:
     if plan is None:
         return {"length": 0}
     c = plan.choices
-    return {"length": length, "sp": c.sequence_parallel, "rungs": rungs(c),
-            "host": plan.host["bytes"] / GIB if plan.host else 0.0, "tps": tokens_per_s(name, card, length, c)}
+    return {
+        "length": length,
+        "sp": c.sequence_parallel,
+        "rungs": rungs(c),
+        "host": plan.host["bytes"] / GIB if plan.host else 0.0,
+        "tps": tokens_per_s(name, card, length, c),
+    }
 
 
 def short(n: int) -> str:
@@ -121,8 +134,10 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|---|")
         for (m, b, g, k), x in cells.items():
             if x["length"]:
-                print(f"| {m} | {b} | {k} | {g} | {x['length']:,} | {x['sp']} | {x['rungs']} | {x['host']:.0f} | "
-                      f"{x['tps']:,.0f} |")
+                print(
+                    f"| {m} | {b} | {k} | {g} | {x['length']:,} | {x['sp']} | {x['rungs']} | {x['host']:.0f} | "
+                    f"{x['tps']:,.0f} |"
+                )
             else:
                 print(f"| {m} | {b} | {k} | {g} | does not fit | - | - | - | - |")
         return
@@ -134,8 +149,11 @@ def main() -> None:
                 row = []
                 for g in GPUS:
                     x = cells[(m, b, g, k)]
-                    row.append("-" if not x["length"] else
-                               f"{short(x['length'])} SP{x['sp']}, {x['host']:.0f} GiB host, {x['tps']:,.0f} tok/s")
+                    row.append(
+                        "-"
+                        if not x["length"]
+                        else f"{short(x['length'])} SP{x['sp']}, {x['host']:.0f} GiB host, {x['tps']:,.0f} tok/s"
+                    )
                 print(f"| {m} | {'bf16' if b == 'none' else b} | {k} | " + " | ".join(row) + " |")
 
 

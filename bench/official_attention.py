@@ -11,6 +11,7 @@ difference printed; then a LoRA adapter with non-zero B on query_key_value and d
 glmtune (what infer.merge_to writes) and that export reloaded by the official code, against glmtune's base +
 adapter. Measured results: bench/RESULTS.md; the suite's check without the official files: tests/models/test_mha_layout.py.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,9 +25,11 @@ import torch
 from glmtune.infer.generate import save_merged
 from glmtune.models import load_model, load_tokenizer, make_tiny_checkpoint
 
-LAYOUTS = {"GQA, 2 groups": dict(multi_query_attention=True, multi_query_group_num=2),
-           "GQA, groups = heads": dict(multi_query_attention=True, multi_query_group_num=4),
-           "MHA (multi_query_attention=false)": dict(multi_query_attention=False)}
+LAYOUTS = {
+    "GQA, 2 groups": dict(multi_query_attention=True, multi_query_group_num=2),
+    "GQA, groups = heads": dict(multi_query_attention=True, multi_query_group_num=4),
+    "MHA (multi_query_attention=false)": dict(multi_query_attention=False),
+}
 IDS = torch.tensor([[1, 5, 9, 33, 2, 17, 40, 8]])
 CODE = ("modeling_chatglm.py", "configuration_chatglm.py", "quantization.py")
 
@@ -37,9 +40,13 @@ def with_official_code(src: Path, dst: Path, official: Path) -> Path:
         if (official / name).is_file():
             shutil.copy(official / name, dst / name)
     config = json.loads((dst / "config.json").read_text())
-    config.update(model_type="chatglm", auto_map={
-        "AutoConfig": "configuration_chatglm.ChatGLMConfig",
-        "AutoModelForCausalLM": "modeling_chatglm.ChatGLMForConditionalGeneration"})
+    config.update(
+        model_type="chatglm",
+        auto_map={
+            "AutoConfig": "configuration_chatglm.ChatGLMConfig",
+            "AutoModelForCausalLM": "modeling_chatglm.ChatGLMForConditionalGeneration",
+        },
+    )
     (dst / "config.json").write_text(json.dumps(config))
     return dst
 
@@ -69,12 +76,18 @@ def merged_with_adapter(src: Path, out: Path) -> tuple[Path, torch.Tensor]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--official", type=Path, required=True, help="folder with the official modeling_chatglm.py")
-    parser.add_argument("--family", default="chatglm3", choices=["glm4", "chatglm3"],
-                        help="the family whose code --official holds (ChatGLM3-6B's ignores rope_ratio)")
+    parser.add_argument(
+        "--family",
+        default="chatglm3",
+        choices=["glm4", "chatglm3"],
+        help="the family whose code --official holds (ChatGLM3-6B's ignores rope_ratio)",
+    )
     args = parser.parse_args()
     if not (args.official / "modeling_chatglm.py").is_file():
-        parser.error(f"--official {args.official}: no modeling_chatglm.py there — point it at a downloaded "
-                     "ChatGLM3 / GLM-4 checkpoint folder")  # exit 2
+        parser.error(
+            f"--official {args.official}: no modeling_chatglm.py there — point it at a downloaded "
+            "ChatGLM3 / GLM-4 checkpoint folder"
+        )  # exit 2
     print(f"| layout ({args.family}, fp32) | max abs logit diff, load | max abs logit diff, merged export |")
     print("|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:

@@ -13,6 +13,7 @@ the tokenizers and accelerate stay unloaded) and composes its config once (confi
 when the wall-clock ratio is above --target. The CPU-time ratio (user + system of the child) is printed beside it:
 on a machine that other work keeps busy, wall clock is inflated unevenly, CPU time much less.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,10 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--target", type=float, default=1.3)
     args = parser.parse_args()
-    times: dict[str, list[tuple[float, float]]] = {"import torch, transformers": [],
-                                                   "mode=plan glm4_9b_chat a100_40g": []}
+    times: dict[str, list[tuple[float, float]]] = {
+        "import torch, transformers": [],
+        "mode=plan glm4_9b_chat a100_40g": [],
+    }
     with tempfile.TemporaryDirectory(prefix="glmtune-plan-bench-") as cwd:
         seconds(BASELINE, cwd)  # warm the file cache once; not counted
         seconds(PLAN, cwd)
@@ -55,10 +58,11 @@ def main() -> int:
     print(f"{'command':<34} {'median s':>9} {'min s':>7} {'max s':>7} {'CPU median s':>13}")
     for name, values in times.items():
         wall = [w for w, _ in values]
-        print(f"{name:<34} {statistics.median(wall):>9.2f} {min(wall):>7.2f} {max(wall):>7.2f} "
-              f"{statistics.median(c for _, c in values):>13.2f}")
-    (base, plan), (base_cpu, plan_cpu) = ([statistics.median(x[i] for x in v) for v in times.values()]
-                                          for i in (0, 1))
+        print(
+            f"{name:<34} {statistics.median(wall):>9.2f} {min(wall):>7.2f} {max(wall):>7.2f} "
+            f"{statistics.median(c for _, c in values):>13.2f}"
+        )
+    (base, plan), (base_cpu, plan_cpu) = ([statistics.median(x[i] for x in v) for v in times.values()] for i in (0, 1))
     ratio = plan / base
     print(f"ratio plan / import: {ratio:.2f} wall clock, {plan_cpu / base_cpu:.2f} CPU time (target <= {args.target})")
     return 0 if ratio <= args.target else 1

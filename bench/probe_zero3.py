@@ -8,6 +8,7 @@ train.max_steps=6 data.val_file=null` on the tiny model, into its own run dir; t
 before timing. Printed per launch: the whole command's wall time, the probe's own clock (probe.json `seconds`,
 rank 0) and its share. The probe's marginal cost is the difference of the medians with and without it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,9 +26,20 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def launch(run_dir: Path, cache: Path, probe: bool) -> tuple[float, float | None]:
-    cmd = ["torchrun", "--standalone", "--nproc_per_node", "2", "-m", "glmtune", "dist=zero3", "train.max_steps=6",
-           "data.val_file=null", f"data.cache_dir={cache}", f"probe.enabled={str(probe).lower()}",
-           f"hydra.run.dir={run_dir}"]
+    cmd = [
+        "torchrun",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "glmtune",
+        "dist=zero3",
+        "train.max_steps=6",
+        "data.val_file=null",
+        f"data.cache_dir={cache}",
+        f"probe.enabled={str(probe).lower()}",
+        f"hydra.run.dir={run_dir}",
+    ]
     started = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wall = time.monotonic() - started
@@ -57,8 +69,10 @@ def main() -> None:
         print(f"| {'on' if probe else 'off'} | {wall:.1f} | {seconds if seconds is not None else '-'} | {share} |")
     on = statistics.median(w for p, w, _ in rows if p)
     off = statistics.median(w for p, w, _ in rows if not p)
-    print(f"median wall: {on:.1f} s with the probe, {off:.1f} s without: the probe adds {on - off:+.1f} s "
-          f"({(on - off) / on:+.0%})")
+    print(
+        f"median wall: {on:.1f} s with the probe, {off:.1f} s without: the probe adds {on - off:+.1f} s "
+        f"({(on - off) / on:+.0%})"
+    )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ step (r 8 on query_key_value, checkpointing, 1,024-token chunked loss, bf16 auto
 peak allocated vs the estimator's tensor terms, peak reserved vs its full estimate, and tokens/s.
 On CPU, "allocated" is live tensor bytes (glmtune.probe.track) and there is no load peak or reserved.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -95,7 +96,9 @@ def main() -> None:
     ap.add_argument("--lengths", default="2048,8192", help="tokens per sample, comma-separated")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--steps", type=int, default=3, help="timed steps per row (after one warm-up step)")
-    ap.add_argument("--ckpt", default=None, help="checkpoint folder to write/reuse (default /tmp/glmtune-bench-<model>)")
+    ap.add_argument(
+        "--ckpt", default=None, help="checkpoint folder to write/reuse (default /tmp/glmtune-bench-<model>)"
+    )
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -107,11 +110,15 @@ def main() -> None:
     folder = Path(args.ckpt or f"/tmp/glmtune-bench-{name}")
     family = gpu_family(torch.cuda.get_device_name(0).lower()) if cuda else None
     write_checkpoint(arch, folder, device, dtype)
-    print(f"{name} on {torch.cuda.get_device_name(0) if cuda else 'CPU'} (family {family}), compute {e}, "
-          f"checkpoint {folder}\n")
+    print(
+        f"{name} on {torch.cuda.get_device_name(0) if cuda else 'CPU'} (family {family}), compute {e}, "
+        f"checkpoint {folder}\n"
+    )
     unit, u = (GIB, "GiB") if cuda else (MIB, "MiB")  # the tiny model's tensors are a few MiB
-    print(f"| mode | tokens | weights {u} (est) | load peak over weights {u} | allocated {u} | est tensors {u} | "
-          f"reserved {u} | est total {u} | tokens/s |")
+    print(
+        f"| mode | tokens | weights {u} (est) | load peak over weights {u} | allocated {u} | est tensors {u} | "
+        f"reserved {u} | est total {u} | tokens/s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for mode in args.modes.split(","):
         if cuda:
@@ -129,8 +136,15 @@ def main() -> None:
         model.train()
         quantize = "none" if mode == "bf16" else mode
         for seq in (int(x) for x in args.lengths.split(",")):
-            shape = RunShape(dtype=e, seq_len=seq, gradient_checkpointing=True, loss_chunk_tokens=1024,
-                             quantize=quantize, device="cuda" if cuda else "cpu", gpu_family=family)
+            shape = RunShape(
+                dtype=e,
+                seq_len=seq,
+                gradient_checkpointing=True,
+                loss_chunk_tokens=1024,
+                quantize=quantize,
+                device="cuda" if cuda else "cpu",
+                gpu_family=family,
+            )
             est = estimate(arch, shape)
             tensors = est.peak_bytes - sum(v for k, v in est.breakdown.items() if "uncalibrated" in k)
             try:
@@ -138,9 +152,12 @@ def main() -> None:
             except torch.cuda.OutOfMemoryError:
                 allocated = reserved = tps = float("nan")
                 torch.cuda.empty_cache()
-            print(f"| {mode} | {seq} | {stored / unit:.2f} ({est.breakdown['frozen weights'] / unit:.2f}) | "
-                  f"{load_over:.2f} | {allocated / unit:.2f} | {tensors / unit:.2f} | {reserved / unit:.2f} | "
-                  f"{est.peak_bytes / unit:.2f} | {tps:,.0f} |", flush=True)
+            print(
+                f"| {mode} | {seq} | {stored / unit:.2f} ({est.breakdown['frozen weights'] / unit:.2f}) | "
+                f"{load_over:.2f} | {allocated / unit:.2f} | {tensors / unit:.2f} | {reserved / unit:.2f} | "
+                f"{est.peak_bytes / unit:.2f} | {tps:,.0f} |",
+                flush=True,
+            )
         print(f"<!-- {mode}: load {load_s:.0f} s -->")
         del model
         gc.collect()

@@ -9,6 +9,7 @@ thread while the body is in flight, and samples the server's VmRSS every 5 ms. T
 after serve.max_body_mib MiB), and one under it whose text is far longer than the context (parsed and tokenized
 on the parser thread, then a 400), the case that used to hold the event loop for seconds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,6 @@ import time
 from pathlib import Path
 
 import httpx
-
 from serve_load import start
 
 
@@ -33,7 +33,7 @@ def rss(pid: int) -> int:
 
 def chunked(body: bytes, chunk: int = 1 << 20):
     for at in range(0, len(body), chunk):
-        yield body[at:at + chunk]
+        yield body[at : at + chunk]
 
 
 def measure(base: str, pid: int, model: str, body: bytes) -> dict:
@@ -57,16 +57,26 @@ def measure(base: str, pid: int, model: str, body: bytes) -> dict:
         thread.start()
     began = time.perf_counter()
     try:
-        reply = httpx.post(base + "/v1/chat/completions", content=chunked(body), timeout=600,
-                           headers={"Content-Type": "application/json"})
+        reply = httpx.post(
+            base + "/v1/chat/completions",
+            content=chunked(body),
+            timeout=600,
+            headers={"Content-Type": "application/json"},
+        )
     finally:
         seconds = time.perf_counter() - began
         done.set()
         for thread in threads:
             thread.join()
-    return {"status": reply.status_code, "code": reply.json()["error"]["code"] if reply.status_code >= 400 else "",
-            "seconds": seconds, "health_n": len(health), "health_max": max(health, default=0.0),
-            "health_p50": statistics.median(health) if health else 0.0, "rss_growth": peak[0] - baseline}
+    return {
+        "status": reply.status_code,
+        "code": reply.json()["error"]["code"] if reply.status_code >= 400 else "",
+        "seconds": seconds,
+        "health_n": len(health),
+        "health_max": max(health, default=0.0),
+        "health_p50": statistics.median(health) if health else 0.0,
+        "rss_growth": peak[0] - baseline,
+    }
 
 
 def main() -> None:
@@ -78,17 +88,30 @@ def main() -> None:
     base = url.rsplit("/v1", 1)[0]
     try:
         model = httpx.get(url + "/models").json()["data"][0]["id"]
-        bodies = [(f"{mb} MB, chunked", b'{"model": "%s", "messages": [{"role": "user", "content": "' % model.encode()
-                   + b"x" * (mb * 10**6) + b'"}]}') for mb in args.sizes_mb]
-        text = ("a long prompt, word after word. " * (args.text_mb * 10**6 // 32 + 1))[:args.text_mb * 10**6]
-        bodies.append((f"{args.text_mb} MB of text, chunked",
-                       json.dumps({"model": model, "messages": [{"role": "user", "content": text}]}).encode()))
+        bodies = [
+            (
+                f"{mb} MB, chunked",
+                b'{"model": "%s", "messages": [{"role": "user", "content": "' % model.encode()
+                + b"x" * (mb * 10**6)
+                + b'"}]}',
+            )
+            for mb in args.sizes_mb
+        ]
+        text = ("a long prompt, word after word. " * (args.text_mb * 10**6 // 32 + 1))[: args.text_mb * 10**6]
+        bodies.append(
+            (
+                f"{args.text_mb} MB of text, chunked",
+                json.dumps({"model": model, "messages": [{"role": "user", "content": text}]}).encode(),
+            )
+        )
         print("| body | answer | seconds | /health asked | /health max | /health median | server RSS growth |")
         print("|---|---|---:|---:|---:|---:|---:|")
         for name, body in bodies:
             r = measure(base, proc.pid, model, body)
-            print(f"| {name} | {r['status']} {r['code']} | {r['seconds']:.2f} | {r['health_n']} | "
-                  f"{r['health_max'] * 1000:.0f} ms | {r['health_p50'] * 1000:.0f} ms | {r['rss_growth'] / 1e6:.0f} MB |")
+            print(
+                f"| {name} | {r['status']} {r['code']} | {r['seconds']:.2f} | {r['health_n']} | "
+                f"{r['health_max'] * 1000:.0f} ms | {r['health_p50'] * 1000:.0f} ms | {r['rss_growth'] / 1e6:.0f} MB |"
+            )
     finally:
         proc.terminate()
         proc.wait(60)

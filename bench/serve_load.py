@@ -8,6 +8,7 @@ sends --requests chat completions (greedy, max_tokens fixed, prompts of varied l
 client from N threads at a time. "batched rows" is the mean batch size the server logged (serve/engine.py logs
 each batch), so the table shows whether concurrent requests really shared generate() calls.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,14 +24,24 @@ from pathlib import Path
 
 from openai import OpenAI
 
-PROMPTS = ["What is the capital of France?", "你好，介绍一下你自己", "Add 2 and 3.",
-           "Write one sentence about the sea.", "Translate 'good morning' into Chinese.",
-           "List three prime numbers.", "What does LoRA stand for?", "Say hello in five languages."]
+PROMPTS = [
+    "What is the capital of France?",
+    "你好，介绍一下你自己",
+    "Add 2 and 3.",
+    "Write one sentence about the sea.",
+    "Translate 'good morning' into Chinese.",
+    "List three prime numbers.",
+    "What does LoRA stand for?",
+    "Say hello in five languages.",
+]
 
 
 def start(overrides: list[str], run_dir: Path) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "glmtune", "mode=serve", "serve.port=0",
-                             f"hydra.run.dir={run_dir}", *overrides], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "glmtune", "mode=serve", "serve.port=0", f"hydra.run.dir={run_dir}", *overrides],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     for line in proc.stdout:
         print(line, end="")
         if "glmtune serve: http://" in line:
@@ -53,8 +64,11 @@ def main() -> None:
         def one(i: int) -> tuple[float, int]:
             began = time.perf_counter()
             reply = client.chat.completions.create(
-                model=model, temperature=0, max_tokens=args.max_tokens,
-                messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)] * (1 + i % 3)}])
+                model=model,
+                temperature=0,
+                max_tokens=args.max_tokens,
+                messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)] * (1 + i % 3)}],
+            )
             return time.perf_counter() - began, reply.usage.completion_tokens
 
         one(0)  # the first request of a process pays one-off costs the others do not
@@ -69,8 +83,10 @@ def main() -> None:
             new_lines = "".join(log.read_text().splitlines(True)[logged:])
             rows = [int(m) for m in re.findall(r"batch \d+: (\d+) rows", new_lines)]
             latency = sorted(r[0] for r in results)[len(results) // 2]
-            print(f"{clients:>7} {len(results) / wall:>10.2f} {sum(r[1] for r in results) / wall:>9.1f} "
-                  f"{latency:>13.3f} {sum(rows) / max(1, len(rows)):>12.2f}")
+            print(
+                f"{clients:>7} {len(results) / wall:>10.2f} {sum(r[1] for r in results) / wall:>9.1f} "
+                f"{latency:>13.3f} {sum(rows) / max(1, len(rows)):>12.2f}"
+            )
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)

@@ -16,6 +16,7 @@ On a CPU box the exchanges go through gloo over loopback TCP and N processes sha
 cores column): the share here is an upper bound for NVLink GPUs, and the tokens/s says nothing about GPUs.
 The GPU rows (one GPU cannot run SP > 1; 1-GPU long rows with tiled MLP) wait in bench/gpu_pending.py.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,18 +30,25 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # GLM-4-9B's head layout (32 query heads, 2 KV groups, 128-wide heads would be 4096 wide): 32 heads of 32 here.
-ARCH = dict(num_layers=2, hidden_size=1024, ffn_hidden_size=2816, num_attention_heads=32, kv_channels=32,
-            multi_query_group_num=2, padded_vocab_size=4096)
+ARCH = dict(
+    num_layers=2,
+    hidden_size=1024,
+    ffn_hidden_size=2816,
+    num_attention_heads=32,
+    kv_channels=32,
+    multi_query_group_num=2,
+    padded_vocab_size=4096,
+)
 
 
 def worker(seq: int, steps: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from glmtune.models.kernels import ulysses
     from glmtune.models.chatglm.configuration import GLMConfig
-    from glmtune.models.loading import _FAMILY, TINY_ARCH
     from glmtune.models.chatglm.modeling import ChatGLMForConditionalGeneration
+    from glmtune.models.kernels import ulysses
+    from glmtune.models.loading import _FAMILY, TINY_ARCH
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -85,11 +93,33 @@ def worker(seq: int, steps: int, out: str) -> None:
 def launch(size: int, seq: int, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
-        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // size)),
-               "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(size),
-                        __file__, "--worker", "--seq", str(seq), "--steps", str(steps), "--out", str(out)],
-                       env=env, check=True, capture_output=True, text=True)
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // size)),
+            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        }
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node",
+                str(size),
+                __file__,
+                "--worker",
+                "--seq",
+                str(seq),
+                "--steps",
+                str(steps),
+                "--out",
+                str(out),
+            ],
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         return json.loads(out.read_text())
 
 
@@ -106,15 +136,19 @@ def main() -> None:
     import torch
 
     cores = os.cpu_count() or 1
-    print(f"# SP on CPU: torch {torch.__version__}, {cores} cores, gloo; model {ARCH}; one row of {args.seq} tokens, "
-          f"fp32, reentrant checkpointing; best of {args.steps} steps")
+    print(
+        f"# SP on CPU: torch {torch.__version__}, {cores} cores, gloo; model {ARCH}; one row of {args.seq} tokens, "
+        f"fp32, reentrant checkpointing; best of {args.steps} steps"
+    )
     print("| SP | processes/core | step ms | tokens/s (group) | tokens/s per process | all-to-all ms | share |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for size in args.sizes:
         r = launch(size, args.seq, args.steps)
         tps = args.seq / r["step_s"]
-        print(f"| {size} | {size / cores:.1f} | {r['step_s'] * 1e3:.0f} | {tps:.0f} | {tps / size:.0f} | "
-              f"{r['exchange_s'] * 1e3:.0f} | {r['exchange_s'] / r['step_s']:.1%} |")
+        print(
+            f"| {size} | {size / cores:.1f} | {r['step_s'] * 1e3:.0f} | {tps:.0f} | {tps / size:.0f} | "
+            f"{r['exchange_s'] * 1e3:.0f} | {r['exchange_s'] / r['step_s']:.1%} |"
+        )
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ no weight gradients; attention scores and LoRA FLOPs are not counted), that as a
 measured bf16 8Kx8Kx8K matmul rate, GPU-busy share (kernel time / wall time over 2 profiled steps, torch
 profiler), and peak reserved memory against the estimator's prediction for the same shape.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,11 +40,11 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from glmtune.config import LoraConfig, TrainConfig  # noqa: E402
+from glmtune.config.units import GIB  # noqa: E402
 from glmtune.data.packing import RowPacker  # noqa: E402
 from glmtune.data.pipeline import IGNORE_INDEX, DataCollator  # noqa: E402
 from glmtune.models import ChatGLMForConditionalGeneration, GLMConfig, enable_checkpointing, released_config  # noqa: E402
 from glmtune.models.loading import TINY_ARCH  # noqa: E402
-from glmtune.config.units import GIB  # noqa: E402
 from glmtune.plan.estimate import RunShape, estimate, gpu_family  # noqa: E402
 from glmtune.plan.planner import Choices  # noqa: E402
 from glmtune.train.compile import compile_blocks, set_packed_attention  # noqa: E402
@@ -64,8 +65,13 @@ def demo_examples(count: int, vocab: int, rng: random.Random, prompt=(30, 60), a
 
 
 def long_examples(count: int, length: int, vocab: int, rng: random.Random) -> list[dict]:
-    return demo_examples(count, vocab, rng, prompt=(length // 2 - 4, length // 2 - 4),
-                         answer=(length - length // 2 - 1, length - length // 2 - 1))
+    return demo_examples(
+        count,
+        vocab,
+        rng,
+        prompt=(length // 2 - 4, length // 2 - 4),
+        answer=(length - length // 2 - 1, length - length // 2 - 1),
+    )
 
 
 class Recorder:
@@ -113,8 +119,10 @@ class Timer(TrainerCallback):
         if self.prof is not None and state.global_step == self.max_steps:
             wall = time.perf_counter() - self.prof_start
             self.prof.__exit__(None, None, None)
-            kernel_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
-                            for e in self.prof.key_averages())
+            kernel_us = sum(
+                getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
+                for e in self.prof.key_averages()
+            )
             self.busy = kernel_us / 1e6 / wall
 
 
@@ -130,7 +138,7 @@ def matmul_tflops(device: str) -> float | None:
     for _ in range(n):
         a @ b
     torch.cuda.synchronize()
-    return 2 * 8192 ** 3 * n / (time.perf_counter() - t0) / 1e12
+    return 2 * 8192**3 * n / (time.perf_counter() - t0) / 1e12
 
 
 def versions() -> str:
@@ -139,21 +147,50 @@ def versions() -> str:
 
     driver = "-"
     try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
+        driver = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
+            .stdout.strip()
+            .splitlines()[0]
+        )
     except (OSError, IndexError, subprocess.SubprocessError):
         pass
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
-    return (f"device {device}, driver {driver}, CUDA {torch.version.cuda}, torch {torch.__version__}, "
-            f"transformers {transformers.__version__}, peft {peft.__version__}, python {platform.python_version()}")
+    return (
+        f"device {device}, driver {driver}, CUDA {torch.version.cuda}, torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, peft {peft.__version__}, python {platform.python_version()}"
+    )
 
 
-def run_one(model, rows, steps: int, warmup: int, profile: int, ckpt: bool, dtype: str, scratch: Path,
-            micro_batch: int = 1, packer: RowPacker | None = None) -> dict:
+def run_one(
+    model,
+    rows,
+    steps: int,
+    warmup: int,
+    profile: int,
+    ckpt: bool,
+    dtype: str,
+    scratch: Path,
+    micro_batch: int = 1,
+    packer: RowPacker | None = None,
+) -> dict:
     cuda = torch.cuda.is_available()
-    choices = Choices(dtype=dtype, gradient_checkpointing=ckpt, zero_stage=0, offload_params=False,
-                      offload_optimizer=False, micro_batch_size=micro_batch, grad_accum=1, max_length=8192,
-                      world_size=1, eval_batch_size=1)
+    choices = Choices(
+        dtype=dtype,
+        gradient_checkpointing=ckpt,
+        zero_stage=0,
+        offload_params=False,
+        offload_optimizer=False,
+        micro_batch_size=micro_batch,
+        grad_accum=1,
+        max_length=8192,
+        world_size=1,
+        eval_batch_size=1,
+    )
     total = warmup + steps + profile
     args = training_args(TrainConfig(learning_rate=1e-4), choices, scratch, has_eval=False, probe_steps=total)
     recorder = Recorder(DataCollator(pad_id=0))
@@ -166,13 +203,18 @@ def run_one(model, rows, steps: int, warmup: int, profile: int, ckpt: bool, dtyp
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
-    times = [b - a for a, b in zip(timer.ends, timer.ends[1:])][warmup:warmup + steps]
-    tokens = recorder.tokens[warmup:warmup + steps]
+    times = [b - a for a, b in zip(timer.ends, timer.ends[1:])][warmup : warmup + steps]
+    tokens = recorder.tokens[warmup : warmup + steps]
     del trainer
-    return {"step_s": sum(times) / len(times), "tokens_per_s": sum(tokens) / sum(times),
-            "tokens_per_step": sum(tokens) / len(tokens), "width": max(recorder.widths),
-            "rows": max(recorder.rows), "busy": timer.busy,
-            "reserved": torch.cuda.max_memory_reserved() if cuda else None}
+    return {
+        "step_s": sum(times) / len(times),
+        "tokens_per_s": sum(tokens) / sum(times),
+        "tokens_per_step": sum(tokens) / len(tokens),
+        "width": max(recorder.widths),
+        "rows": max(recorder.rows),
+        "busy": timer.busy,
+        "reserved": torch.cuda.max_memory_reserved() if cuda else None,
+    }
 
 
 def main() -> None:
@@ -181,8 +223,11 @@ def main() -> None:
     ap.add_argument("--cases", default="demo,2k,8k")
     ap.add_argument("--packing", default="off,on", help="demo only; long rows hold one example either way")
     ap.add_argument("--compile", default="off,on")
-    ap.add_argument("--attention", default="sdpa,flex",
-                    help="packed rows: dense-mask SDPA and/or FlexAttention (CUDA only; fused when compiled)")
+    ap.add_argument(
+        "--attention",
+        default="sdpa,flex",
+        help="packed rows: dense-mask SDPA and/or FlexAttention (CUDA only; fused when compiled)",
+    )
     ap.add_argument("--pack-length", type=int, default=2048)
     ap.add_argument("--micro-batch", type=int, default=8, help="demo: examples per step, packed or not")
     ap.add_argument("--steps", type=int, default=8, help="measured steps per configuration")
@@ -212,8 +257,10 @@ def main() -> None:
     model.config.use_cache = False
     n_params = sum(p.numel() for n, p in model.named_parameters() if ".vision." not in n)
     model = apply_lora(model, LoraConfig(r=8, alpha=32, dropout=0.1, target_modules=["query_key_value"]))
-    print(f"model {a.model if not a.tiny else 'tiny'}: N = {n_params / 1e9:.3f} B parameters (language model), "
-          f"built in {time.perf_counter() - t0:.0f} s; FLOPs per token counted as 4*N = {4 * n_params / 1e9:.1f} G")
+    print(
+        f"model {a.model if not a.tiny else 'tiny'}: N = {n_params / 1e9:.3f} B parameters (language model), "
+        f"built in {time.perf_counter() - t0:.0f} s; FLOPs per token counted as 4*N = {4 * n_params / 1e9:.1f} G"
+    )
     rng = random.Random(0)
     vocab = arch.padded_vocab_size
     need = (a.warmup + a.steps + 2) * 2
@@ -223,8 +270,10 @@ def main() -> None:
     cases = [c for c in a.cases.split(",") if c]
     packings, compiles = a.packing.split(","), a.compile.split(",")
     attentions = [x for x in a.attention.split(",") if x and (cuda or x != "flex")]  # no flex backward on CPU
-    print("\n| data | packing | attention | compile | ckpt | rows x row (max) | tokens/step | step s | tokens/s "
-          "| TFLOP/s (4N) | % of matmul | GPU busy | reserved GiB | estimate GiB |")
+    print(
+        "\n| data | packing | attention | compile | ckpt | rows x row (max) | tokens/step | step s | tokens/s "
+        "| TFLOP/s (4N) | % of matmul | GPU busy | reserved GiB | estimate GiB |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     baseline = None
     with tempfile.TemporaryDirectory() as scratch:
@@ -232,8 +281,11 @@ def main() -> None:
             if comp == "on":
                 compile_blocks(model)
             for case in cases:
-                runs = [(p, att) for p in (packings if case == "demo" else ["off"])
-                        for att in (attentions if p == "on" else ["-"])]
+                runs = [
+                    (p, att)
+                    for p in (packings if case == "demo" else ["off"])
+                    for att in (attentions if p == "on" else ["-"])
+                ]
                 for packing, attention in runs:
                     rows, packer, micro = data[case], None, a.micro_batch if case == "demo" else 1
                     if packing == "on":
@@ -243,26 +295,35 @@ def main() -> None:
                     if ckpt:
                         enable_checkpointing(model, use_reentrant=True)
                         model.enable_input_require_grads()
-                    r = run_one(model, rows, a.steps, a.warmup, 2 if cuda else 0, ckpt, dtype, Path(scratch), micro,
-                                packer)
+                    r = run_one(
+                        model, rows, a.steps, a.warmup, 2 if cuda else 0, ckpt, dtype, Path(scratch), micro, packer
+                    )
                     if ckpt:
                         model.gradient_checkpointing_disable()
                     tflops = 4 * n_params * r["tokens_per_s"] / 1e12
-                    shape = RunShape(dtype=dtype, micro_batch=r["rows"], seq_len=r["width"], lora_r=8,
-                                     gradient_checkpointing=ckpt, device=device,
-                                     gpu_family=gpu_family(torch.cuda.get_device_name().lower()) if cuda else None)
+                    shape = RunShape(
+                        dtype=dtype,
+                        micro_batch=r["rows"],
+                        seq_len=r["width"],
+                        lora_r=8,
+                        gradient_checkpointing=ckpt,
+                        device=device,
+                        gpu_family=gpu_family(torch.cuda.get_device_name().lower()) if cuda else None,
+                    )
                     predicted = estimate(arch, shape).peak_bytes
                     if case == "demo" and packing == "off" and comp == "off":
                         baseline = r["tokens_per_s"]
                     speedup = f" ({r['tokens_per_s'] / baseline:.2f}x)" if baseline and case == "demo" else ""
-                    fmt = (lambda x, f: "-" if x is None else f.format(x))
-                    print(f"| {case} | {packing} | {attention} | {comp} | {'on' if ckpt else 'off'} | "
-                          f"{r['rows']} x {r['width']} | "
-                          f"{r['tokens_per_step']:.0f} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f}{speedup} | "
-                          f"{tflops:.1f} | {fmt(peak_mm and 100 * tflops / peak_mm, '{:.0f}%')} | "
-                          f"{fmt(r['busy'] and 100 * r['busy'], '{:.0f}%')} | "
-                          f"{fmt(r['reserved'] and r['reserved'] / GIB, '{:.1f}')} | {predicted / GIB:.2f} |",
-                          flush=True)
+                    fmt = lambda x, f: "-" if x is None else f.format(x)
+                    print(
+                        f"| {case} | {packing} | {attention} | {comp} | {'on' if ckpt else 'off'} | "
+                        f"{r['rows']} x {r['width']} | "
+                        f"{r['tokens_per_step']:.0f} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f}{speedup} | "
+                        f"{tflops:.1f} | {fmt(peak_mm and 100 * tflops / peak_mm, '{:.0f}%')} | "
+                        f"{fmt(r['busy'] and 100 * r['busy'], '{:.0f}%')} | "
+                        f"{fmt(r['reserved'] and r['reserved'] / GIB, '{:.1f}')} | {predicted / GIB:.2f} |",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

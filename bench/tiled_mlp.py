@@ -11,6 +11,7 @@ warm-up round, the tiles' steps alternating so a neighbour's load falls on all a
 untiled, the step's peak live tensor bytes (train/livebytes.py; weights included) and the largest
 [tokens, 2 x ffn] tensor any op produced in the step: the MLP intermediate that tiling bounds. RESULTS.md §18.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,19 +24,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from glmtune.config import LoraConfig  # noqa: E402
 from glmtune.models import ChatGLMForConditionalGeneration, GLMConfig, enable_checkpointing  # noqa: E402
 from glmtune.models.kernels.tiling import set_mlp_tile_tokens  # noqa: E402
 from glmtune.train.livebytes import LiveTensorTracker  # noqa: E402
 from glmtune.train.lora import apply_lora, trainable_parameters  # noqa: E402
-from glmtune.config import LoraConfig  # noqa: E402
 
 ALL = ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
 
 
 def arch(hidden: int, layers: int) -> GLMConfig:
-    return GLMConfig(num_layers=layers, hidden_size=hidden, ffn_hidden_size=hidden * 13696 // 4096,
-                     kv_channels=64, num_attention_heads=hidden // 64, multi_query_attention=True,
-                     multi_query_group_num=2, padded_vocab_size=1024)
+    return GLMConfig(
+        num_layers=layers,
+        hidden_size=hidden,
+        ffn_hidden_size=hidden * 13696 // 4096,
+        kv_channels=64,
+        num_attention_heads=hidden // 64,
+        multi_query_attention=True,
+        multi_query_group_num=2,
+        padded_vocab_size=1024,
+    )
 
 
 class WidestMLP(LiveTensorTracker):
@@ -47,7 +55,7 @@ class WidestMLP(LiveTensorTracker):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+        for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == self.width:
                 self.widest = max(self.widest, t.numel() * t.element_size())
         return out
@@ -103,18 +111,25 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     cfg = arch(args.hidden, args.layers)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; hidden "
-          f"{cfg.hidden_size}, ffn {cfg.ffn_hidden_size}, {cfg.num_layers} blocks, fp32, LoRA r=8 on all four targets, "
-          f"reentrant checkpointing")
-    print(f"{'tokens':>7} {'tile':>6} {'wall ms':>9} {'CPU ms':>9} {'CPU cost':>9} {'peak MiB':>9} "
-          f"{'widest [t,2f] MiB':>18}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; hidden "
+        f"{cfg.hidden_size}, ffn {cfg.ffn_hidden_size}, {cfg.num_layers} blocks, fp32, LoRA r=8 on all four targets, "
+        f"reentrant checkpointing"
+    )
+    print(
+        f"{'tokens':>7} {'tile':>6} {'wall ms':>9} {'CPU ms':>9} {'CPU cost':>9} {'peak MiB':>9} "
+        f"{'widest [t,2f] MiB':>18}"
+    )
     for tokens in args.tokens:
         result = rows(cfg, tokens, [t for t in args.tiles if t < tokens], args.repeats)
         base = result[0][1] if 0 in result else None
         for tile, (wall, cpu, peak, widest) in result.items():
             cost = f"{cpu / base - 1:+.1%}" if base and tile else "-"
-            print(f"{tokens:>7} {tile or 'off':>6} {wall:>9.0f} {cpu:>9.0f} {cost:>9} {peak / 2**20:>9.1f} "
-                  f"{widest / 2**20:>18.2f}", flush=True)
+            print(
+                f"{tokens:>7} {tile or 'off':>6} {wall:>9.0f} {cpu:>9.0f} {cost:>9} {peak / 2**20:>9.1f} "
+                f"{widest / 2**20:>18.2f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ compose (Hydra) -> validate the config and every data line -> plan -> probe -> t
 Every stop ends in one line and an exit code of launch/exits.py (`glmtune --help` lists them): bad input, a run
 dir in use or holding another run and a full disk are 2.
 """
+
 from __future__ import annotations
 
 import gc
@@ -33,19 +34,19 @@ from .config import CONF_DIR, ConfigError, check_override_keys
 from .config.cli import check_command_line, chosen_mode, emits, is_multirun, wants_info
 from .config.compose import run_once
 from .launch import export_slurm_env, rank, run_name
-from .launch.signals import STOP, Interrupted
-from .launch.supervise import descendants
-from .rundir.atomic import disk_nearly_full, is_disk_full
 from .launch.console import console, fail
 from .launch.exits import EXIT_INTERRUPTED, EXIT_NO_TRIAL, STOP_PREFIX
-from .rundir.files import check_output_dirs, discard_unused, own_new_logs, unmake
-from .rundir.lock import RunDirLock
-from .rundir.resume import redirect
+from .launch.signals import STOP, Interrupted
+from .launch.supervise import descendants
 from .modes import sweepstop
 from .modes.prepare import prepare
 from .modes.report import disk_full_line
 from .modes.run import run_mode
 from .modes.sweep import final_line, none_succeeded, run_trial
+from .rundir.atomic import disk_nearly_full, is_disk_full
+from .rundir.files import check_output_dirs, discard_unused, own_new_logs, unmake
+from .rundir.lock import RunDirLock
+from .rundir.resume import redirect
 
 # Every rank of one launch must agree on the run dir; ${now:} alone would differ by a second. Cached in the
 # config, so a SLURM sweep's jobs reuse the sweep dir the submitting process resolved.
@@ -63,8 +64,13 @@ def main(cfg: DictConfig) -> float | None:
     export_slurm_env()  # a SLURM task of the submitit launcher: RANK, WORLD_SIZE, ... from SLURM's variables
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode == RunMode.MULTIRUN:  # a trial that fails or does not fit is recorded; the sweep goes on
-        return run_trial(lambda: execute(cfg), Path(hydra_cfg.sweep.dir), Path(hydra_cfg.runtime.output_dir),
-                         hydra_cfg.job.num, list(hydra_cfg.overrides.task))
+        return run_trial(
+            lambda: execute(cfg),
+            Path(hydra_cfg.sweep.dir),
+            Path(hydra_cfg.runtime.output_dir),
+            hydra_cfg.job.num,
+            list(hydra_cfg.overrides.task),
+        )
     return execute(cfg)
 
 
@@ -77,8 +83,11 @@ def execute(cfg: DictConfig) -> float | None:
     if run_dir != fresh:
         discard_unused(fresh)  # what Hydra made for the fresh dir: this rank's empty log, then the empty folder
         if rank() == 0:
-            console.print(f"the same command ran before and did not finish: continuing {run_dir} "
-                          "(train.resume=restart starts a new run instead)", markup=False)
+            console.print(
+                f"the same command ran before and did not finish: continuing {run_dir} "
+                "(train.resume=restart starts a new run instead)",
+                markup=False,
+            )
     lock = RunDirLock(run_dir, rank())
     own_logs = own_new_logs(run_dir)  # removed with the dir if the input is bad: README says no run dir is left
     STOP.install()  # SIGTERM/SIGINT: one line now; a checkpoint first once training runs (launch/signals.py)
@@ -95,10 +104,15 @@ def execute(cfg: DictConfig) -> float | None:
         mode = cfg.get("mode", "train")
         before = "training began" if mode in ("train", "probe") else f"mode={mode} was ready"
         # A stop that was asked for: "glmtune: stopped by ...", not an error line (exit 7 either way).
-        fail(f"stopped by a second {sig.name} before the checkpoint was complete — re-run the same command to resume "
-             "from the last complete one" if STOP.deferred else f"stopped by {sig.name} before {before}; "
-             "nothing to save — re-run the same command to start again", code=EXIT_INTERRUPTED, leader_speaks=True,
-             prefix=STOP_PREFIX)
+        fail(
+            f"stopped by a second {sig.name} before the checkpoint was complete — re-run the same command to resume "
+            "from the last complete one"
+            if STOP.deferred
+            else f"stopped by {sig.name} before {before}; nothing to save — re-run the same command to start again",
+            code=EXIT_INTERRUPTED,
+            leader_speaks=True,
+            prefix=STOP_PREFIX,
+        )
     except Exception as err:  # noqa: BLE001 - only a full disk is turned into one line; the rest re-raises
         if not (is_disk_full(err) or disk_nearly_full(run_dir)):
             raise
@@ -165,8 +179,12 @@ def cli() -> None:
         fail(" ".join(str(err).split()))
     except Interrupted as sig:  # a second stop signal between two trials of a sweep (modes/sweepstop.py)
         sweepstop.mark_stopped()
-        fail(f"stopped by a second {sig.name} between two trials; no trial was running — re-run the same sweep "
-             "command to continue it: finished trials are kept", code=EXIT_INTERRUPTED, prefix=STOP_PREFIX)
+        fail(
+            f"stopped by a second {sig.name} between two trials; no trial was running — re-run the same sweep "
+            "command to continue it: finished trials are kept",
+            code=EXIT_INTERRUPTED,
+            prefix=STOP_PREFIX,
+        )
     except Exception:
         # The optuna sweeper asks its study for the best trial after the last one, which raises when none
         # completed; every trial is already recorded, and the sweep ends below with exit 9 instead.

@@ -2,6 +2,7 @@
 
 The supervisor itself is glmtune/launch/supervise.py; this name stays because it is the documented command.
 """
+
 from glmtune.launch.supervise import main
 
 if __name__ == "__main__":

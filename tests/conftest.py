@@ -2,6 +2,7 @@
 files use (the tiny tokenizer, the repo, the shared CLI training `trained`); what keeps the suite fast on few cores
 (pytest-xdist threads and file order, gc.freeze). Timings: bench/RESULTS.md §8. Helpers that are not fixtures (the
 command run in this process or as a real one, files tests write, launches) are in helpers/."""
+
 import fcntl
 import gc
 import json
@@ -60,8 +61,15 @@ def pytest_collection_finish(session):
 
 # The files whose tests wait longest on launched processes (torchrun, signals, resumes), longest first: under
 # `--dist loadfile` each file runs whole on one worker, so these start first instead of being the last to finish.
-LONG_FIRST = ("test_scaleout.py", "test_engines.py", "test_durable.py", "test_distributed.py", "test_sweeps.py",
-              "test_evaluation.py", "test_cli.py")
+LONG_FIRST = (
+    "test_scaleout.py",
+    "test_engines.py",
+    "test_durable.py",
+    "test_distributed.py",
+    "test_sweeps.py",
+    "test_evaluation.py",
+    "test_cli.py",
+)
 
 
 def pytest_collection_modifyitems(items):
@@ -82,10 +90,13 @@ def trained(tmp_path_factory) -> SimpleNamespace:
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if not record.is_file():
-            runs = [glmtune_in_process(*TRAINED, f"hydra.run.dir={root / 'with_probe'}"),
-                    glmtune_in_process(*TRAINED, "probe.enabled=false", f"hydra.run.dir={root / 'without_probe'}")]
+            runs = [
+                glmtune_in_process(*TRAINED, f"hydra.run.dir={root / 'with_probe'}"),
+                glmtune_in_process(*TRAINED, "probe.enabled=false", f"hydra.run.dir={root / 'without_probe'}"),
+            ]
             record.write_text(json.dumps([vars(run) for run in runs]))
         proc, proc_without = (subprocess.CompletedProcess(**run) for run in json.loads(record.read_text()))
     assert proc.returncode == 0 and proc_without.returncode == 0, (proc.stderr[-3000:], proc_without.stderr[-3000:])
-    return SimpleNamespace(with_probe=root / "with_probe", without_probe=root / "without_probe", proc=proc,
-                           proc_without=proc_without)
+    return SimpleNamespace(
+        with_probe=root / "with_probe", without_probe=root / "without_probe", proc=proc, proc_without=proc_without
+    )

@@ -3,6 +3,7 @@
 The graph is read with ast (nothing is imported), so a cycle hidden inside a function body counts too:
 it would still fail at run time the day someone moves that import to the top.
 """
+
 from __future__ import annotations
 
 import ast
@@ -93,7 +94,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
                 stack.pop()
                 path.pop()
             elif colour[child] == 1:
-                return path[path.index(child):] + [child]
+                return path[path.index(child) :] + [child]
             elif colour[child] == 0:
                 colour[child] = 1
                 stack.append((child, iter(sorted(graph[child]))))
@@ -113,8 +114,12 @@ def test_no_import_cycle():
 
 
 def test_packages_import_only_downward():
-    bad = sorted(f"{m} imports {t}" for m, targets in import_graph().items() for t in targets
-                 if part(t) != part(m) and part(t) not in ALLOWED[part(m)])
+    bad = sorted(
+        f"{m} imports {t}"
+        for m, targets in import_graph().items()
+        for t in targets
+        if part(t) != part(m) and part(t) not in ALLOWED[part(m)]
+    )
     assert not bad, "\n".join(bad)
 
 

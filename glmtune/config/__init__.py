@@ -8,10 +8,30 @@ resolve it), and the units of memory every module counts in (`units.py`).
 May import: glmtune.launch (the exit codes --help lists). Every stage below receives these objects and reads
 them from here.
 """
-from .validate import (CONF_DIR, EVAL_METRICS, GROUPS, LORA_TARGETS, MODES, TRACKERS, ConfigError,  # noqa: F401
-                       DataConfig, DistConfig, EvalConfig, HwConfig, InferConfig, LoraConfig, ModelConfig,
-                       ProbeConfig, RunConfig, ServeConfig, TrainConfig, check_override_keys, parse_config,
-                       train_files)
+
 from .samples import SAMPLE_SETS, register_resolvers  # noqa: F401
+from .validate import (
+    CONF_DIR,
+    EVAL_METRICS,
+    GROUPS,
+    LORA_TARGETS,
+    MODES,
+    TRACKERS,
+    ConfigError,  # noqa: F401
+    DataConfig,
+    DistConfig,
+    EvalConfig,
+    HwConfig,
+    InferConfig,
+    LoraConfig,
+    ModelConfig,
+    ProbeConfig,
+    RunConfig,
+    ServeConfig,
+    TrainConfig,
+    check_override_keys,
+    parse_config,
+    train_files,
+)
 
 register_resolvers()

@@ -13,6 +13,7 @@ Hydra's `_internal` helpers are used on purpose: they are what hydra.main itself
 gets the same run dir, logging, `.hydra/` files and HydraConfig as before. The version is pinned in
 pyproject.toml; tests/config/test_config_compose.py compares both paths' composed configs and Hydra settings.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,24 +31,42 @@ def run_once(task_function: Callable[[DictConfig], Any], argv: list[str], config
     command line asks for anything but a plain run, so the caller hands it to hydra.main.
     """
     from hydra._internal.hydra import Hydra
-    from hydra._internal.utils import (create_automatic_config_search_path,
-                                       detect_calling_file_or_module_from_task_function, detect_task_name,
-                                       get_args_parser)
-    from hydra.core.global_hydra import GlobalHydra
+    from hydra._internal.utils import (
+        create_automatic_config_search_path,
+        detect_calling_file_or_module_from_task_function,
+        detect_task_name,
+        get_args_parser,
+    )
     from hydra.core.config_search_path import SearchPathQuery
+    from hydra.core.global_hydra import GlobalHydra
 
     args = get_args_parser().parse_args(argv)
-    special = (args.multirun, args.cfg, args.info, args.help, args.hydra_help, args.shell_completion,
-               args.experimental_rerun, args.resolve, args.config_path, args.config_name, args.package)
+    special = (
+        args.multirun,
+        args.cfg,
+        args.info,
+        args.help,
+        args.hydra_help,
+        args.shell_completion,
+        args.experimental_rerun,
+        args.resolve,
+        args.config_path,
+        args.config_name,
+        args.package,
+    )
     if any(v not in (None, False) for v in special):
         return False
     calling_file, calling_module = detect_calling_file_or_module_from_task_function(task_function)
     search_path = create_automatic_config_search_path(calling_file, calling_module, config_path)
     if args.config_dir is not None:  # cli.check_command_line has checked it is a folder
-        search_path.prepend(provider="command-line", path=f"file://{os.path.abspath(args.config_dir)}",
-                            anchor=SearchPathQuery(provider="schema"))
-    hydra = Hydra.create_main_hydra2(task_name=detect_task_name(calling_file, calling_module),
-                                     config_search_path=search_path)
+        search_path.prepend(
+            provider="command-line",
+            path=f"file://{os.path.abspath(args.config_dir)}",
+            anchor=SearchPathQuery(provider="schema"),
+        )
+    hydra = Hydra.create_main_hydra2(
+        task_name=detect_task_name(calling_file, calling_module), config_search_path=search_path
+    )
     entered = []
 
     def task(cfg: DictConfig) -> Any:

@@ -11,6 +11,7 @@ so it holds wherever a train file comes from (the command line, a sweep's trial,
 torchrun rank) while a `data.val_file=...` given anywhere replaces it. The resolver is registered on import of
 glmtune.config, before any composition reads it (the CLI, the tests' compose calls).
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -3,6 +3,7 @@
 `validate.parse_config` builds these from the composed config and validates them once; this module holds only
 the schema and the names other modules share (modes, LoRA-able layers, evaluation metrics).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -34,7 +35,9 @@ class DataConfig:
     packing: str = "auto"  # auto | on | off: each micro-batch's examples in fewer rows (data/packing.py); auto = on a GPU when it halves them
     pack_length: Optional[int] = None  # positions per packed row; None = max(2048, longest example)
     format: str = "auto"  # auto | glm | alpaca | sharegpt | openai: how records map onto GLM messages (data/formats.py)
-    mix: Optional[list[float]] = None  # with several train files: each file's share of the training examples; None = all of each
+    mix: Optional[list[float]] = (
+        None  # with several train files: each file's share of the training examples; None = all of each
+    )
     val_size: float = 0.0  # hold out this fraction (< 1) or count (>= 1) of the train examples as the val set; 0 = none
     # GLM-Z1 (a chat template whose generation prompt opens <think>): the last assistant turn's reasoning is trained
     # (keep) or left out (drop: <think></think> then the answer); earlier turns follow the template
@@ -91,8 +94,12 @@ class TrainConfig:
     # levers never change the gradient; micro_batch: each micro-batch's own mean, averaged (the official demo)
     loss_normalization: str = "tokens"
     compile: str = "auto"  # auto | on | off: torch.compile each decoder block; auto = on CUDA without ZeRO-3
-    packed_attention: str = "auto"  # auto | sdpa | segments | flex: attention of packed rows (models/kernels/docattention.py)
-    tiled_mlp: str = "auto"  # auto | on | off: the MLP in token tiles (models/kernels/tiling.py); auto = when the plan needs it
+    packed_attention: str = (
+        "auto"  # auto | sdpa | segments | flex: attention of packed rows (models/kernels/docattention.py)
+    )
+    tiled_mlp: str = (
+        "auto"  # auto | on | off: the MLP in token tiles (models/kernels/tiling.py); auto = when the plan needs it
+    )
 
 
 @dataclass
@@ -171,6 +178,7 @@ class ServeConfig:
 @dataclass
 class PlanConfig:
     """mode=plan plan.emit=trainjob: the cluster objects that run this plan (glmtune/scale/trainjob.py)."""
+
     emit: Optional[str] = None  # null: the plan only; trainjob: trainjob.yaml + glmtune-torch.yaml in the run dir
     name: Optional[str] = None  # the TrainJob's name and its run dir's (outputs/<name>); null = <model>-lora-<6 hex>
     image: Optional[str] = None  # an image with glmtune installed; null = glmtune:<version>, a name to build or retag
@@ -202,10 +210,29 @@ class RunConfig:
 # Linear layers of the GLM language models, by their official names (the estimator knows each): the ChatGLM family's
 # (GLM-4-9B-chat, GLM-4V, ChatGLM3), then GLM-4-0414's HF names; on GLM-4-0414 the ChatGLM names of the lora presets
 # mean the Linears that take their place (query_key_value: q_proj, k_proj, v_proj; models/glm4_0414/configuration.py).
-LORA_TARGETS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "output_layer",
-                "q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+LORA_TARGETS = (
+    "query_key_value",
+    "dense",
+    "dense_h_to_4h",
+    "dense_4h_to_h",
+    "output_layer",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_up_proj",
+    "down_proj",
+    "lm_head",
+)
 
 GROUPS = ("model", "data", "lora", "dist", "train", "hw", "hparams_search")
 # Metrics an evaluation reports (eval.generate adds the generation ones); True = higher is better.
-EVAL_METRICS = {"eval_loss": False, "eval_perplexity": False, "eval_rouge-1": True, "eval_rouge-2": True,
-                "eval_rouge-l": True, "eval_bleu-4": True, "eval_exact_match": True}
+EVAL_METRICS = {
+    "eval_loss": False,
+    "eval_perplexity": False,
+    "eval_rouge-1": True,
+    "eval_rouge-2": True,
+    "eval_rouge-l": True,
+    "eval_bleu-4": True,
+    "eval_exact_match": True,
+}

@@ -1,5 +1,6 @@
 """serve.* values, checked for every mode (a typo in a YAML file shows at once) as part of validate.parse_config;
 what needs the network or the extra (a host's addresses, binding the port) is serve/port.py's, at mode=serve."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -25,12 +26,16 @@ def serve_problems(cfg: RunConfig) -> list[str]:
         problems.append(f"serve.stop_grace_s must be in 0..3600 (seconds), got {serve.stop_grace_s}")
     for origin in serve.allow_origins:
         if not re.fullmatch(r"https?://[^/\s*]+", origin):
-            problems.append(f"serve.allow_origins has {origin!r}: list each web page origin as scheme://host[:port] "
-                            "(e.g. https://app.example), without a path; no wildcard")
+            problems.append(
+                f"serve.allow_origins has {origin!r}: list each web page origin as scheme://host[:port] "
+                "(e.g. https://app.example), without a path; no wildcard"
+            )
     for host in serve.allow_hosts:
         if not re.fullmatch(r"[^/\s:*]+|\[[0-9a-fA-F:.]+\]", host):
-            problems.append(f"serve.allow_hosts has {host!r}: give host names only (api.example.com), without "
-                            "scheme, port or wildcard")
+            problems.append(
+                f"serve.allow_hosts has {host!r}: give host names only (api.example.com), without "
+                "scheme, port or wildcard"
+            )
     if cfg.mode == "serve" and not all(importlib.util.find_spec(m) for m in ("starlette", "uvicorn")):
         problems.append('mode=serve needs starlette and uvicorn: pip install "glmtune[serve]"')
     return problems

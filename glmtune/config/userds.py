@@ -12,6 +12,7 @@ builds its own over the LoRA parameters: train.optimizer, train.lr_scheduler), a
 config's, a precision the plan did not choose, stage 3 with dist.strategy=ddp or with model.quantize.
 dist.strategy=auto takes the file's stage (`with_strategy`): ZeRO-3 for stage 3, plain data parallel below.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,10 @@ from typing import Any
 from .validate import ConfigError, RunConfig
 
 # Keys whose number must equal a glmtune setting (or be "auto"): key -> (config key, attribute of TrainConfig).
-_SAME = {"train_micro_batch_size_per_gpu": ("train.per_device_batch_size", "per_device_batch_size"),
-         "gradient_accumulation_steps": ("train.grad_accum", "grad_accum")}
+_SAME = {
+    "train_micro_batch_size_per_gpu": ("train.per_device_batch_size", "per_device_batch_size"),
+    "gradient_accumulation_steps": ("train.grad_accum", "grad_accum"),
+}
 
 
 @dataclass(frozen=True)
@@ -46,18 +49,23 @@ class UserDeepSpeed:
 def read(path: str) -> dict[str, Any]:
     shown, file = path, Path(path).expanduser()
     if not file.is_file():
-        raise ConfigError(f"{shown}: DeepSpeed config not found — fix dist.deepspeed_config (relative to the launch "
-                          f"directory {Path.cwd()})")
+        raise ConfigError(
+            f"{shown}: DeepSpeed config not found — fix dist.deepspeed_config (relative to the launch "
+            f"directory {Path.cwd()})"
+        )
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
-        raise ConfigError(f"{shown}:{err.lineno}: invalid JSON: {err.msg} (column {err.colno}) — fix the file "
-                          "given as dist.deepspeed_config") from None
+        raise ConfigError(
+            f"{shown}:{err.lineno}: invalid JSON: {err.msg} (column {err.colno}) — fix the file "
+            "given as dist.deepspeed_config"
+        ) from None
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"{shown}: cannot read ({err}) — check dist.deepspeed_config") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{shown}: holds a JSON {type(data).__name__}, not an object — a DeepSpeed config is "
-                          "one JSON object")
+        raise ConfigError(
+            f"{shown}: holds a JSON {type(data).__name__}, not an object — a DeepSpeed config is one JSON object"
+        )
     return data
 
 
@@ -80,13 +88,15 @@ def check(data: dict[str, Any], run: RunConfig, shown: str) -> None:
         problems.append(f"zero_optimization.stage={stage!r} is not 0, 1, 2 or 3")
     for block, key in (("optimizer", "train.optimizer"), ("scheduler", "train.lr_scheduler")):
         if block in data:
-            problems.append(f'has an "{block}" block, but glmtune builds its own over the LoRA parameters — '
-                            f"remove it and set {key}")
+            problems.append(
+                f'has an "{block}" block, but glmtune builds its own over the LoRA parameters — remove it and set {key}'
+            )
     for key, (config_key, attr) in _SAME.items():
         value = data.get(key, "auto")
         if value != "auto" and value != getattr(run.train, attr):
-            problems.append(f"{key}={value} but {config_key}={getattr(run.train, attr)} — make them equal or "
-                            'write "auto"')
+            problems.append(
+                f'{key}={value} but {config_key}={getattr(run.train, attr)} — make them equal or write "auto"'
+            )
     if stage == 3 and run.dist.strategy == "ddp":
         problems.append("sets ZeRO stage 3 but dist.strategy=ddp — drop one of them")
     if stage in (0, 1, 2) and run.dist.strategy == "zero3":
@@ -97,8 +107,7 @@ def check(data: dict[str, Any], run: RunConfig, shown: str) -> None:
         enabled = (data.get(precision) or {}).get("enabled", "auto")
         wanted = run.train.precision
         if enabled is True and wanted not in ("auto", precision):
-            problems.append(f"{precision}.enabled=true but train.precision={wanted} — make them agree or write "
-                            '"auto"')
+            problems.append(f'{precision}.enabled=true but train.precision={wanted} — make them agree or write "auto"')
     if problems:
         raise ConfigError(f"{shown}: " + "; ".join(problems))
 

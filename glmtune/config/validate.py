@@ -5,6 +5,7 @@ of schema.py (re-exported here), checked key by key for type here and value by v
 wrong type and bad value is collected into one `ConfigError`, so a user fixes a config in one pass instead of
 one error per run. Only `glmtune/__main__.py` imports Hydra; everything below it receives these objects.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,9 +13,24 @@ import types
 import typing
 from typing import Any
 
-from .schema import (CONF_DIR, EVAL_METRICS, GROUPS, LORA_TARGETS, MODES, DataConfig,  # noqa: F401 (re-exported)
-                     DistConfig, EvalConfig, HwConfig, InferConfig, LoraConfig, ModelConfig, ProbeConfig,
-                     RunConfig, ServeConfig, TrainConfig)
+from .schema import (
+    CONF_DIR,
+    EVAL_METRICS,
+    GROUPS,
+    LORA_TARGETS,
+    MODES,
+    DataConfig,  # noqa: F401 (re-exported)
+    DistConfig,
+    EvalConfig,
+    HwConfig,
+    InferConfig,
+    LoraConfig,
+    ModelConfig,
+    ProbeConfig,
+    RunConfig,
+    ServeConfig,
+    TrainConfig,
+)
 from .values import TRACKERS, check_values, train_files  # noqa: F401 (re-exported)
 
 
@@ -103,5 +119,3 @@ def _coerce(hint: Any, value: Any, key: str, problems: list[str]) -> Any:
         problems.append(f"{key} must be {hint.__name__}, got {value!r}")
         return _BAD
     return value
-
-

@@ -13,6 +13,7 @@ launcher, which stops the build and terminates the pool (SIGTERM, default action
 forks asks the kernel, at the fork, to SIGKILL it when the launcher dies (PR_SET_PDEATHSIG,
 `_die_with_the_builder`), so a `kill -9` of the launcher leaves no worker behind.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -25,8 +26,8 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import pyarrow as pa
 
-from .validate import DataError, _one_line, _Problem, check_line, no_conversations
 from .sources import where
+from .validate import DataError, _one_line, _Problem, check_line, no_conversations
 
 _LINES_SCHEMA = pa.schema([("line", pa.int32()), ("start", pa.int64()), ("raw", pa.binary())])
 _BATCH_LINES = 10_000  # lines per Arrow record batch of the raw-lines file
@@ -86,12 +87,14 @@ def write_lines(items: Iterable[tuple[int, int, bytes]], path: Path) -> int:
     return count
 
 
-def encode_rows(batch: dict[str, list], tokenizer: Any, max_length: int, folder: str,
-                encode: Callable, fmt: str = "glm") -> dict[str, list]:
+def encode_rows(
+    batch: dict[str, list], tokenizer: Any, max_length: int, folder: str, encode: Callable, fmt: str = "glm"
+) -> dict[str, list]:
     """datasets.map worker: check and encode a batch of raw lines. A bad line becomes a row with its problem."""
     _as_worker()
-    out: dict[str, list] = {k: [] for k in ("line", "input_ids", "labels", "length", "untruncated", "targets",
-                                            "image", "what", "fix")}
+    out: dict[str, list] = {
+        k: [] for k in ("line", "input_ids", "labels", "length", "untruncated", "targets", "image", "what", "fix")
+    }
     for line_no, start, raw_line in zip(batch["line"], batch["start"], batch["raw"]):
         result = check_line(raw_line, line_no, start, Path(folder), fmt=fmt)
         if result is None:  # blank after decoding (e.g. only U+3000 ideographic spaces)
@@ -103,8 +106,17 @@ def encode_rows(batch: dict[str, list], tokenizer: Any, max_length: int, folder:
             try:
                 ids, labels, untruncated, targets = encode(result, tokenizer, max_length)
             except ValueError as err:  # what the checkpoint's own chat template cannot render (glm4_0414/template.py)
-                out_row = (line_no, [], [], 0, 0, 0, None, str(err), "change this conversation so the model's chat "
-                           "template can render it, or leave it out")
+                out_row = (
+                    line_no,
+                    [],
+                    [],
+                    0,
+                    0,
+                    0,
+                    None,
+                    str(err),
+                    "change this conversation so the model's chat template can render it, or leave it out",
+                )
                 for key, value in zip(out, out_row):
                     out[key].append(value)
                 continue
@@ -123,9 +135,21 @@ def default_num_proc(lines: int) -> int:
     return max(1, min(cores, lines // _ROWS_PER_WORKER))
 
 
-def build_split(lines_file: Path, out: Path, shown: str, key: str, fingerprint: str, folder: Path, tokenizer: Any,
-                max_length: int, has_vision: bool, encode: Callable, num_proc: int, fmt: str = "glm",
-                rows: bool = False) -> None:
+def build_split(
+    lines_file: Path,
+    out: Path,
+    shown: str,
+    key: str,
+    fingerprint: str,
+    folder: Path,
+    tokenizer: Any,
+    max_length: int,
+    has_vision: bool,
+    encode: Callable,
+    num_proc: int,
+    fmt: str = "glm",
+    rows: bool = False,
+) -> None:
     """Encode lines_file into out/dataset; raise DataError (the file's first bad line) instead when it is bad.
     shown: the file as the user wrote it; key: the config key naming it; fingerprint: the cache key;
     fmt: the record format (formats.py); rows: the file's records are rows, not lines (sources.is_rows)."""
@@ -134,16 +158,25 @@ def build_split(lines_file: Path, out: Path, shown: str, key: str, fingerprint: 
     global _BUILDER
     _BUILDER = os.getpid()
 
-    features = datasets.Features({
-        "line": datasets.Value("int32"), "input_ids": datasets.Sequence(datasets.Value("int32")),
-        "labels": datasets.Sequence(datasets.Value("int32")), "length": datasets.Value("int32"),
-        "untruncated": datasets.Value("int32"), "targets": datasets.Value("int32"),
-        "image": datasets.Value("string"), "what": datasets.Value("string"), "fix": datasets.Value("string")})
+    features = datasets.Features(
+        {
+            "line": datasets.Value("int32"),
+            "input_ids": datasets.Sequence(datasets.Value("int32")),
+            "labels": datasets.Sequence(datasets.Value("int32")),
+            "length": datasets.Value("int32"),
+            "untruncated": datasets.Value("int32"),
+            "targets": datasets.Value("int32"),
+            "image": datasets.Value("string"),
+            "what": datasets.Value("string"),
+            "fix": datasets.Value("string"),
+        }
+    )
     lines = datasets.Dataset.from_file(str(lines_file))
     scratch = lines_file.parent
     try:
-        encoded = _map(lines, features, tokenizer, max_length, folder, encode, fingerprint, scratch, shown, num_proc,
-                       fmt)
+        encoded = _map(
+            lines, features, tokenizer, max_length, folder, encode, fingerprint, scratch, shown, num_proc, fmt
+        )
     except Exception as err:
         # A stop signal raises a BaseException (launch/signals.Interrupted, KeyboardInterrupt) in this process;
         # datasets' multi-process map then collects its workers' results in a `finally` and raises a TimeoutError
@@ -164,15 +197,39 @@ def build_split(lines_file: Path, out: Path, shown: str, key: str, fingerprint: 
     shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _map(lines: Any, features: Any, tokenizer: Any, max_length: int, folder: Path, encode: Callable, fingerprint: str,
-         scratch: Path, shown: str, num_proc: int, fmt: str) -> Any:
+def _map(
+    lines: Any,
+    features: Any,
+    tokenizer: Any,
+    max_length: int,
+    folder: Path,
+    encode: Callable,
+    fingerprint: str,
+    scratch: Path,
+    shown: str,
+    num_proc: int,
+    fmt: str,
+) -> Any:
     return lines.map(
-        encode_rows, batched=True, batch_size=_MAP_BATCH, writer_batch_size=1000, remove_columns=lines.column_names,
-        features=features, num_proc=num_proc if num_proc > 1 else None,
-        fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "folder": str(folder), "encode": encode, "fmt": fmt},
+        encode_rows,
+        batched=True,
+        batch_size=_MAP_BATCH,
+        writer_batch_size=1000,
+        remove_columns=lines.column_names,
+        features=features,
+        num_proc=num_proc if num_proc > 1 else None,
+        fn_kwargs={
+            "tokenizer": tokenizer,
+            "max_length": max_length,
+            "folder": str(folder),
+            "encode": encode,
+            "fmt": fmt,
+        },
         # A fingerprint of our own: datasets would otherwise hash the tokenizer (150K entries) with dill.
-        new_fingerprint=f"glmtune-{fingerprint[:32]}", cache_file_name=str(scratch / "encoded.arrow"),
-        desc=f"glmtune: tokenizing {Path(shown).name}")
+        new_fingerprint=f"glmtune-{fingerprint[:32]}",
+        cache_file_name=str(scratch / "encoded.arrow"),
+        desc=f"glmtune: tokenizing {Path(shown).name}",
+    )
 
 
 def _check(table: Any, shown: str, key: str, has_vision: bool, rows: bool = False) -> None:
@@ -187,5 +244,7 @@ def _check(table: Any, shown: str, key: str, has_vision: bool, rows: bool = Fals
     image = table.column("image")
     if not has_vision and image.null_count < len(image):
         line = table.column("line")[int(np.argmax(image.is_valid().to_numpy(zero_copy_only=False)))].as_py()
-        raise DataError(f"{where(shown, line, rows)}: has an \"image\" but this model has no vision tower — use "
-                        "model=glm4v_9b (or glm4v_tiny), or drop the image")
+        raise DataError(
+            f'{where(shown, line, rows)}: has an "image" but this model has no vision tower — use '
+            "model=glm4v_9b (or glm4v_tiny), or drop the image"
+        )

@@ -21,6 +21,7 @@ node, on a shared filesystem one for the whole job; the other ranks block on the
 the entry (renamed into place, complete, in one atomic step) or the builder's error. A builder that dies
 releases the lock with its life; the next process deletes the half-built folder and builds again.
 """
+
 from __future__ import annotations
 
 import errno
@@ -37,18 +38,27 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..config import DataConfig
+from ..config.units import MIB
 from ..models.presets import cache_root
 from .build import build_split, default_num_proc, write_lines
-from .tokenized import TokenizedSplit
 from .sources import digest, is_rows, records
+from .tokenized import TokenizedSplit
 from .validate import DataError, _read_bytes, file_format, locate
-from ..config.units import MIB
 
 FORMAT = 1  # the entry layout (tokenized.COLUMNS, meta.json); bump on a change the source hash would not catch
 # Code whose change changes the rows: its source text is part of the key (no version number to forget).
-_CODE = ("data/validate.py", "data/pipeline.py", "data/build.py", "data/formats.py", "data/sources.py",
-         "models/chatglm/tokenization.py", "models/chatglm/tokenization_glm4.py",
-         "models/chatglm/tokenization_chatglm3.py", "models/glm4_0414/tokenization.py", "models/glm4_0414/template.py")
+_CODE = (
+    "data/validate.py",
+    "data/pipeline.py",
+    "data/build.py",
+    "data/formats.py",
+    "data/sources.py",
+    "models/chatglm/tokenization.py",
+    "models/chatglm/tokenization_glm4.py",
+    "models/chatglm/tokenization_chatglm3.py",
+    "models/glm4_0414/tokenization.py",
+    "models/glm4_0414/template.py",
+)
 log = logging.getLogger(__name__)
 
 
@@ -56,8 +66,9 @@ def cache_dir(cfg: DataConfig) -> Path:
     return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else cache_root() / "data"
 
 
-def load_split(cfg: DataConfig, path: str, config_key: str, tokenizer: Any, has_vision: bool,
-               encode: Callable) -> TokenizedSplit:
+def load_split(
+    cfg: DataConfig, path: str, config_key: str, tokenizer: Any, has_vision: bool, encode: Callable
+) -> TokenizedSplit:
     """The split of data file `path` (named by `config_key`, e.g. data.train_file): opened from its cache entry,
     or validated, encoded with `encode` (pipeline.encode_example) and cached first. DataError on a bad file."""
     started = time.time()
@@ -65,16 +76,25 @@ def load_split(cfg: DataConfig, path: str, config_key: str, tokenizer: Any, has_
     raw = _read_bytes(located, str(path), config_key)  # the validation messages for missing/unreadable files
     folder = located.expanduser().resolve().parent
     fmt = file_format(cfg.format, located, str(path), raw)  # auto: from the first record that parses
-    fields = {"format": FORMAT, "data_sha256": digest(located, raw), "folder": str(folder), "records": fmt,
-              "tokenizer_sha256": tokenizer_sha256(tokenizer), "max_length": cfg.max_length,
-              "family": tokenizer.family, "vision": has_vision, "code_sha256": code_sha256()}
+    fields = {
+        "format": FORMAT,
+        "data_sha256": digest(located, raw),
+        "folder": str(folder),
+        "records": fmt,
+        "tokenizer_sha256": tokenizer_sha256(tokenizer),
+        "max_length": cfg.max_length,
+        "family": tokenizer.family,
+        "vision": has_vision,
+        "code_sha256": code_sha256(),
+    }
     key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:20]
     root = cache_dir(cfg)
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise DataError(f"{root}: cannot create the data cache ({err.strerror or err}) — set data.cache_dir to a "
-                        "writable folder") from None
+        raise DataError(
+            f"{root}: cannot create the data cache ({err.strerror or err}) — set data.cache_dir to a writable folder"
+        ) from None
     entry = root / f"{Path(path).stem}-{key}"
     if (entry / "meta.json").is_file() and damage(entry) is None:
         return _opened(entry, False, started)
@@ -109,12 +129,30 @@ def load_split(cfg: DataConfig, path: str, config_key: str, tokenizer: Any, has_
             lines = write_lines(records(located, str(path), raw), tmp / "scratch" / "lines.arrow")
             del raw  # 1 byte per byte of the file: not kept through the map (forked workers would inherit it)
             num_proc = cfg.num_proc or default_num_proc(lines)
-            log.info("data: building the cache entry %s for %s (%d lines, num_proc=%d)", entry, path, lines,
-                     num_proc)
-            build_split(tmp / "scratch" / "lines.arrow", tmp, str(path), config_key, key, folder, tokenizer,
-                        cfg.max_length, has_vision, encode, num_proc, fmt, is_rows(located))
-            meta = {**fields, "file": str(Path(path).resolve()), "lines": lines, "host": socket.gethostname(),
-                    "build_seconds": round(time.time() - started, 1), "files_sha256": files_sha256(tmp)}
+            log.info("data: building the cache entry %s for %s (%d lines, num_proc=%d)", entry, path, lines, num_proc)
+            build_split(
+                tmp / "scratch" / "lines.arrow",
+                tmp,
+                str(path),
+                config_key,
+                key,
+                folder,
+                tokenizer,
+                cfg.max_length,
+                has_vision,
+                encode,
+                num_proc,
+                fmt,
+                is_rows(located),
+            )
+            meta = {
+                **fields,
+                "file": str(Path(path).resolve()),
+                "lines": lines,
+                "host": socket.gethostname(),
+                "build_seconds": round(time.time() - started, 1),
+                "files_sha256": files_sha256(tmp),
+            }
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
             os.rename(tmp, entry)  # atomic: other processes see no entry or a complete one
         except DataError as err:
@@ -123,9 +161,11 @@ def load_split(cfg: DataConfig, path: str, config_key: str, tokenizer: Any, has_
         except OSError as err:  # pyarrow and datasets report a full disk as OSError, naming no file
             if not _disk_full(err, root):
                 raise
-            raise DataError(f"{root}: disk full or over quota building the data cache entry for {path} "
-                            f"({str(err).splitlines()[0][:120]}) — free space there or set data.cache_dir to a "
-                            "folder with room, then re-run the same command") from None
+            raise DataError(
+                f"{root}: disk full or over quota building the data cache entry for {path} "
+                f"({str(err).splitlines()[0][:120]}) — free space there or set data.cache_dir to a "
+                "folder with room, then re-run the same command"
+            ) from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         error_file.unlink(missing_ok=True)
@@ -162,10 +202,16 @@ def _opened(entry: Path, built: bool, started: float) -> TokenizedSplit:
     try:
         split = TokenizedSplit.open(entry, built)
     except (OSError, ValueError, KeyError) as err:  # pyarrow's errors are OSError/ValueError subclasses
-        raise DataError(f"{entry}: data cache entry is damaged ({type(err).__name__}: {err}) — delete that folder "
-                        "and launch again") from None
-    log.info("data: %d examples from %s (%s) in %.2f s", len(split), entry, "built" if built else "cached",
-             time.time() - started)
+        raise DataError(
+            f"{entry}: data cache entry is damaged ({type(err).__name__}: {err}) — delete that folder and launch again"
+        ) from None
+    log.info(
+        "data: %d examples from %s (%s) in %.2f s",
+        len(split),
+        entry,
+        "built" if built else "cached",
+        time.time() - started,
+    )
     return split
 
 
@@ -185,8 +231,10 @@ def _locked(lock_file: Path, entry: Path) -> Iterator[None]:
         except OSError as err:
             if err.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
                 raise
-            raise DataError(f"{lock_file.parent}: this filesystem has no file locks ({err.strerror}) — set "
-                            "data.cache_dir to a local folder (or one with locking enabled)") from None
+            raise DataError(
+                f"{lock_file.parent}: this filesystem has no file locks ({err.strerror}) — set "
+                "data.cache_dir to a local folder (or one with locking enabled)"
+            ) from None
         try:
             yield
         finally:

@@ -13,17 +13,35 @@ A tool call becomes what GLM-4 itself writes (`<|assistant|>name\\n{arguments}`)
 content the arguments as JSON text. Tools lists become the official `[{"type": "function", "function": {...}}]`.
 `to_glm` returns the mapped record, or (what is wrong, what to do) for the one-line error.
 """
+
 from __future__ import annotations
 
 import json
 from typing import Any, Union
 
 FORMATS = ("glm", "alpaca", "sharegpt", "openai")
-_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                   "model": "assistant", "chatgpt": "assistant", "system": "system", "observation": "observation",
-                   "tool": "observation", "function": "observation", "function_call": "call"}
-_OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
-                 "tool": "observation", "function": "observation", "observation": "observation"}
+_SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "chatgpt": "assistant",
+    "system": "system",
+    "observation": "observation",
+    "tool": "observation",
+    "function": "observation",
+    "function_call": "call",
+}
+_OPENAI_ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "observation",
+    "function": "observation",
+    "observation": "observation",
+}
 Mapped = Union[dict, tuple]  # the record as GLM messages, or (what is wrong, what to do)
 
 
@@ -39,8 +57,14 @@ def detect(obj: Any) -> str | None:
     if "from" in turns[0] or "value" in turns[0]:
         return "sharegpt"
     openai_only = isinstance(obj.get("tools"), list) or any(
-        isinstance(m, dict) and (m.get("role") in ("tool", "function", "developer") or "tool_calls" in m
-                                 or not isinstance(m.get("content", ""), str)) for m in turns)
+        isinstance(m, dict)
+        and (
+            m.get("role") in ("tool", "function", "developer")
+            or "tool_calls" in m
+            or not isinstance(m.get("content", ""), str)
+        )
+        for m in turns
+    )
     return "openai" if openai_only and "messages" in obj else "glm"
 
 
@@ -71,8 +95,9 @@ def _alpaca(obj: dict) -> Mapped:
         return f"alpaca record has {bad[0]}", bad[1] + ' (alpaca: "instruction", "input", "output")'
     messages = [{"role": "system", "content": fields["system"]}] if fields["system"] else []
     history = obj.get("history") or []
-    if not isinstance(history, list) or not all(isinstance(p, list) and len(p) == 2 and all(isinstance(t, str) for t in p)
-                                                for p in history):
+    if not isinstance(history, list) or not all(
+        isinstance(p, list) and len(p) == 2 and all(isinstance(t, str) for t in p) for p in history
+    ):
         return '"history" is not a list of [question, answer] pairs', 'write "history": [["q1", "a1"], ...]'
     for question, answer in history:
         messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
@@ -127,8 +152,10 @@ def _sharegpt(obj: dict) -> Mapped:
     key = "conversations" if "conversations" in obj else "messages"
     turns = obj.get(key)
     if not isinstance(turns, list) or not turns:
-        return f'no "conversations" list (keys found: {", ".join(map(repr, list(obj)[:5])) or "none"})', \
-            'ShareGPT: write "conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}]'
+        return (
+            f'no "conversations" list (keys found: {", ".join(map(repr, list(obj)[:5])) or "none"})',
+            'ShareGPT: write "conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}]',
+        )
     messages = []
     for i, turn in enumerate(turns):
         where = f"{key}[{i}]"
@@ -136,15 +163,17 @@ def _sharegpt(obj: dict) -> Mapped:
             return f'{where} has no "value" text', 'write each turn as {"from": "human"|"gpt", "value": "..."}'
         role = _SHAREGPT_ROLES.get(turn.get("from"))
         if role is None:
-            return (f"{where} has unknown \"from\" {turn.get('from')!r}",
-                    f"use one of: {', '.join(_SHAREGPT_ROLES)}")
+            return (f'{where} has unknown "from" {turn.get("from")!r}', f"use one of: {', '.join(_SHAREGPT_ROLES)}")
         if role == "call":
             try:
                 call = json.loads(turn["value"])
             except json.JSONDecodeError as err:
                 return f"{where} function_call is not JSON ({err.msg})", 'write {"name": ..., "arguments": {...}}'
-            message = _call(call.get("name"), call.get("arguments", {}), where) if isinstance(call, dict) else \
-                (f"{where} function_call is not an object", 'write {"name": ..., "arguments": {...}}')
+            message = (
+                _call(call.get("name"), call.get("arguments", {}), where)
+                if isinstance(call, dict)
+                else (f"{where} function_call is not an object", 'write {"name": ..., "arguments": {...}}')
+            )
             if isinstance(message, tuple):
                 return message
             messages.append(message)
@@ -159,8 +188,10 @@ def _content(value: Any, where: str) -> str | tuple[str, str]:
         return value or ""
     if isinstance(value, list) and all(isinstance(p, dict) for p in value):
         if any(p.get("type") not in ("text", None) for p in value):
-            return (f"{where} content has a non-text part",
-                    'only text parts are read; give GLM-4V an image with the glm format\'s "image" key')
+            return (
+                f"{where} content has a non-text part",
+                'only text parts are read; give GLM-4V an image with the glm format\'s "image" key',
+            )
         return "".join(str(p.get("text") or "") for p in value)
     return f"{where} content is {type(value).__name__}", "write content as text or a list of text parts"
 
@@ -173,8 +204,10 @@ def _openai(obj: dict) -> Mapped:
     for i, turn in enumerate(turns):
         where = f"messages[{i}]"
         if not isinstance(turn, dict):
-            return (f"{where} is {'a string' if isinstance(turn, str) else type(turn).__name__}, not an object",
-                    'write each message as {"role": ..., "content": ...}')
+            return (
+                f"{where} is {'a string' if isinstance(turn, str) else type(turn).__name__}, not an object",
+                'write each message as {"role": ..., "content": ...}',
+            )
         if turn.get("role") not in _OPENAI_ROLES:
             return f"{where} has unknown role {turn.get('role')!r}", f"use one of: {', '.join(_OPENAI_ROLES)}"
         content = _content(turn.get("content"), where)
@@ -187,7 +220,7 @@ def _openai(obj: dict) -> Mapped:
         for j, call in enumerate(turn.get("tool_calls") or []):
             function = call.get("function") if isinstance(call, dict) else None
             if not isinstance(function, dict):
-                return f"{where}.tool_calls[{j}] has no \"function\"", 'write {"type": "function", "function": {...}}'
+                return f'{where}.tool_calls[{j}] has no "function"', 'write {"type": "function", "function": {...}}'
             mapped = _call(function.get("name"), function.get("arguments", {}), f"{where}.tool_calls[{j}]")
             if isinstance(mapped, tuple):
                 return mapped

@@ -5,6 +5,7 @@ without naming its data line, a 20000x20000 PNG tripped Pillow's decompression-b
 that is not an OSError) with a traceback, and a FIFO given as a path blocked the open() forever. Each
 becomes a (what is wrong, what to do) pair for the data line's one-line message.
 """
+
 from __future__ import annotations
 
 import stat
@@ -23,8 +24,10 @@ def image_problem(image: Path) -> tuple[str, str] | None:
     except OSError as err:
         return f"image cannot be read: {image} ({err.strerror or err})", "check the file's permissions"
     if not stat.S_ISREG(mode):
-        return (f"image is not a regular file: {image} (a folder, FIFO, socket or device)",
-                "point \"image\" at an image file")
+        return (
+            f"image is not a regular file: {image} (a folder, FIFO, socket or device)",
+            'point "image" at an image file',
+        )
     return decode_problem(image, str(image))
 
 
@@ -37,13 +40,19 @@ def decode_problem(source, shown: str) -> tuple[str, str] | None:
         with Image.open(source) as img:
             width, height = img.size
             if width * height > MAX_PIXELS:
-                return (f"image is {width}x{height} pixels, over the {MAX_PIXELS / 1e6:.0f}-megapixel limit: {shown}",
-                        "downscale it (GLM-4V sees every image at 1120x1120 anyway)")
+                return (
+                    f"image is {width}x{height} pixels, over the {MAX_PIXELS / 1e6:.0f}-megapixel limit: {shown}",
+                    "downscale it (GLM-4V sees every image at 1120x1120 anyway)",
+                )
             img.load()  # decode every byte: a truncated or corrupt file fails here, not mid-training
     except Image.DecompressionBombError:
-        return (f"image is over the {MAX_PIXELS / 1e6:.0f}-megapixel limit: {shown}",
-                "downscale it (GLM-4V sees every image at 1120x1120 anyway)")
+        return (
+            f"image is over the {MAX_PIXELS / 1e6:.0f}-megapixel limit: {shown}",
+            "downscale it (GLM-4V sees every image at 1120x1120 anyway)",
+        )
     except (OSError, ValueError, SyntaxError) as err:  # UnidentifiedImageError is an OSError; truncation too
-        return (f"image cannot be read: {shown} ({str(err).splitlines()[0][:80] if str(err) else type(err).__name__})",
-                "check that the file is a complete PNG/JPEG/WebP image")
+        return (
+            f"image cannot be read: {shown} ({str(err).splitlines()[0][:80] if str(err) else type(err).__name__})",
+            "check that the file is a complete PNG/JPEG/WebP image",
+        )
     return None

@@ -34,6 +34,7 @@ GLM-4V: an example with an image occupies len(input_ids) + (N - 1) positions (bo
 replace 3 placeholders); pack_length counts positions, so a row's length after the model splices the
 images stays within it. Rows may carry several images; the model splices each into its own example.
 """
+
 from __future__ import annotations
 
 import math
@@ -168,7 +169,7 @@ def micro_step_stats(lengths: np.ndarray, has_image: np.ndarray, micro_batch: in
     order = np.random.default_rng(STATS_SEED).permutation(len(lengths))
     rows = most = pad_unpacked = pad_packed = max_images = 0
     for start in range(0, len(order), micro_batch):
-        chunk = order[start:start + micro_batch]
+        chunk = order[start : start + micro_batch]
         sizes = lengths[chunk].tolist()
         packed = first_fit(sizes, pack_length)
         row_sizes = [sum(sizes[i] for i in row) for row in packed]
@@ -177,10 +178,19 @@ def micro_step_stats(lengths: np.ndarray, has_image: np.ndarray, micro_batch: in
         pad_packed += max(row_sizes) * len(row_sizes) - sum(row_sizes)
         if has_image.any():
             max_images = max(max_images, *(int(has_image[chunk[row]].sum()) for row in packed))
-    return PackStats(examples=len(lengths), micro_batch=micro_batch, micro_steps=math.ceil(len(lengths) / micro_batch),
-                     rows=rows, most_rows=most, pack_length=pack_length, positions=int(lengths.sum()),
-                     max_images=max_images, oversize=int((lengths > pack_length).sum()), pad_unpacked=pad_unpacked,
-                     pad_packed=pad_packed)
+    return PackStats(
+        examples=len(lengths),
+        micro_batch=micro_batch,
+        micro_steps=math.ceil(len(lengths) / micro_batch),
+        rows=rows,
+        most_rows=most,
+        pack_length=pack_length,
+        positions=int(lengths.sum()),
+        max_images=max_images,
+        oversize=int((lengths > pack_length).sum()),
+        pad_unpacked=pad_unpacked,
+        pad_packed=pad_packed,
+    )
 
 
 def expected_rows(p: Packing, micro_batch: int) -> float:
@@ -189,8 +199,12 @@ def expected_rows(p: Packing, micro_batch: int) -> float:
         return round(p.train.rows_per_micro_step, 2)
     if p.lengths is None:
         return float(micro_batch)
-    return round(micro_step_stats(p.lengths, np.zeros(len(p.lengths), dtype=bool), micro_batch,
-                                  p.pack_length).rows_per_micro_step, 2)
+    return round(
+        micro_step_stats(
+            p.lengths, np.zeros(len(p.lengths), dtype=bool), micro_batch, p.pack_length
+        ).rows_per_micro_step,
+        2,
+    )
 
 
 def pack_length_for(cfg: DataConfig, longest: int) -> int:
@@ -219,8 +233,12 @@ def decide_packing(cfg: DataConfig, train, image_extra: int, micro_batch: int, o
     if cfg.packing == "off":
         return Packing(False, "data.packing=off", length)
     if cfg.packing == "auto" and not on_gpu:
-        return Packing(False, "auto: off on CPU (compute-bound per token: no launch overhead to save, and "
-                              "the dense block-diagonal mask costs attention over the whole row)", length)
+        return Packing(
+            False,
+            "auto: off on CPU (compute-bound per token: no launch overhead to save, and "
+            "the dense block-diagonal mask costs attention over the whole row)",
+            length,
+        )
     stats = micro_step_stats(lengths, _has_image(train, image_extra), micro_batch, length)
     gain = micro_batch / max(stats.rows_per_micro_step, 1e-9)
     if cfg.packing == "on":
@@ -228,8 +246,10 @@ def decide_packing(cfg: DataConfig, train, image_extra: int, micro_batch: int, o
     elif gain >= AUTO_MIN_GAIN:
         enabled, reason = True, f"auto: {gain:.1f} examples per row, {gain:.1f}x fewer rows per micro-step"
     else:
-        enabled, reason = False, (f"auto: only {gain:.1f} examples per row at micro-batch {micro_batch} "
-                                  f"(packs from {AUTO_MIN_GAIN:.0f})")
+        enabled, reason = (
+            False,
+            (f"auto: only {gain:.1f} examples per row at micro-batch {micro_batch} (packs from {AUTO_MIN_GAIN:.0f})"),
+        )
     return Packing(enabled, reason, length, stats, image_extra, lengths)
 
 
@@ -244,15 +264,19 @@ def _has_image(split, image_extra: int) -> np.ndarray:
 def format_packing(p: Packing, micro_batch: int) -> str:
     """Rows per micro-step, fill and padding, plain text under the data table. With the plan's micro-batch
     (which the probe may lower) the statistics are redrawn for it."""
-    lines = [f"packing: {'on' if p.enabled else 'off'} ({p.reason})"
-             + (f"; each micro-batch's examples in rows of up to {p.pack_length} positions" if p.train else "")]
+    lines = [
+        f"packing: {'on' if p.enabled else 'off'} ({p.reason})"
+        + (f"; each micro-batch's examples in rows of up to {p.pack_length} positions" if p.train else "")
+    ]
     s = p.train
     if s is not None and p.lengths is not None and micro_batch != s.micro_batch:
         s = micro_step_stats(p.lengths, np.zeros(len(p.lengths), dtype=bool), micro_batch, p.pack_length)
     if s is not None:
         saved = s.pad_unpacked - s.pad_packed
-        lines.append(f"  train: micro-batches of {s.micro_batch} examples -> {s.rows_per_micro_step:.1f} rows on "
-                     f"average, at most {s.most_rows} ({s.micro_steps} micro-batches of an epoch, as unpacked), fill "
-                     f"{s.fill:.1%}; padding {s.pad_unpacked} unpacked vs {s.pad_packed} packed ({saved:+d} saved)"
-                     + (f"; {s.oversize} example(s) longer than a row, alone in theirs" if s.oversize else ""))
+        lines.append(
+            f"  train: micro-batches of {s.micro_batch} examples -> {s.rows_per_micro_step:.1f} rows on "
+            f"average, at most {s.most_rows} ({s.micro_steps} micro-batches of an epoch, as unpacked), fill "
+            f"{s.fill:.1%}; padding {s.pad_unpacked} unpacked vs {s.pad_packed} packed ({saved:+d} saved)"
+            + (f"; {s.oversize} example(s) longer than a row, alone in theirs" if s.oversize else "")
+        )
     return "\n".join(lines)

@@ -19,6 +19,7 @@ and the example keeps the image's path; the model swaps the 3 placeholders for b
 (N = 1,600 at 1120 px). max_length counts text tokens (the placeholders included); the N - 1 extra
 positions per image are reported separately (SplitStats.images, image_tokens).
 """
+
 from __future__ import annotations
 
 import math
@@ -27,10 +28,16 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 import torch
 
 from ..config import DataConfig, train_files
+
 # The message encoding is the tokenizers' chat template (models/chatglm/template.py); the rest is re-exported for the
 # probe. GLM-4-0414's tokenizer renders its checkpoint's own template (encode_conversation below).
-from ..models.chatglm.template import (IMAGE_PLACEHOLDERS, MessageTokenizer, encode_one,  # noqa: F401
-                                       image_message_ids, process_message)
+from ..models.chatglm.template import (
+    IMAGE_PLACEHOLDERS,
+    MessageTokenizer,
+    encode_one,  # noqa: F401
+    image_message_ids,
+    process_message,
+)
 from .sources import is_rows, where
 from .stats import DataStats, FileStats, SplitStats, format_stats, longest_length, split_stats  # noqa: F401
 from .validate import DataError, check_file, locate
@@ -43,6 +50,7 @@ IGNORE_INDEX = -100  # label value the loss skips (torch cross_entropy's default
 
 # --- encoding -------------------------------------------------------------------------------------------
 
+
 def terminator_id(tokenizer: MessageTokenizer) -> int:
     """Token appended after the last message: what the model should emit after its final reply."""
     if tokenizer.family == "chatglm3":
@@ -50,8 +58,7 @@ def terminator_id(tokenizer: MessageTokenizer) -> int:
     return tokenizer.get_command("<|user|>")  # GLM-4 (and 4V): stops on <|user|>, like the official demo
 
 
-def encode_conversation(messages: list[dict[str, Any]], tokenizer: MessageTokenizer
-                        ) -> tuple[list[int], list[int]]:
+def encode_conversation(messages: list[dict[str, Any]], tokenizer: MessageTokenizer) -> tuple[list[int], list[int]]:
     """Untruncated (input_ids, labels) of one conversation; labels are -100 where no loss is taken. A tokenizer
     that renders its checkpoint's jinja template (GLM-4-0414: models/glm4_0414/template.py) encodes the whole
     conversation itself, by the same rule: the assistant's tokens and the token after each reply are targets."""
@@ -73,8 +80,10 @@ def encode_conversation(messages: list[dict[str, Any]], tokenizer: MessageTokeni
 
 # --- datasets and stats ---------------------------------------------------------------------------------
 
-def encode_example(messages: list[dict[str, Any]], tokenizer: MessageTokenizer, max_length: int
-                   ) -> tuple[list[int], list[int], int, int]:
+
+def encode_example(
+    messages: list[dict[str, Any]], tokenizer: MessageTokenizer, max_length: int
+) -> tuple[list[int], list[int], int, int]:
     """(input_ids, labels) cut to max_length from the right, the untruncated length, and the targets left.
     An example with 0 targets left is dropped by the caller: only the prompt survived, nothing to learn (and a
     NaN loss if it were alone in a batch)."""
@@ -99,8 +108,9 @@ def cache_entries(data: Datasets) -> dict[str, TokenizedSplit]:
     return found
 
 
-def build_datasets(cfg: DataConfig, tokenizer: MessageTokenizer, vision_config: Optional[dict] = None,
-                   seed: int = 42) -> Datasets:
+def build_datasets(
+    cfg: DataConfig, tokenizer: MessageTokenizer, vision_config: Optional[dict] = None, seed: int = 42
+) -> Datasets:
     """Train and val examples with their stats, memory-mapped from the Arrow cache (cache.py builds an entry on
     a miss, validating every line and encoding with encode_example). Raises DataError on a bad file or an empty
     split. vision_config: the model's (`arch.vision_config`); None = a text model, and an image is a DataError.
@@ -116,17 +126,28 @@ def build_datasets(cfg: DataConfig, tokenizer: MessageTokenizer, vision_config: 
         split, stats = _load_split(cfg, path, key, tokenizer, vision_config)
         if not len(split):
             at = where(path, stats.dropped_lines[0], is_rows(locate(path)))
-            raise DataError(f"{at}: every example lost all its assistant "
-                            f"tokens to truncation at data.max_length={cfg.max_length} (longest example "
-                            f"{stats.max_untruncated} tokens) — raise data.max_length or shorten the prompts")
+            raise DataError(
+                f"{at}: every example lost all its assistant "
+                f"tokens to truncation at data.max_length={cfg.max_length} (longest example "
+                f"{stats.max_untruncated} tokens) — raise data.max_length or shorten the prompts"
+            )
         parts.append((split, stats))
     from .mixing import records_format, selected
 
     if len(files) == 1 and not cfg.val_size:  # one file as ever: its entry is the train split
         train, train_stats = parts[0]
         # Its row in the data table says which format was read (its dropped lines are listed under "train").
-        files_stats = (FileStats(file=files[0], records=records_format(train), kept=len(train), dropped_lines=(),
-                                 weight=None, train=len(train), val=0),)
+        files_stats = (
+            FileStats(
+                file=files[0],
+                records=records_format(train),
+                kept=len(train),
+                dropped_lines=(),
+                weight=None,
+                train=len(train),
+                val=0,
+            ),
+        )
         val, val_stats = None, None
     else:
         train, val, train_stats, val_stats, files_stats = selected(cfg, files, parts, _per_image(vision_config), seed)
@@ -134,11 +155,18 @@ def build_datasets(cfg: DataConfig, tokenizer: MessageTokenizer, vision_config: 
         val, val_stats = _load_split(cfg, cfg.val_file, "data.val_file", tokenizer, vision_config)
         if not len(val):
             at = where(cfg.val_file, val_stats.dropped_lines[0], is_rows(locate(cfg.val_file)))
-            raise DataError(f"{at}: every validation example lost all its "
-                            f"assistant tokens to truncation at data.max_length={cfg.max_length} — raise "
-                            "data.max_length or set data.val_file=null")
-    return Datasets(train, val, DataStats(max_length=cfg.max_length, train=train_stats, val=val_stats,
-                                          files=files_stats, val_size=cfg.val_size))
+            raise DataError(
+                f"{at}: every validation example lost all its "
+                f"assistant tokens to truncation at data.max_length={cfg.max_length} — raise "
+                "data.max_length or set data.val_file=null"
+            )
+    return Datasets(
+        train,
+        val,
+        DataStats(
+            max_length=cfg.max_length, train=train_stats, val=val_stats, files=files_stats, val_size=cfg.val_size
+        ),
+    )
 
 
 def _per_image(vision_config: Optional[dict]) -> int:
@@ -149,8 +177,9 @@ def _per_image(vision_config: Optional[dict]) -> int:
     return num_image_tokens(vision_config) + 2  # boi + N patches + eoi
 
 
-def _load_split(cfg: DataConfig, path: str, key: str, tokenizer: MessageTokenizer, vision_config: Optional[dict]
-                ) -> tuple[TokenizedSplit, SplitStats]:
+def _load_split(
+    cfg: DataConfig, path: str, key: str, tokenizer: MessageTokenizer, vision_config: Optional[dict]
+) -> tuple[TokenizedSplit, SplitStats]:
     from .cache import load_split  # pyarrow and the cache machinery: the collator alone does not need them
 
     split = load_split(cfg, path, key, tokenizer, bool(vision_config), encode_example)
@@ -159,6 +188,7 @@ def _load_split(cfg: DataConfig, path: str, key: str, tokenizer: MessageTokenize
 
 
 # --- batching -------------------------------------------------------------------------------------------
+
 
 class DataCollator:
     """Right-pads a list of examples into LongTensors for the HF Trainer.
@@ -174,8 +204,7 @@ class DataCollator:
     with k images is listed k times in `image_rows`.
     """
 
-    def __init__(self, pad_id: int, pad_to_multiple_of: Optional[int] = None, image_size: Optional[int] = None
-                 ) -> None:
+    def __init__(self, pad_id: int, pad_to_multiple_of: Optional[int] = None, image_size: Optional[int] = None) -> None:
         if pad_to_multiple_of is not None and pad_to_multiple_of <= 0:
             raise ValueError(f"pad_to_multiple_of must be a positive integer, got {pad_to_multiple_of}")
         self.pad_id = pad_id
@@ -195,23 +224,33 @@ class DataCollator:
             input_ids.append(ids + [self.pad_id] * pad)
             labels.append(list(feature["labels"]) + [IGNORE_INDEX] * pad)
             attention_mask.append([1] * len(ids) + [0] * pad)
-        batch = {"input_ids": torch.tensor(input_ids, dtype=torch.long),
-                 "labels": torch.tensor(labels, dtype=torch.long),
-                 "attention_mask": torch.tensor(attention_mask, dtype=torch.long)}
+        batch = {
+            "input_ids": torch.tensor(input_ids, dtype=torch.long),
+            "labels": torch.tensor(labels, dtype=torch.long),
+            "attention_mask": torch.tensor(attention_mask, dtype=torch.long),
+        }
         if any("lengths" in f for f in features):  # packed rows (data/packing.py): one entry per example
             lengths = [f.get("lengths") or [len(f["input_ids"])] for f in features]
             # Positions restart at 0 for every example; seq_ids tell examples apart (-1 = padding).
-            batch["position_ids"] = torch.tensor([[p for n in ns for p in range(n)] + [0] * (length - sum(ns))
-                                                  for ns in lengths], dtype=torch.long)
-            batch["seq_ids"] = torch.tensor([[k for k, n in enumerate(ns) for _ in range(n)] + [-1] * (length - sum(ns))
-                                             for ns in lengths], dtype=torch.long)
+            batch["position_ids"] = torch.tensor(
+                [[p for n in ns for p in range(n)] + [0] * (length - sum(ns)) for ns in lengths], dtype=torch.long
+            )
+            batch["seq_ids"] = torch.tensor(
+                [[k for k, n in enumerate(ns) for _ in range(n)] + [-1] * (length - sum(ns)) for ns in lengths],
+                dtype=torch.long,
+            )
         # One image per unpacked example ("image"), any number per packed row ("images", in order).
-        paths = [(i, path) for i, f in enumerate(features)
-                 for path in ([f["image"]] if f.get("image") else f.get("images") or [])]
+        paths = [
+            (i, path)
+            for i, f in enumerate(features)
+            for path in ([f["image"]] if f.get("image") else f.get("images") or [])
+        ]
         if paths:
             if self.image_size is None:
-                raise DataError("the data has images but the collator has no image_size — pass "
-                                "DataCollator(..., image_size=arch.vision_config['image_size'])")
+                raise DataError(
+                    "the data has images but the collator has no image_size — pass "
+                    "DataCollator(..., image_size=arch.vision_config['image_size'])"
+                )
             batch["images"] = torch.stack([self._load(path) for _, path in paths])
             batch["image_rows"] = torch.tensor([i for i, _ in paths], dtype=torch.long)
         return batch

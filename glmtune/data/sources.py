@@ -12,6 +12,7 @@ same (number, byte offset, raw JSON) triples, so every file type gets the same c
 Parquet and saved datasets are read by pyarrow and `datasets` themselves; a column missing from a row reads as
 None there and is dropped here, so it means what a missing key means in JSON.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -103,11 +104,16 @@ def _json_rows(raw: bytes, shown: str) -> Iterator[tuple[int, int, bytes]]:
     except UnicodeDecodeError as err:
         raise _error(shown, f"not valid UTF-8 (byte offset {err.start})", "re-save the file as UTF-8") from None
     except json.JSONDecodeError as err:
-        raise DataError(f"{shown}:{err.lineno}: invalid JSON: {err.msg} (column {err.colno}) — a .json data file "
-                        "starting with [ is one JSON list of records; check its brackets and commas") from None
+        raise DataError(
+            f"{shown}:{err.lineno}: invalid JSON: {err.msg} (column {err.colno}) — a .json data file "
+            "starting with [ is one JSON list of records; check its brackets and commas"
+        ) from None
     if not isinstance(data, list):
-        raise _error(shown, f"holds a JSON {type(data).__name__}, not a list of records",
-                     "write [{...}, {...}] (or one record per line in a .jsonl file)")
+        raise _error(
+            shown,
+            f"holds a JSON {type(data).__name__}, not a list of records",
+            "write [{...}, {...}] (or one record per line in a .jsonl file)",
+        )
     for index, record in enumerate(data):
         yield index, 0, json.dumps(record, ensure_ascii=False).encode()
 
@@ -118,8 +124,11 @@ def _parquet_table(path: Path, shown: str):
     try:
         return pq.read_table(str(path))
     except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
-        raise _error(shown, f"cannot be read as Parquet ({str(err).splitlines()[0][:120]})",
-                     "check the file, or name it .jsonl / .json for JSON") from None
+        raise _error(
+            shown,
+            f"cannot be read as Parquet ({str(err).splitlines()[0][:120]})",
+            "check the file, or name it .jsonl / .json for JSON",
+        ) from None
 
 
 def _saved_table(path: Path, shown: str):
@@ -128,12 +137,18 @@ def _saved_table(path: Path, shown: str):
     try:
         loaded = datasets.load_from_disk(str(path))
     except (OSError, ValueError, FileNotFoundError) as err:
-        raise _error(shown, f"cannot be opened as a saved dataset ({str(err).splitlines()[0][:120]})",
-                     "point at a datasets.save_to_disk folder") from None
+        raise _error(
+            shown,
+            f"cannot be opened as a saved dataset ({str(err).splitlines()[0][:120]})",
+            "point at a datasets.save_to_disk folder",
+        ) from None
     if isinstance(loaded, datasets.DatasetDict):
         splits = ", ".join(loaded)
-        raise _error(shown, f"is a DatasetDict with splits {splits}", f"point at one split's folder, e.g. "
-                     f"{shown.rstrip('/')}/{next(iter(loaded), 'train')}")
+        raise _error(
+            shown,
+            f"is a DatasetDict with splits {splits}",
+            f"point at one split's folder, e.g. {shown.rstrip('/')}/{next(iter(loaded), 'train')}",
+        )
     if loaded._indices is not None:  # saved after select/shuffle: the rows in their selected order
         datasets.disable_progress_bars()
         loaded = loaded.flatten_indices()

@@ -6,6 +6,7 @@ module opens its Arrow files with pyarrow alone, memory-mapped: nothing is copie
 pages the columns in on first touch and every rank on the node shares those pages. Opening costs
 milliseconds and no `import datasets` (about 1-2 s of imports that only a build needs).
 """
+
 from __future__ import annotations
 
 import json
@@ -37,22 +38,24 @@ _NUMPY = {pa.int8(): np.int8, pa.int32(): np.int32, pa.int64(): np.int64}
 
 def _numpy(array: pa.Array) -> np.ndarray:
     """A fixed-width array without nulls as a numpy view of its buffer (pyarrow's to_numpy imports pandas: 2 s)."""
-    return np.frombuffer(array.buffers()[1], dtype=_NUMPY[array.type])[array.offset:array.offset + len(array)]
+    return np.frombuffer(array.buffers()[1], dtype=_NUMPY[array.type])[array.offset : array.offset + len(array)]
 
 
 class _ListColumn:
     """Row i of a list<int32> column as a Python list, read straight from the mapped buffers."""
 
     def __init__(self, column: pa.ChunkedArray) -> None:
-        self.offsets = [_numpy(pa.Array.from_buffers(pa.int32(), len(chunk) + 1, [None, chunk.buffers()[1]],
-                                                     offset=chunk.offset)) for chunk in column.chunks]
+        self.offsets = [
+            _numpy(pa.Array.from_buffers(pa.int32(), len(chunk) + 1, [None, chunk.buffers()[1]], offset=chunk.offset))
+            for chunk in column.chunks
+        ]
         self.values = [_numpy(chunk.values) for chunk in column.chunks]
         self.starts = np.cumsum([0] + [len(chunk) for chunk in column.chunks])
 
     def __getitem__(self, row: int) -> list[int]:
         chunk = int(np.searchsorted(self.starts, row, side="right")) - 1
         offsets, i = self.offsets[chunk], row - self.starts[chunk]
-        return self.values[chunk][offsets[i]:offsets[i + 1]].tolist()
+        return self.values[chunk][offsets[i] : offsets[i + 1]].tolist()
 
 
 class TokenizedSplit(torch.utils.data.Dataset):

@@ -15,6 +15,7 @@ are read as records (sources.py); their errors name the row (`train.parquet:row 
 GLM-4V: the first user message may carry `"image": "<path>"` (one image per conversation, as the official
 script); a relative path is relative to the data file's folder. Every image must exist and open as an image.
 """
+
 from __future__ import annotations
 
 import json
@@ -58,8 +59,14 @@ def locate(path: str | Path) -> Path:
     glmtune from any folder). A file of the user's at that path always wins."""
     given = Path(path).expanduser()
     parts = given.parts
-    if not given.exists() and not given.is_absolute() and len(parts) > 2 and parts[0] == "data" \
-            and parts[1] in SAMPLE_SETS and SHIPPED.joinpath(*parts[1:]).exists():
+    if (
+        not given.exists()
+        and not given.is_absolute()
+        and len(parts) > 2
+        and parts[0] == "data"
+        and parts[1] in SAMPLE_SETS
+        and SHIPPED.joinpath(*parts[1:]).exists()
+    ):
         return SHIPPED.joinpath(*parts[1:])
     return given
 
@@ -72,8 +79,9 @@ def validate_files(cfg: DataConfig) -> None:
         read_conversations(cfg.val_file, "data.val_file")
 
 
-def read_conversations(path: str | Path, key: str = "data.train_file", prompts: bool = False,
-                       fmt: str = "glm") -> list[Conversation]:
+def read_conversations(
+    path: str | Path, key: str = "data.train_file", prompts: bool = False, fmt: str = "glm"
+) -> list[Conversation]:
     """All conversations of a JSONL file, or DataError naming the first bad line and counting the others.
 
     `key` is the config key that named the file, so the message can say what to change. `prompts=True`
@@ -116,25 +124,30 @@ def file_format(fmt: str, path: Path, shown: str, raw: bytes | None) -> str:
 
 
 def no_conversations(shown: str, key: str) -> str:
-    return (f"{shown}:1: file has no conversations — write one {{\"messages\": [...]}} JSON object per line, or "
-            f"point {key} at another file")
+    return (
+        f'{shown}:1: file has no conversations — write one {{"messages": [...]}} JSON object per line, or '
+        f"point {key} at another file"
+    )
 
 
-def check_line(raw_line: bytes, line_no: int, line_start: int, folder: Path, prompts: bool = False,
-               fmt: str = "glm") -> list[dict[str, Any]] | _Problem | None:
+def check_line(
+    raw_line: bytes, line_no: int, line_start: int, folder: Path, prompts: bool = False, fmt: str = "glm"
+) -> list[dict[str, Any]] | _Problem | None:
     """One line of a file (without its newline): its messages, the problem with it, or None when blank.
 
     line_start is the byte offset of the line in the file (for the UTF-8 message); folder is the data file's,
     which relative image paths are relative to. The Arrow cache (cache.py) calls this per line in its workers."""
     if line_no == 1 and raw_line.startswith(_UTF8_BOM):
-        raw_line, line_start = raw_line[len(_UTF8_BOM):], line_start + len(_UTF8_BOM)
+        raw_line, line_start = raw_line[len(_UTF8_BOM) :], line_start + len(_UTF8_BOM)
     try:
         text = raw_line.decode("utf-8")
     except UnicodeDecodeError as err:
         bad_byte = raw_line[err.start]
-        return _Problem(line_no, f"not valid UTF-8 (byte 0x{bad_byte:02x} at byte offset "
-                                 f"{line_start + err.start} of the file)",
-                        "re-save the file as UTF-8, e.g. `iconv -f GBK -t UTF-8`")
+        return _Problem(
+            line_no,
+            f"not valid UTF-8 (byte 0x{bad_byte:02x} at byte offset {line_start + err.start} of the file)",
+            "re-save the file as UTF-8, e.g. `iconv -f GBK -t UTF-8`",
+        )
     if not text.strip():
         return None  # blank lines (and the newline at the end of the file) are allowed
     result = _parse_line(text, line_no, prompts, fmt)
@@ -170,8 +183,10 @@ def _check_path(path: Path, shown: str, key: str) -> None:
             fix += ", or set data.val_file=null to train without evaluation"
         raise DataError(f"{shown}: {what} — {fix}")
     if path.is_dir() and not is_saved_dataset(path):
-        raise DataError(f"{shown}: is a directory but not a saved dataset (no state.json) — point {key} at a "
-                        ".jsonl, .json or .parquet file or a datasets save_to_disk folder")
+        raise DataError(
+            f"{shown}: is a directory but not a saved dataset (no state.json) — point {key} at a "
+            ".jsonl, .json or .parquet file or a datasets save_to_disk folder"
+        )
     if not path.is_file() and not path.is_dir():  # a FIFO or device: reading it would block or never end
         raise DataError(f"{shown}: not a regular file (a FIFO, socket or device) — point {key} at a .jsonl file")
 
@@ -190,14 +205,19 @@ def _parse_line(text: str, line_no: int, prompts: bool = False, fmt: str = "glm"
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as err:
-        return _Problem(line_no, f"invalid JSON: {err.msg} (column {err.colno})",
-                        "each line must be one complete JSON object; check quotes, commas and brackets")
+        return _Problem(
+            line_no,
+            f"invalid JSON: {err.msg} (column {err.colno})",
+            "each line must be one complete JSON object; check quotes, commas and brackets",
+        )
     except RecursionError:  # Python's parser recurses once per nesting level
-        return _Problem(line_no, "JSON nested too deeply to parse",
-                        "a conversation needs only a few levels: {\"messages\": [{\"role\": ..., \"content\": ...}]}")
+        return _Problem(
+            line_no,
+            "JSON nested too deeply to parse",
+            'a conversation needs only a few levels: {"messages": [{"role": ..., "content": ...}]}',
+        )
     if not isinstance(obj, dict):
-        return _Problem(line_no, f"line is {kind(obj)}, not an object",
-                        'write one {"messages": [...]} object per line')
+        return _Problem(line_no, f"line is {kind(obj)}, not an object", 'write one {"messages": [...]} object per line')
     if fmt == GLM_OR_OPENAI:
         fmt = "openai" if detect(obj) == "openai" else "glm"
     if fmt != "glm":
@@ -207,16 +227,22 @@ def _parse_line(text: str, line_no: int, prompts: bool = False, fmt: str = "glm"
     key = next((k for k in MESSAGE_KEYS if k in obj), None)
     if key is None:
         found = ", ".join(repr(k) for k in list(obj)[:5]) or "none"
-        return _Problem(line_no, f"no \"messages\" list (keys found: {found})",
-                        'put the conversation under "messages" (or ChatGLM3\'s "conversations")')
+        return _Problem(
+            line_no,
+            f'no "messages" list (keys found: {found})',
+            'put the conversation under "messages" (or ChatGLM3\'s "conversations")',
+        )
     messages = obj[key]
     if not isinstance(messages, list) or not messages:
         got = "empty" if isinstance(messages, list) else kind(messages)
-        return _Problem(line_no, f"\"{key}\" is {got}", f"make \"{key}\" a non-empty list of messages")
+        return _Problem(line_no, f'"{key}" is {got}', f'make "{key}" a non-empty list of messages')
     if "tools" in obj:  # ChatGLM3's top-level tools: its own demo refuses them too
-        return _Problem(line_no, "top-level \"tools\" is not supported",
-                        "move the tools list onto the system message: {\"role\": \"system\", \"content\": \"\", "
-                        "\"tools\": [...]}, or set data.format=openai for OpenAI chat records")
+        return _Problem(
+            line_no,
+            'top-level "tools" is not supported',
+            'move the tools list onto the system message: {"role": "system", "content": "", '
+            '"tools": [...]}, or set data.format=openai for OpenAI chat records',
+        )
     for index, message in enumerate(messages):
         problem = check_message(message, f"{key}[{index}]")
         if problem is not None:
@@ -225,19 +251,28 @@ def _parse_line(text: str, line_no: int, prompts: bool = False, fmt: str = "glm"
     first_user = next(i for i, m in enumerate(messages) if m["role"] == "user") if with_image else None
     if with_image and with_image != [first_user]:
         late = next(i for i in with_image if i != first_user)
-        return _Problem(line_no, f"{key}[{late}] has an \"image\", but only the first user message may carry one "
-                        "(GLM-4V takes one image per conversation)",
-                        "move the image to the first user message, or split the conversation")
+        return _Problem(
+            line_no,
+            f'{key}[{late}] has an "image", but only the first user message may carry one '
+            "(GLM-4V takes one image per conversation)",
+            "move the image to the first user message, or split the conversation",
+        )
     if prompts:
         # A final assistant message is the reference answer, written beside the prediction.
         asked = messages[:-1] if messages[-1]["role"] == "assistant" else messages
         if not asked or asked[-1]["role"] not in ("user", "observation"):
-            return _Problem(line_no, f"the prompt ends on a \"{messages[-1]['role']}\" message",
-                            "end each prompt on the user (or observation) turn the model should answer, "
-                            "optionally followed by one assistant message: the reference answer")
+            return _Problem(
+                line_no,
+                f'the prompt ends on a "{messages[-1]["role"]}" message',
+                "end each prompt on the user (or observation) turn the model should answer, "
+                "optionally followed by one assistant message: the reference answer",
+            )
     elif not any(m["role"] == "assistant" and m["content"] for m in messages):
-        return _Problem(line_no, "no assistant message with non-empty content, so nothing would be trained",
-                        "add the assistant reply the model should learn, or delete the line")
+        return _Problem(
+            line_no,
+            "no assistant message with non-empty content, so nothing would be trained",
+            "add the assistant reply the model should learn, or delete the line",
+        )
     return messages
 
 

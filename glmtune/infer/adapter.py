@@ -6,6 +6,7 @@ the weights are read by glmtune itself — safetensors (no code by design), or a
 `torch.load(weights_only=True)` passed explicitly, which no environment variable overrides — and handed
 to peft as a ready state dict. A pickle that needs more than tensors is refused with one line.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -26,17 +27,22 @@ def read_adapter_weights(folder: Path) -> dict[str, torch.Tensor]:
         try:
             return load_file(str(safe), device="cpu")
         except (SafetensorError, OSError) as err:
-            raise ConfigError(f"{safe}: unreadable ({str(err).splitlines()[0][:160]}) — the adapter is damaged or "
-                              "cut short; use the run's adapter folder again or retrain") from None
+            raise ConfigError(
+                f"{safe}: unreadable ({str(err).splitlines()[0][:160]}) — the adapter is damaged or "
+                "cut short; use the run's adapter folder again or retrain"
+            ) from None
     if pickled.is_file():
         try:
             return torch.load(pickled, map_location="cpu", weights_only=True)
         except Exception as err:  # noqa: BLE001 - UnpicklingError, RuntimeError, EOFError: all mean "refused"
             reason = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
-            raise ConfigError(f"{pickled}: refused — not a plain tensor file, and unpickling it could run code "
-                              f"({reason}); use an adapter_model.safetensors from a run you trust") from None
-    raise ConfigError(f"{folder}: no adapter_model.safetensors or adapter_model.bin — point infer.adapter at a "
-                      "run's adapter folder")
+            raise ConfigError(
+                f"{pickled}: refused — not a plain tensor file, and unpickling it could run code "
+                f"({reason}); use an adapter_model.safetensors from a run you trust"
+            ) from None
+    raise ConfigError(
+        f"{folder}: no adapter_model.safetensors or adapter_model.bin — point infer.adapter at a run's adapter folder"
+    )
 
 
 def load_adapter(model, adapter: str):
@@ -46,8 +52,9 @@ def load_adapter(model, adapter: str):
 
     folder = Path(adapter).expanduser()
     if not (folder / "adapter_config.json").is_file():
-        raise ConfigError(f"{folder}: no adapter_config.json — point infer.adapter at a run's adapter folder "
-                          "(<run dir>/adapter)")
+        raise ConfigError(
+            f"{folder}: no adapter_config.json — point infer.adapter at a run's adapter folder (<run dir>/adapter)"
+        )
     weights = read_adapter_weights(folder)
     try:
         config = PeftConfig.from_pretrained(str(folder))
@@ -58,8 +65,10 @@ def load_adapter(model, adapter: str):
         model = PeftModel(model, config)
     result = set_peft_model_state_dict(model, weights)
     if result.unexpected_keys or not weights:
-        raise ConfigError(f"{folder}: the adapter does not fit this model ({len(result.unexpected_keys)} unknown "
-                          "tensors) — use the model.path the adapter was trained on")
+        raise ConfigError(
+            f"{folder}: the adapter does not fit this model ({len(result.unexpected_keys)} unknown "
+            "tensors) — use the model.path the adapter was trained on"
+        )
     return model
 
 
@@ -78,8 +87,10 @@ def check_outputs(cfg: InferConfig, model_dir: Path, run_dir: Path) -> Path | No
     if cfg.prompts_file and out.resolve() == Path(cfg.prompts_file).expanduser().resolve():
         raise ConfigError(f"infer.output_file={cfg.output_file} is the prompts file — write predictions elsewhere")
     if any(p in inputs for p in (out.resolve(), *out.resolve().parents)):
-        raise ConfigError(f"infer.output_file={out} is inside an input folder ({', '.join(inputs.values())}) — "
-                          "write predictions elsewhere")
+        raise ConfigError(
+            f"infer.output_file={out} is inside an input folder ({', '.join(inputs.values())}) — "
+            "write predictions elsewhere"
+        )
     if out.exists() and not cfg.overwrite:
         raise ConfigError(f"{out}: already exists — choose another infer.output_file, or pass infer.overwrite=true")
     return out

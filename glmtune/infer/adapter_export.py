@@ -11,6 +11,7 @@ fused B·A, so the split adapter computes the same outputs. vLLM (vllm/lora/peft
 refuses DoRA, modules_to_save, adapter biases and a rank above --max-lora-rank, and raises on a module it has
 no LoRA layer for; the check runs before any weights load (check_adapter_for).
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,10 @@ from .hf_layout import Layout, rename, split_rows
 
 # vLLM 0.32's --max-lora-rank choices (vllm/config/lora.py MaxLoRARanks); its default is 16.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?P<leaf>lora_A\.weight|lora_B\.weight|"
-                  r"lora_magnitude_vector(?:\.weight)?)$")
+_KEY = re.compile(
+    r"^base_model\.model\.(?P<module>.+)\.(?P<leaf>lora_A\.weight|lora_B\.weight|"
+    r"lora_magnitude_vector(?:\.weight)?)$"
+)
 
 
 def read_adapter_config(adapter: str | Path) -> dict:
@@ -55,10 +58,13 @@ def check_adapter_for(cfg: InferConfig, layout: Layout, model_config) -> None:
         return
     problems = vllm_problems(read_adapter_config(cfg.adapter)) if cfg.adapter_for == "vllm" else []
     if problems:
-        raise ConfigError(f"infer.adapter_for=vllm: {cfg.adapter} cannot be served by vLLM: {'; '.join(problems)} "
-                          "— merge it instead (infer.adapter_for=none), or use infer.adapter_for=peft")
-    names = adapter_names(_tensor_names(Path(cfg.adapter).expanduser()), cfg.adapter, layout, model_config,
-                          cfg.adapter_for)
+        raise ConfigError(
+            f"infer.adapter_for=vllm: {cfg.adapter} cannot be served by vLLM: {'; '.join(problems)} "
+            "— merge it instead (infer.adapter_for=none), or use infer.adapter_for=peft"
+        )
+    names = adapter_names(
+        _tensor_names(Path(cfg.adapter).expanduser()), cfg.adapter, layout, model_config, cfg.adapter_for
+    )
     renamed_patterns(read_adapter_config(cfg.adapter), names, layout, model_config, cfg.adapter_for, cfg.adapter)
 
 
@@ -72,8 +78,9 @@ def vllm_problems(config: dict) -> list[str]:
     if config.get("bias", "none") != "none" or config.get("lora_bias"):
         problems.append("it trains biases (vLLM refuses adapter biases)")
     if max_lora_rank(config) > VLLM_LORA_RANKS[-1]:
-        problems.append(f"its rank {max_lora_rank(config)} is above vLLM's largest --max-lora-rank "
-                        f"{VLLM_LORA_RANKS[-1]}")
+        problems.append(
+            f"its rank {max_lora_rank(config)} is above vLLM's largest --max-lora-rank {VLLM_LORA_RANKS[-1]}"
+        )
     return problems
 
 
@@ -81,8 +88,10 @@ def _placed(key: str, layout: Layout, splits: dict, model_config, adapter) -> tu
     """(module in the layout, leaf, its split parts or None) of one adapter tensor name; module "" = dropped."""
     found = _KEY.match(key)
     if not found:
-        raise ConfigError(f"{adapter}: tensor {key} is not a LoRA weight glmtune can convert — merge this adapter "
-                          "instead (infer.adapter_for=none)")
+        raise ConfigError(
+            f"{adapter}: tensor {key} is not a LoRA weight glmtune can convert — merge this adapter "
+            "instead (infer.adapter_for=none)"
+        )
     module, leaf = found["module"], found["leaf"]
     new = rename(layout, module + ".")
     module = module if new is None else new.removesuffix(".")
@@ -103,15 +112,18 @@ def adapter_names(keys, adapter, layout: Layout, model_config, engine: str) -> d
     targets = {name for new in names.values() for name in new}
     accepted = layout.engine_targets.get(engine)
     if accepted is not None and targets - accepted:
-        raise ConfigError(f"infer.adapter_for={engine}: {adapter} adapts {', '.join(sorted(targets - accepted))}, "
-                          f"which {engine} applies no LoRA to in the {layout.name} layout (it takes "
-                          f"{', '.join(sorted(accepted))}) — retrain without it (lora.target_modules) or merge the "
-                          "adapter (infer.adapter_for=none)")
+        raise ConfigError(
+            f"infer.adapter_for={engine}: {adapter} adapts {', '.join(sorted(targets - accepted))}, "
+            f"which {engine} applies no LoRA to in the {layout.name} layout (it takes "
+            f"{', '.join(sorted(accepted))}) — retrain without it (lora.target_modules) or merge the "
+            "adapter (infer.adapter_for=none)"
+        )
     return names
 
 
-def renamed_patterns(config: dict, names: dict[str, list[str]], layout: Layout, model_config, engine: str,
-                     adapter) -> dict:
+def renamed_patterns(
+    config: dict, names: dict[str, list[str]], layout: Layout, model_config, engine: str, adapter
+) -> dict:
     """rank_pattern / alpha_pattern (PEFT and vLLM match each key to a module name's end) in the converted names:
     a bare module name becomes its new names (one per part of a split layer); a dotted key is renamed by the
     layout's rules. ConfigError for a key glmtune cannot place, rather than a LoRA scaled by the wrong rank."""
@@ -129,9 +141,11 @@ def renamed_patterns(config: dict, names: dict[str, list[str]], layout: Layout, 
                 parts = [part for part, _ in splits[last](model_config)] if last in splits else [last]
                 new = [f"{parent}.{part}" for part in parts]
             else:
-                raise ConfigError(f"{adapter}: adapter_config.json {field_name} key {key!r} names no module glmtune "
-                                  f"can rename into the {layout.name} layout — give it as a module name "
-                                  "(e.g. q_proj), or merge the adapter (infer.adapter_for=none)")
+                raise ConfigError(
+                    f"{adapter}: adapter_config.json {field_name} key {key!r} names no module glmtune "
+                    f"can rename into the {layout.name} layout — give it as a module name "
+                    "(e.g. q_proj), or merge the adapter (infer.adapter_for=none)"
+                )
             pattern.update(dict.fromkeys(new, value))
         out[field_name] = pattern
     return out
@@ -150,8 +164,7 @@ def _tensor_names(folder: Path) -> list[str]:
         return list(read_adapter_weights(folder))  # its one-line error for a damaged file
 
 
-def convert_adapter(adapter: str | Path, out: Path, layout: Layout, model_config, engine: str,
-                    base_path: str) -> dict:
+def convert_adapter(adapter: str | Path, out: Path, layout: Layout, model_config, engine: str, base_path: str) -> dict:
     """Write the adapter in `layout`'s names for `engine` into `out`; returns its adapter_config."""
     weights = read_adapter_weights(Path(adapter).expanduser())
     names = adapter_names(weights, adapter, layout, model_config, engine)
@@ -165,8 +178,11 @@ def convert_adapter(adapter: str | Path, out: Path, layout: Layout, model_config
             converted[f"base_model.model.{module}.{leaf}"] = tensor
             continue
         parent = module.rpartition(".")[0]
-        pieces = ([(name, tensor.clone()) for name, _ in parts] if leaf == "lora_A.weight"  # each part its copy of A
-                  else split_rows(tensor, parts, model_config))
+        pieces = (
+            [(name, tensor.clone()) for name, _ in parts]
+            if leaf == "lora_A.weight"  # each part its copy of A
+            else split_rows(tensor, parts, model_config)
+        )
         for name, piece in pieces:
             converted[f"base_model.model.{parent}.{name}.{leaf}"] = piece.contiguous()
     config = read_adapter_config(adapter)

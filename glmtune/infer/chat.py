@@ -12,6 +12,7 @@ Every turn is appended to <run dir>/chat.jsonl: the messages the model saw and i
 Tools follow the GLM-4 template: a system message with "tools" (the official list format); the model
 answers a call as `name\n{arguments}` (metadata line, then content), kept in the history that way.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,11 +25,11 @@ from transformers.generation.streamers import BaseStreamer
 
 from ..config import ConfigError, InferConfig, ModelConfig
 from ..models import load_config
+from ..models.generation import encode_prompt, generation_kwargs, prompt_batch
+from ..models.identity import check_adapter_base
+from ..models.kvcache import preallocated_kv_cache
 from .generate import inference_dtype, load_merged, place
 from .sampling import check_context
-from ..models.generation import encode_prompt, generation_kwargs, prompt_batch
-from ..models.kvcache import preallocated_kv_cache
-from ..models.identity import check_adapter_base
 
 PROMPT = "you> "
 REPLY = "glm> "
@@ -51,7 +52,7 @@ class PrintStreamer(BaseStreamer):
         self.ids += [t for t in value.reshape(-1).tolist() if t not in self.stops]
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if not text.endswith("\ufffd") and len(text) > self.shown:
-            self.out.write(text[self.shown:])
+            self.out.write(text[self.shown :])
             self.out.flush()
             self.shown = len(text)
 
@@ -64,13 +65,23 @@ def reply(model, tokenizer, messages: list[dict], cfg: InferConfig, out: TextIO)
     """Generate the assistant turn for `messages`, streaming it; returns it as a history message."""
     vision = getattr(model.config, "vision_config", None)
     stops = list(tokenizer.stop_token_ids)
-    batch = prompt_batch([encode_prompt(messages, tokenizer)], tokenizer.pad_token_id,
-                   vision["image_size"] if vision else None, model.get_input_embeddings().weight.device)
+    batch = prompt_batch(
+        [encode_prompt(messages, tokenizer)],
+        tokenizer.pad_token_id,
+        vision["image_size"] if vision else None,
+        model.get_input_embeddings().weight.device,
+    )
     with torch.no_grad(), preallocated_kv_cache(model, cfg.max_new_tokens):
-        ids = model.generate(**batch, max_new_tokens=cfg.max_new_tokens, eos_token_id=stops, use_cache=True,
-                             pad_token_id=tokenizer.pad_token_id, streamer=PrintStreamer(tokenizer, stops, out),
-                             **generation_kwargs(cfg))[0, batch["input_ids"].shape[1]:].tolist()
-    ids = ids[:next((i for i, t in enumerate(ids) if t in stops), len(ids))]
+        ids = model.generate(
+            **batch,
+            max_new_tokens=cfg.max_new_tokens,
+            eos_token_id=stops,
+            use_cache=True,
+            pad_token_id=tokenizer.pad_token_id,
+            streamer=PrintStreamer(tokenizer, stops, out),
+            **generation_kwargs(cfg),
+        )[0, batch["input_ids"].shape[1] :].tolist()
+    ids = ids[: next((i for i, t in enumerate(ids) if t in stops), len(ids))]
     raw = tokenizer.decode(ids, skip_special_tokens=True)
     # GLM-4 writes a metadata line first: empty for text, the tool's name for a call.
     metadata, content = raw.split("\n", 1) if "\n" in raw else ("", raw)
@@ -86,7 +97,7 @@ def start_messages(cfg: InferConfig) -> list[dict]:
         except (OSError, json.JSONDecodeError) as err:
             raise ConfigError(f"infer.tools_file={path}: {err} — give a JSON list of GLM-4 tools") from None
         if not isinstance(tools, list):
-            raise ConfigError(f"infer.tools_file={path}: not a JSON list — write [{{\"type\": \"function\", ...}}]")
+            raise ConfigError(f'infer.tools_file={path}: not a JSON list — write [{{"type": "function", ...}}]')
     if not (cfg.system or tools):
         return []
     system = {"role": "system", "content": cfg.system or ""}
@@ -94,14 +105,24 @@ def start_messages(cfg: InferConfig) -> list[dict]:
 
 
 COMMANDS = ("/help", "/reset", "/exit", "/image", "/observation")
-HELP = ("/reset             forget the conversation (the system prompt and tools stay)\n"
-        "/image PATH        GLM-4V: an image for the next message (before the first turn)\n"
-        "/observation TEXT  a tool's result, for the model to answer\n"
-        "/exit, Ctrl-D, Ctrl-C  leave (every turn is in chat.jsonl in the run dir)\n")
+HELP = (
+    "/reset             forget the conversation (the system prompt and tools stay)\n"
+    "/image PATH        GLM-4V: an image for the next message (before the first turn)\n"
+    "/observation TEXT  a tool's result, for the model to answer\n"
+    "/exit, Ctrl-D, Ctrl-C  leave (every turn is in chat.jsonl in the run dir)\n"
+)
 
 
-def run_chat(cfg: InferConfig, model_cfg: ModelConfig, memory_gib: float | None, model_dir: Path, tokenizer,
-             run_dir: Path, read: Callable[[str], str] = input, out: TextIO = sys.stdout) -> int:
+def run_chat(
+    cfg: InferConfig,
+    model_cfg: ModelConfig,
+    memory_gib: float | None,
+    model_dir: Path,
+    tokenizer,
+    run_dir: Path,
+    read: Callable[[str], str] = input,
+    out: TextIO = sys.stdout,
+) -> int:
     """The chat loop; returns the number of replies."""
     start = start_messages(cfg)
     check_context(cfg, load_config(model_dir))
@@ -137,11 +158,11 @@ def run_chat(cfg: InferConfig, model_cfg: ModelConfig, memory_gib: float | None,
             out.write("(history cleared)\n")
             continue
         if line.startswith("/image "):
-            image = line[len("/image "):].strip()
+            image = line[len("/image ") :].strip()
             out.write(f"(image {image} goes with the next message)\n")
             continue
         if line.startswith("/observation "):
-            message = {"role": "observation", "content": line[len("/observation "):]}
+            message = {"role": "observation", "content": line[len("/observation ") :]}
         else:
             message = {"role": "user", "content": line}
             if image and not any("image" in m for m in history):

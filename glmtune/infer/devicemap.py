@@ -11,6 +11,7 @@ buffer, not a parameter), maps written for 28 layers used on 40, maps whose keys
 built from the model's own module tree (a meta-device model: no weights needed) and `check_complete`
 refuses any map that leaves a parameter or buffer unplaced, naming them.
 """
+
 from __future__ import annotations
 
 import re
@@ -18,13 +19,14 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from ..config.units import GIB
 
+from ..config.units import GIB
 
 
 @dataclass(frozen=True)
 class Unit:
     """A module that must live on one device, in execution order, with its weight bytes."""
+
     name: str
     nbytes: int
 
@@ -39,8 +41,9 @@ def _prefix(model: nn.Module) -> str:
 
 def _nbytes(module: nn.Module, dtype: torch.dtype | None) -> int:
     tensors = [*module.parameters(), *module.buffers()]
-    return sum(t.numel() * (torch.tensor([], dtype=dtype).element_size() if dtype else t.element_size())
-               for t in tensors)
+    return sum(
+        t.numel() * (torch.tensor([], dtype=dtype).element_size() if dtype else t.element_size()) for t in tensors
+    )
 
 
 def _hf_units(model: nn.Module, dtype: torch.dtype | None) -> list[Unit] | None:
@@ -65,20 +68,25 @@ def units(model: nn.Module, dtype: torch.dtype | None = None) -> list[Unit]:
         return hf
     p = _prefix(model)
     core = model.get_submodule(p + "transformer")
-    order = [("vision", getattr(core, "vision", None)), ("embedding", core.embedding),
-             ("rotary_pos_emb", core.rotary_pos_emb)]
+    order = [
+        ("vision", getattr(core, "vision", None)),
+        ("embedding", core.embedding),
+        ("rotary_pos_emb", core.rotary_pos_emb),
+    ]
     order += [(f"encoder.layers.{i}", layer) for i, layer in enumerate(core.encoder.layers)]
     order += [("encoder.final_layernorm", core.encoder.final_layernorm), ("output_layer", core.output_layer)]
     # Anything else directly under `transformer` (e.g. a P-tuning prefix_encoder) goes first, beside the
     # embedding, so a new submodule can never be silently left out.
     known = {name.split(".")[0] for name, module in order if module is not None}
     extra = [(name, module) for name, module in core.named_children() if name not in known and name != "encoder"]
-    return [Unit(f"{p}transformer.{name}", _nbytes(module, dtype)) for name, module in extra + order
-            if module is not None]
+    return [
+        Unit(f"{p}transformer.{name}", _nbytes(module, dtype)) for name, module in extra + order if module is not None
+    ]
 
 
-def device_map(model: nn.Module, budgets: list[float], dtype: torch.dtype | None = None,
-               reserve: float = 0.0) -> dict[str, int]:
+def device_map(
+    model: nn.Module, budgets: list[float], dtype: torch.dtype | None = None, reserve: float = 0.0
+) -> dict[str, int]:
     """{module name: GPU index} for len(budgets) GPUs with budgets[i] bytes each.
 
     Units are placed in execution order; each device takes units until it holds its share of the total
@@ -89,8 +97,10 @@ def device_map(model: nn.Module, budgets: list[float], dtype: torch.dtype | None
     total = sum(u.nbytes for u in plan)
     capacity = [b - reserve for b in budgets]
     if sum(capacity) < total:
-        raise ValueError(f"weights need {total / GIB:.1f} GiB but {len(budgets)} GPU(s) offer "
-                         f"{sum(capacity) / GIB:.1f} GiB after the {reserve / GIB:.1f} GiB reserve each")
+        raise ValueError(
+            f"weights need {total / GIB:.1f} GiB but {len(budgets)} GPU(s) offer "
+            f"{sum(capacity) / GIB:.1f} GiB after the {reserve / GIB:.1f} GiB reserve each"
+        )
     share = [total * c / sum(capacity) for c in capacity]
     mapping: dict[str, int] = {}
     used = [0] * len(budgets)
@@ -98,13 +108,18 @@ def device_map(model: nn.Module, budgets: list[float], dtype: torch.dtype | None
     for unit in plan:
         # Move on when this device already holds its share (half a unit of slack rounds to the nearer
         # boundary) or the unit would not fit; the last device takes the rest.
-        while device < len(budgets) - 1 and (used[device] + unit.nbytes / 2 > share[device] and used[device] > 0
-                                             or used[device] + unit.nbytes > capacity[device]):
+        while device < len(budgets) - 1 and (
+            used[device] + unit.nbytes / 2 > share[device]
+            and used[device] > 0
+            or used[device] + unit.nbytes > capacity[device]
+        ):
             device += 1
         if used[device] + unit.nbytes > capacity[device]:
-            raise ValueError(f"{unit.name} ({unit.nbytes / GIB:.2f} GiB) does not fit on GPU {device}: "
-                             f"{used[device] / GIB:.2f} of {capacity[device] / GIB:.2f} GiB used — add a GPU or "
-                             "lower the reserve")
+            raise ValueError(
+                f"{unit.name} ({unit.nbytes / GIB:.2f} GiB) does not fit on GPU {device}: "
+                f"{used[device] / GIB:.2f} of {capacity[device] / GIB:.2f} GiB used — add a GPU or "
+                "lower the reserve"
+            )
         mapping[unit.name] = device
         used[device] += unit.nbytes
     check_complete(model, mapping)
@@ -113,6 +128,7 @@ def device_map(model: nn.Module, budgets: list[float], dtype: torch.dtype | None
 
 def unplaced(model: nn.Module, mapping: dict[str, int | str]) -> list[str]:
     """Names of parameters and buffers (persistent or not) that no key of `mapping` covers."""
+
     def covered(name: str) -> bool:
         parts = name.split(".")
         return any(".".join(parts[:i]) in mapping for i in range(len(parts) + 1)) or "" in mapping
@@ -130,8 +146,10 @@ def check_complete(model: nn.Module, mapping: dict[str, int | str]) -> None:
         groups = list(dict.fromkeys(re.sub(r"^(.*\.layers\.\d+)\..*$", r"\1.*", n) for n in missing))
         shown = ", ".join(groups[:12]) + (f", … ({len(groups)} entries)" if len(groups) > 12 else "")
         shown += f" ({len(missing)} tensors)"
-        raise ValueError(f"device map gives no device for: {shown} — map their modules (e.g. "
-                         "transformer.rotary_pos_emb for the inv_freq buffer) or use glmtune.infer.devicemap.device_map")
+        raise ValueError(
+            f"device map gives no device for: {shown} — map their modules (e.g. "
+            "transformer.rotary_pos_emb for the inv_freq buffer) or use glmtune.infer.devicemap.device_map"
+        )
 
 
 def bytes_per_device(model: nn.Module, mapping: dict[str, int], dtype: torch.dtype | None = None) -> dict[int, int]:

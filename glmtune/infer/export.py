@@ -28,6 +28,7 @@ tiny checkpoints) gets what glmtune writes (its tokenizer_config.json), plus the
 written in the base's dtype (config.json `torch_dtype`: bf16 for GLM-4) whatever the merge ran in (fp32 on
 CPU), with the official tensor names, and `transformer.rotary_pos_emb.inv_freq`, which the official files carry.
 """
+
 from __future__ import annotations
 
 import json
@@ -58,19 +59,32 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def base_files(model_dir: Path) -> list[Path]:
     """The base folder's own non-weight files: its top level only (a hub cache's .git or blobs/ are not the
     model), hidden files skipped."""
-    return sorted(p for p in Path(model_dir).iterdir()
-                  if p.is_file() and not p.name.startswith(".") and p.suffix not in _WEIGHT_SUFFIXES
-                  and p.name not in _WEIGHT_INDEXES and p.name not in _WRITTEN_HERE)
+    return sorted(
+        p
+        for p in Path(model_dir).iterdir()
+        if p.is_file()
+        and not p.name.startswith(".")
+        and p.suffix not in _WEIGHT_SUFFIXES
+        and p.name not in _WEIGHT_INDEXES
+        and p.name not in _WRITTEN_HERE
+    )
 
 
-def save_merged(model, tokenizer, out: str | Path, model_dir: str | Path | None = None,
-                shard_size: str | int = SHARD_SIZE) -> Path:
+def save_merged(
+    model, tokenizer, out: str | Path, model_dir: str | Path | None = None, shard_size: str | int = SHARD_SIZE
+) -> Path:
     """The remote-layout merge of `model` into `out` (export_folder with the default infer settings)."""
     return export_folder(model, tokenizer, out, model_dir, shard_size)[0]
 
 
-def export_folder(model, tokenizer, out: str | Path, model_dir: str | Path | None = None,
-                  shard_size: str | int = SHARD_SIZE, cfg: InferConfig | None = None) -> tuple[Path, str]:
+def export_folder(
+    model,
+    tokenizer,
+    out: str | Path,
+    model_dir: str | Path | None = None,
+    shard_size: str | int = SHARD_SIZE,
+    cfg: InferConfig | None = None,
+) -> tuple[Path, str]:
     """Write `model` (glmtune's class; the adapter merged, or the base alone with infer.adapter_for) and the files
     of its base folder (`model_dir`; by default the folder it was loaded from, which load_model records) into
     `out` in cfg.merge_format's layout, whole or not at all (an existing folder is replaced only with
@@ -82,21 +96,27 @@ def export_folder(model, tokenizer, out: str | Path, model_dir: str | Path | Non
     dtype = _DTYPES.get(base_config.get("torch_dtype") or base_config.get("dtype"), model.dtype)  # 5.x: dtype
     state = {name: (t.to(dtype) if t.is_floating_point() else t) for name, t in model.state_dict().items()}
     with writing_export("infer.merge_to", folder), folder_as_one_unit(folder) as tmp:
-        mark_export(tmp, "merged" if cfg.adapter_for == "none" else "base+adapter", base=model_dir,
-                    format=cfg.merge_format)  # first: a merge killed from here on is found stale by its pid
+        mark_export(
+            tmp, "merged" if cfg.adapter_for == "none" else "base+adapter", base=model_dir, format=cfg.merge_format
+        )  # first: a merge killed from here on is found stale by its pid
         tokenizer.save_pretrained(tmp)  # glmtune's files first: the base's own, copied next, replace them
         if layout is REMOTE:
             rotary = model.transformer.rotary_pos_emb
             # Base 10000, as the official files store it: glmtune computes the buffer at load (not in state_dict).
             state["transformer.rotary_pos_emb.inv_freq"] = (
-                1.0 / 10000 ** (torch.arange(0, rotary.dim, 2, dtype=torch.float32) / rotary.dim)).to(dtype)
+                1.0 / 10000 ** (torch.arange(0, rotary.dim, 2, dtype=torch.float32) / rotary.dim)
+            ).to(dtype)
             model.save_pretrained(tmp, state_dict=state, safe_serialization=True, max_shard_size=shard_size)
             for file in base_files(model_dir):
                 shutil.copy2(file, tmp / file.name)
             _drop_vision_keys(tmp / "config.json")
         else:  # HF names and config; none of the base's remote code, nor the tiktoken file only it reads
-            model.save_pretrained(tmp, state_dict=hf_state_dict(layout, state, model.config),
-                                  safe_serialization=True, max_shard_size=shard_size)
+            model.save_pretrained(
+                tmp,
+                state_dict=hf_state_dict(layout, state, model.config),
+                safe_serialization=True,
+                max_shard_size=shard_size,
+            )
             if layout.base_is_hf:  # the base's own tokenizer files, chat template, README, ... as it ships them
                 for file in base_files(model_dir):
                     shutil.copy2(file, tmp / file.name)
@@ -113,8 +133,9 @@ def export_folder(model, tokenizer, out: str | Path, model_dir: str | Path | Non
         write_generation_config(tmp, model_dir, tokenizer)
         rank = None
         if cfg.adapter_for != "none":
-            adapter = convert_adapter(cfg.adapter, tmp / "adapter", layout, model.config, cfg.adapter_for,
-                                      str(folder.resolve()))
+            adapter = convert_adapter(
+                cfg.adapter, tmp / "adapter", layout, model.config, cfg.adapter_for, str(folder.resolve())
+            )
             rank = vllm_rank_flag(adapter) if cfg.adapter_for == "vllm" else None
         command = write_serve_md(tmp, folder, rank)
     return folder, command
@@ -182,7 +203,12 @@ def write_generation_config(folder: Path, model_dir: Path, tokenizer) -> None:
 
 def export_line(cfg: InferConfig, layout: Layout | None = None) -> str:
     """What infer.merge_to holds, as the line after an export names it."""
-    what = (f"base, with its adapter for {cfg.adapter_for}," if cfg.adapter_for != "none"
-            else "merged base + adapter" if cfg.adapter else "base")
+    what = (
+        f"base, with its adapter for {cfg.adapter_for},"
+        if cfg.adapter_for != "none"
+        else "merged base + adapter"
+        if cfg.adapter
+        else "base"
+    )
     fmt = "hf layout, the base's own" if layout is not None and layout.base_is_hf else f"{cfg.merge_format} layout"
     return f"{what} ({fmt})"

@@ -11,6 +11,7 @@ buffer without a device is refused with their names (the ChatGLM3 `inv_freq` fai
 are moved to the embedding's device inside the model (GLM-4 issues #75, #295). The adapter is merged into
 the base weights before placement: inference then runs at base-model speed and memory.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,20 +20,20 @@ from pathlib import Path
 import torch
 import transformers
 
-from ..rundir.atomic import write_text
 from ..config import ConfigError, InferConfig, ModelConfig
-from .adapter import check_outputs, load_adapter
-from ..data.validate import Conversation, read_conversations
 from ..config.units import GIB
-from .devicemap import bytes_per_device, device_map
+from ..data.validate import Conversation, read_conversations
+from ..models import load_config, load_model
+from ..models.chatglm.template import reference_text
+from ..models.generation import encode_prompt, generate
+from ..models.identity import check_adapter_base, write_provenance
+from ..models.quantize import load_quantized, weight_storage_bytes
+from ..rundir.atomic import write_text
+from .adapter import check_outputs, load_adapter
 from .adapter_export import check_adapter_for
+from .devicemap import bytes_per_device, device_map
 from .export import export_folder, export_line, save_merged  # noqa: F401 - callers import save_merged here
 from .hf_layout import layout_for
-from ..models import load_config, load_model
-from ..models.generation import encode_prompt, generate
-from ..models.quantize import load_quantized, weight_storage_bytes
-from ..models.chatglm.template import reference_text
-from ..models.identity import check_adapter_base, write_provenance
 from .sampling import auto_batch_size, check_context, free_gpu_bytes, settings
 
 RESERVE = 2 * GIB  # per GPU, kept free for activations and the KV cache of a batch
@@ -71,8 +72,9 @@ def place(model, gpus: int, memory_gib: float | None):
         return model.to("cuda:0"), {0: torch.cuda.memory_allocated(0)}
     from accelerate import dispatch_model
 
-    budgets = [memory_gib * GIB if memory_gib else torch.cuda.get_device_properties(i).total_memory
-               for i in range(count)]
+    budgets = [
+        memory_gib * GIB if memory_gib else torch.cuda.get_device_properties(i).total_memory for i in range(count)
+    ]
     mapping = device_map(model, budgets, reserve=RESERVE)  # refuses a map that leaves any tensor unplaced
     return dispatch_model(model, device_map=mapping), bytes_per_device(model, mapping)
 
@@ -103,8 +105,15 @@ def read_prompts(cfg: InferConfig) -> list[Conversation]:
     return []
 
 
-def run_infer(cfg: InferConfig, model_cfg: ModelConfig, memory_gib: float | None, model_dir: Path, tokenizer,
-              run_dir: Path, config_sha: str | None = None) -> dict:
+def run_infer(
+    cfg: InferConfig,
+    model_cfg: ModelConfig,
+    memory_gib: float | None,
+    model_dir: Path,
+    tokenizer,
+    run_dir: Path,
+    config_sha: str | None = None,
+) -> dict:
     out = check_outputs(cfg, model_dir, run_dir)  # before any weights load: never overwrite an input
     prompts = read_prompts(cfg)  # bad prompts and a mismatched adapter stop the run before the weights load
     check_context(cfg, load_config(model_dir))
@@ -112,8 +121,10 @@ def run_infer(cfg: InferConfig, model_cfg: ModelConfig, memory_gib: float | None
         check_adapter_base(cfg.adapter, model_dir, load_config(model_dir))
     unmerged = cfg.adapter_for != "none"  # the base is exported alone, the adapter converted beside it
     if unmerged and not (cfg.merge_to and cfg.adapter):
-        raise ConfigError(f"infer.adapter_for={cfg.adapter_for} exports infer.adapter beside its base: it needs "
-                          "infer.adapter=<run>/adapter and infer.merge_to=<folder>")
+        raise ConfigError(
+            f"infer.adapter_for={cfg.adapter_for} exports infer.adapter beside its base: it needs "
+            "infer.adapter=<run>/adapter and infer.merge_to=<folder>"
+        )
     if cfg.merge_to:  # a layout or an adapter the engine cannot take: one line now, not after the weights load
         config = load_config(model_dir)
         layout = layout_for(cfg.merge_format, config, tokenizer)
@@ -121,8 +132,10 @@ def run_infer(cfg: InferConfig, model_cfg: ModelConfig, memory_gib: float | None
     quantized = model_cfg.quantize != "none"
     result: dict = {}
     if cfg.merge_to and unmerged:  # the base alone, in its own dtype; the adapter is written beside it
-        result["merged"], result["serve"] = map(str, export_folder(
-            load_merged(model_dir, None, model_cfg, None), tokenizer, cfg.merge_to, model_dir, cfg=cfg))
+        result["merged"], result["serve"] = map(
+            str,
+            export_folder(load_merged(model_dir, None, model_cfg, None), tokenizer, cfg.merge_to, model_dir, cfg=cfg),
+        )
     if (cfg.merge_to and not unmerged) or (prompts and not quantized):
         # With a quantized base the merge still goes into the full-precision weights (on the CPU, in the
         # checkpoint's own dtype: bf16 for GLM-4), so merge_to is an official-layout checkpoint like any other.
@@ -130,8 +143,10 @@ def run_infer(cfg: InferConfig, model_cfg: ModelConfig, memory_gib: float | None
     if cfg.merge_to and not unmerged:
         result["merged"], result["serve"] = map(str, export_folder(model, tokenizer, cfg.merge_to, model_dir, cfg=cfg))
     if cfg.merge_to:
-        result["merged_line"] = (f"{export_line(cfg, layout)} written to {result['merged']}; serve it with vLLM "
-                                 f"(SERVE.md there has this and the transformers lines):\n{result['serve']}")
+        result["merged_line"] = (
+            f"{export_line(cfg, layout)} written to {result['merged']}; serve it with vLLM "
+            f"(SERVE.md there has this and the transformers lines):\n{result['serve']}"
+        )
     if prompts:
         if quantized:  # one device: a quantized 9B model fits one card, so infer.gpus does not split it
             model = None
@@ -142,12 +157,24 @@ def run_infer(cfg: InferConfig, model_cfg: ModelConfig, memory_gib: float | None
         batch_size = cfg.batch_size or pick_batch_size(model, tokenizer, [p for p, _ in pairs], cfg, memory_gib)
         transformers.set_seed(cfg.seed)  # sampling draws from torch's generator: same seed, same outputs
         texts = generate(model, tokenizer, [p for p, _ in pairs], cfg, batch_size)
-        write_text(out, "".join(json.dumps({"line": c.line, "prompt": prompt, "reference": reference, "output": text},
-                                           ensure_ascii=False) + "\n"
-                                for c, (prompt, reference), text in zip(prompts, pairs, texts)))
+        write_text(
+            out,
+            "".join(
+                json.dumps(
+                    {"line": c.line, "prompt": prompt, "reference": reference, "output": text}, ensure_ascii=False
+                )
+                + "\n"
+                for c, (prompt, reference), text in zip(prompts, pairs, texts)
+            ),
+        )
         provenance = write_provenance(run_dir, model_dir, config_sha, cfg.adapter, settings(cfg, batch_size))
-        result.update(predictions=str(out), count=len(texts), batch_size=batch_size, provenance=str(provenance),
-                      placement={str(k): round(v / GIB, 3) for k, v in placement.items()})
+        result.update(
+            predictions=str(out),
+            count=len(texts),
+            batch_size=batch_size,
+            provenance=str(provenance),
+            placement={str(k): round(v / GIB, 3) for k, v in placement.items()},
+        )
     return result
 
 
@@ -155,5 +182,6 @@ def pick_batch_size(model, tokenizer, prompts: list[list[dict]], cfg: InferConfi
     """infer.batch_size=0: as many rows as the estimator's KV-cache term fits beside the weights."""
     longest = max(len(encode_prompt(p, tokenizer)[0]) for p in prompts)
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(model.dtype, "fp32")
-    return auto_batch_size(model.config, dtype, longest, cfg.max_new_tokens, len(prompts),
-                           free_gpu_bytes(memory_gib, RESERVE))
+    return auto_batch_size(
+        model.config, dtype, longest, cfg.max_new_tokens, len(prompts), free_gpu_bytes(memory_gib, RESERVE)
+    )

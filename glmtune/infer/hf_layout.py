@@ -25,12 +25,13 @@ have no HF-native class: their exports stay `remote` (vLLM runs its own ChatGLM 
 
 GLM-4-0414 / GLM-Z1 is `Glm4ForCausalLM` (model_type glm4) in its own checkpoints: glmtune's module tree has its
 names, so `remote` and `hf` are one layout. vLLM 0.32 serves it with its native vllm/model_executor/models/glm4.py
-(registry "Glm4ForCausalLM" -> glm4; tests/test_engines.py loads it and checks the class), whose
+(registry "Glm4ForCausalLM" -> glm4; tests/infer/test_engines.py loads it and checks the class), whose
 packed_modules_mapping packs qkv_proj from q/k/v_proj and gate_up_proj from gate_proj + up_proj;
 vllm/lora/worker_manager.py accepts an adapter's modules by the unpacked names only (q_proj, k_proj, v_proj, o_proj,
 gate_proj, up_proj, down_proj: lora_model.py raises "expected target modules in ..." for gate_up_proj, and lm_head
 is a ParallelLMHead it has no LoRA for), so an adapter for vLLM has the fused MLP LoRA split (engine_splits).
 """
+
 from __future__ import annotations
 
 import re
@@ -47,8 +48,11 @@ Split = Callable[[object], list[tuple[str, int]]]  # config -> [(part name, rows
 
 def _qkv(config) -> list[tuple[str, int]]:
     hd = config.kv_channels
-    return [("q_proj", config.num_attention_heads * hd), ("k_proj", config.kv_groups * hd),
-            ("v_proj", config.kv_groups * hd)]
+    return [
+        ("q_proj", config.num_attention_heads * hd),
+        ("k_proj", config.kv_groups * hd),
+        ("v_proj", config.kv_groups * hd),
+    ]
 
 
 def _gate_up(config) -> list[tuple[str, int]]:
@@ -60,22 +64,40 @@ def glm_config(config) -> dict:
     """config.json of GlmForCausalLM for a GLM-4-9B-chat-shaped GLMConfig (transformers' own conversion maps
     the same fields: rope_theta = 10000 * rope_ratio, the rotary half of each head as partial_rotary_factor 0.5)."""
     return {
-        "architectures": ["GlmForCausalLM"], "model_type": "glm", "vocab_size": config.padded_vocab_size,
-        "hidden_size": config.hidden_size, "intermediate_size": config.ffn_hidden_size,
-        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.kv_groups, "head_dim": config.kv_channels, "hidden_act": "silu",
-        "attention_bias": bool(config.add_qkv_bias), "attention_dropout": 0.0,
-        "max_position_embeddings": config.seq_length, "rms_norm_eps": config.layernorm_epsilon,
-        "rope_theta": 10000.0 * config.rope_ratio, "partial_rotary_factor": 0.5, "initializer_range": 0.02,
-        "tie_word_embeddings": bool(config.tie_word_embeddings), "use_cache": True,
-        "pad_token_id": config.pad_token_id, "eos_token_id": config.eos_token_id, "bos_token_id": None,
+        "architectures": ["GlmForCausalLM"],
+        "model_type": "glm",
+        "vocab_size": config.padded_vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.ffn_hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.kv_groups,
+        "head_dim": config.kv_channels,
+        "hidden_act": "silu",
+        "attention_bias": bool(config.add_qkv_bias),
+        "attention_dropout": 0.0,
+        "max_position_embeddings": config.seq_length,
+        "rms_norm_eps": config.layernorm_epsilon,
+        "rope_theta": 10000.0 * config.rope_ratio,
+        "partial_rotary_factor": 0.5,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": bool(config.tie_word_embeddings),
+        "use_cache": True,
+        "pad_token_id": config.pad_token_id,
+        "eos_token_id": config.eos_token_id,
+        "bos_token_id": None,
     }  # torch_dtype: the exported weights' (export.py)
 
 
 def _glm_refusal(config) -> str | None:
     """Why a GLMConfig has no GlmForCausalLM twin (a GLM variant of the user's own), or None."""
-    wanted = {"rmsnorm": True, "post_layer_norm": True, "apply_residual_connection_post_layernorm": False,
-              "add_bias_linear": False, "original_rope": True}
+    wanted = {
+        "rmsnorm": True,
+        "post_layer_norm": True,
+        "apply_residual_connection_post_layernorm": False,
+        "add_bias_linear": False,
+        "original_rope": True,
+    }
     off = [f"{k}={getattr(config, k, None)}" for k, v in wanted.items() if getattr(config, k, v) != v]
     return f"its config.json has {', '.join(off)}, which GlmForCausalLM does not implement" if off else None
 
@@ -100,16 +122,18 @@ _LAYER = r"transformer\.encoder\.layers\.(\d+)\."
 GLM = Layout(
     name="glm4",
     hf_config=glm_config,
-    renames=((r"transformer\.embedding\.word_embeddings\.", "model.embed_tokens."),
-             (_LAYER + r"input_layernorm\.", r"model.layers.\1.input_layernorm."),
-             (_LAYER + r"self_attention\.query_key_value\.", r"model.layers.\1.self_attn.query_key_value."),
-             (_LAYER + r"self_attention\.dense\.", r"model.layers.\1.self_attn.o_proj."),
-             (_LAYER + r"post_attention_layernorm\.", r"model.layers.\1.post_attention_layernorm."),
-             (_LAYER + r"mlp\.dense_h_to_4h\.", r"model.layers.\1.mlp.gate_up_proj."),
-             (_LAYER + r"mlp\.dense_4h_to_h\.", r"model.layers.\1.mlp.down_proj."),
-             (r"transformer\.encoder\.final_layernorm\.", "model.norm."),
-             (r"transformer\.output_layer\.", "lm_head."),
-             (r"transformer\.rotary_pos_emb\.inv_freq$", "")),  # recomputed from rope_theta by every loader
+    renames=(
+        (r"transformer\.embedding\.word_embeddings\.", "model.embed_tokens."),
+        (_LAYER + r"input_layernorm\.", r"model.layers.\1.input_layernorm."),
+        (_LAYER + r"self_attention\.query_key_value\.", r"model.layers.\1.self_attn.query_key_value."),
+        (_LAYER + r"self_attention\.dense\.", r"model.layers.\1.self_attn.o_proj."),
+        (_LAYER + r"post_attention_layernorm\.", r"model.layers.\1.post_attention_layernorm."),
+        (_LAYER + r"mlp\.dense_h_to_4h\.", r"model.layers.\1.mlp.gate_up_proj."),
+        (_LAYER + r"mlp\.dense_4h_to_h\.", r"model.layers.\1.mlp.down_proj."),
+        (r"transformer\.encoder\.final_layernorm\.", "model.norm."),
+        (r"transformer\.output_layer\.", "lm_head."),
+        (r"transformer\.rotary_pos_emb\.inv_freq$", ""),
+    ),  # recomputed from rope_theta by every loader
     splits={"query_key_value": _qkv},
     engine_targets={"vllm": _HF_LINEARS | {"gate_up_proj"}, "peft": _HF_PEFT},
     refusal=_glm_refusal,
@@ -117,8 +141,12 @@ GLM = Layout(
 # The remote (official) layout: names unchanged. vLLM's ChatGLM / GLM-4V models take LoRAs on the four linear
 # layers of a block (chatglm.py packed_modules_mapping is the identity for query_key_value, dense_h_to_4h);
 # output_layer is a ParallelLMHead there, which vLLM's LoRA does not adapt.
-REMOTE = Layout(name="remote", hf_config=lambda config: {}, renames=(),
-                engine_targets={"vllm": frozenset({"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"})})
+REMOTE = Layout(
+    name="remote",
+    hf_config=lambda config: {},
+    renames=(),
+    engine_targets={"vllm": frozenset({"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"})},
+)
 # GLM-4-0414 / GLM-Z1: HF names already (identity renames), gate_up_proj fused in the checkpoint as in glmtune.
 GLM4_0414 = Layout(
     name="glm4_0414",
@@ -131,8 +159,10 @@ GLM4_0414 = Layout(
 # A family plugs in with a Layout here, keyed by what family_of() returns for it.
 LAYOUTS = {"glm4": GLM, "glm4_0414": GLM4_0414}
 REMOTE_OF = {"glm4_0414": GLM4_0414}  # family -> its `remote` layout when that is not the official ChatGLM one
-NOT_HF = {"chatglm3": "ChatGLM3 has no HF-native class in transformers",
-          "glm4v": "GLM-4V-9B has no HF-native class in transformers"}
+NOT_HF = {
+    "chatglm3": "ChatGLM3 has no HF-native class in transformers",
+    "glm4v": "GLM-4V-9B has no HF-native class in transformers",
+}
 
 
 def family_of(config, tokenizer) -> str:
@@ -147,11 +177,12 @@ def layout_for(fmt: str, config, tokenizer) -> Layout:
     if fmt == "remote":
         return REMOTE_OF.get(family, REMOTE)
     layout = LAYOUTS.get(family)
-    why = NOT_HF.get(family, f"no HF-native layout is known for {family}") if layout is None else \
-        layout.refusal(config)
+    why = NOT_HF.get(family, f"no HF-native layout is known for {family}") if layout is None else layout.refusal(config)
     if why:
-        raise ConfigError(f"infer.merge_format=hf: {why} — use infer.merge_format=remote (the official layout, "
-                          "which vLLM loads with its own ChatGLM model, no remote code)")
+        raise ConfigError(
+            f"infer.merge_format=hf: {why} — use infer.merge_format=remote (the official layout, "
+            "which vLLM loads with its own ChatGLM model, no remote code)"
+        )
     return layout
 
 

@@ -12,6 +12,7 @@ removes those whose writer is gone. A full disk while writing is one line that n
 
 Every exporter calls `check_export_target` first and `mark_export` in the folder it builds.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -41,33 +42,47 @@ def export_inputs(cfg: InferConfig, model_dir: Path, run_dir: Path) -> tuple[dic
     return folders, files
 
 
-def check_export_target(key: str, value: str, folders: dict[Path, str], files: dict[Path, str],
-                        overwrite: bool) -> Path:
+def check_export_target(
+    key: str, value: str, folders: dict[Path, str], files: dict[Path, str], overwrite: bool
+) -> Path:
     """The target folder `value` (of config key `key`), or ConfigError with the one line saying why not."""
     target = Path(value).expanduser()
     shown = f"{key}={value}"
     resolved = target.resolve()  # a link to model.path is model.path
     for path, name in folders.items():
-        how = ("is" if resolved == path else "contains" if path.is_relative_to(resolved)
-               else "lies inside" if resolved.is_relative_to(path) else None)
+        how = (
+            "is"
+            if resolved == path
+            else "contains"
+            if path.is_relative_to(resolved)
+            else "lies inside"
+            if resolved.is_relative_to(path)
+            else None
+        )
         if how:
-            raise ConfigError(f"{shown} {how} the {name} folder ({path}): an export never writes over or into an "
-                              "input, whatever infer.overwrite says — choose a new folder outside it")
+            raise ConfigError(
+                f"{shown} {how} the {name} folder ({path}): an export never writes over or into an "
+                "input, whatever infer.overwrite says — choose a new folder outside it"
+            )
     for path, name in files.items():
         if path == resolved or path.is_relative_to(resolved):
-            raise ConfigError(f"{shown} {'is' if path == resolved else 'contains'} {name} ({path}): an export never "
-                              "replaces an input, whatever infer.overwrite says — choose a new folder")
+            raise ConfigError(
+                f"{shown} {'is' if path == resolved else 'contains'} {name} ({path}): an export never "
+                "replaces an input, whatever infer.overwrite says — choose a new folder"
+            )
     if target.exists() or target.is_symlink():
         _check_existing(target, shown, overwrite)
     parent = resolved.parent
     if not parent.is_dir():
-        raise ConfigError(f"{shown}: its parent folder {parent} does not exist — create it first, or choose "
-                          "another folder")
+        raise ConfigError(
+            f"{shown}: its parent folder {parent} does not exist — create it first, or choose another folder"
+        )
     try:  # what the export does there: a hidden folder beside the target, renamed into place at the end
         os.rmdir(tempfile.mkdtemp(prefix=f".{resolved.name}.", suffix=".probe", dir=parent))
     except OSError as err:
-        raise ConfigError(f"{shown}: cannot write in {parent} ({err.strerror or err}) — choose a folder on a "
-                          "writable disk") from None
+        raise ConfigError(
+            f"{shown}: cannot write in {parent} ({err.strerror or err}) — choose a folder on a writable disk"
+        ) from None
     remove_stale(resolved)
     return resolved
 
@@ -85,17 +100,27 @@ def _check_existing(target: Path, shown: str, overwrite: bool) -> None:
     except OSError as err:
         raise ConfigError(f"{shown}: cannot be read ({err.strerror or err}) — choose a new folder") from None
     if held and not overwrite:
-        raise ConfigError(f"{shown} already holds files — choose a new folder, or pass infer.overwrite=true to "
-                          "replace an earlier glmtune export there")
+        raise ConfigError(
+            f"{shown} already holds files — choose a new folder, or pass infer.overwrite=true to "
+            "replace an earlier glmtune export there"
+        )
     if held and not (target / MARKER).is_file():
-        raise ConfigError(f"{shown} holds files that no glmtune export wrote (no {MARKER}): infer.overwrite=true "
-                          "replaces only an earlier export — choose a new folder, or empty this one yourself")
+        raise ConfigError(
+            f"{shown} holds files that no glmtune export wrote (no {MARKER}): infer.overwrite=true "
+            "replaces only an earlier export — choose a new folder, or empty this one yourself"
+        )
 
 
 def mark_export(folder: Path, kind: str, **about) -> None:
     """The marker of a folder an export is building: this process (for remove_stale) and what it holds."""
-    record = {"written_by": "glmtune", "kind": kind, "pid": os.getpid(), "host": socket.gethostname(),
-              "started": round(time.time(), 3), **{k: str(v) for k, v in about.items() if v is not None}}
+    record = {
+        "written_by": "glmtune",
+        "kind": kind,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": round(time.time(), 3),
+        **{k: str(v) for k, v in about.items() if v is not None},
+    }
     (folder / MARKER).write_text(json.dumps(record, indent=2) + "\n")
 
 
@@ -138,5 +163,7 @@ def writing_export(key: str, target: Path) -> Iterator[None]:
         if not is_disk_full(err):
             raise
         reason = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"disk full or over quota writing {key}={target} ({reason}) — nothing of the export was "
-                          f"kept; free space in {target.parent} or choose another folder, then re-run") from None
+        raise ConfigError(
+            f"disk full or over quota writing {key}={target} ({reason}) — nothing of the export was "
+            f"kept; free space in {target.parent} or choose another folder, then re-run"
+        ) from None

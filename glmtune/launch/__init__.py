@@ -7,4 +7,5 @@ transformers).
 
 Imports nothing else of glmtune, so every stage may ask it who this process is.
 """
+
 from .ranks import export_slurm_env, rank, run_name, single_process_env, unique_run_name, world_size  # noqa: F401

@@ -1,5 +1,6 @@
 """What a glmtune process prints: the console (rich, rank 0's tables and lines) and `fail`, the one line on stderr
 and the exit code (exits.py) every stop that is not a success ends with."""
+
 from __future__ import annotations
 
 import logging
@@ -26,8 +27,11 @@ def fail(message: str, code: int = EXIT_BAD_INPUT, leader_speaks: bool = False, 
     if leader_speaks and rank() != 0:
         for handler in logging.getLogger().handlers:
             if isinstance(handler, logging.FileHandler):
-                handler.emit(logging.makeLogRecord({"msg": message, "levelno": logging.WARNING,
-                                                    "levelname": "WARNING", "name": "glmtune"}))
+                handler.emit(
+                    logging.makeLogRecord(
+                        {"msg": message, "levelno": logging.WARNING, "levelname": "WARNING", "name": "glmtune"}
+                    )
+                )
         sys.exit(code)
     print(f"{prefix}{message}", file=sys.stderr)
     sys.exit(code)

@@ -16,17 +16,19 @@ EXIT_DIVERGED = 8  # a NaN/inf loss or weight stopped training (train/guard.py)
 EXIT_NO_TRIAL = 9  # a sweep in which no trial succeeded
 
 # What `glmtune --help` lists under "exit codes:".
-EXIT_CODES = {0: "done", EXIT_BAD_INPUT: "bad config, command line, data or prompts file (one line, no traceback)",
-              EXIT_NO_FIT: "the plan or the probe says it does not fit the card; the line lists what would",
-              EXIT_OOM: "out of memory during training",
-              EXIT_NCCL: "NCCL / collective error (read the other ranks' logs)",
-              EXIT_TRANSFORMERS: "the checkpoint's remote code needs another transformers version",
-              EXIT_INTERRUPTED: "stopped by SIGTERM / SIGINT / SIGUSR1 after a complete checkpoint: the line names the "
-                                "command that resumes (re-running the same command also does); a sweep stops after "
-                                "its running trial saves, and the same sweep command continues it",
-              EXIT_DIVERGED: "training diverged (NaN/inf loss or weights): the line names the step and what to lower",
-              EXIT_NO_TRIAL: "a sweep in which no trial succeeded (each trial's line and <sweep dir>/summary.md say "
-                             "why)"}
+EXIT_CODES = {
+    0: "done",
+    EXIT_BAD_INPUT: "bad config, command line, data or prompts file (one line, no traceback)",
+    EXIT_NO_FIT: "the plan or the probe says it does not fit the card; the line lists what would",
+    EXIT_OOM: "out of memory during training",
+    EXIT_NCCL: "NCCL / collective error (read the other ranks' logs)",
+    EXIT_TRANSFORMERS: "the checkpoint's remote code needs another transformers version",
+    EXIT_INTERRUPTED: "stopped by SIGTERM / SIGINT / SIGUSR1 after a complete checkpoint: the line names the "
+    "command that resumes (re-running the same command also does); a sweep stops after "
+    "its running trial saves, and the same sweep command continues it",
+    EXIT_DIVERGED: "training diverged (NaN/inf loss or weights): the line names the step and what to lower",
+    EXIT_NO_TRIAL: "a sweep in which no trial succeeded (each trial's line and <sweep dir>/summary.md say why)",
+}
 
 ERROR_PREFIX = "glmtune: error: "  # the sweep summary and the supervisor pick a rank's reason out of stderr by it
 STOP_PREFIX = "glmtune: "  # a stop signal that saved a checkpoint: "glmtune: stopped by SIGTERM at step ..." (exit 7)

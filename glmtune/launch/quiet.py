@@ -5,6 +5,7 @@ Anything else a library prints there is either an error (kept) or one of the not
 2-rank CPU ZeRO-3 torchrun launch, where they were 40 of the console's lines. What is silenced here still
 reaches nobody: it is a deprecation inside a library, or a fact the header already states.
 """
+
 from __future__ import annotations
 
 import contextlib

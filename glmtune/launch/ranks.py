@@ -10,6 +10,7 @@ Every launch runs Hydra inside each rank. The ranks agree on one run dir (`run_n
 its own `rank<N>.log`, and only rank 0 writes shared files. Under SLURM no torchrun runs inside the
 job: srun starts one task per GPU and `export_slurm_env` turns SLURM's variables into torch's.
 """
+
 from __future__ import annotations
 
 import functools
@@ -61,8 +62,9 @@ def _run_name(now: str, ids: tuple) -> str:
                 return f"{now.split('/')[0]}/torchrun-{value.replace('-', '')[:8]}"
             return value
     if os.environ.get("SLURM_JOB_ID") and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
-        return f"slurm-{os.environ['SLURM_JOB_ID']}" + (f".{os.environ['SLURM_STEP_ID']}"
-                                                         if os.environ.get("SLURM_STEP_ID") else "")
+        return f"slurm-{os.environ['SLURM_JOB_ID']}" + (
+            f".{os.environ['SLURM_STEP_ID']}" if os.environ.get("SLURM_STEP_ID") else ""
+        )
     return unique_run_name(now)
 
 
@@ -86,10 +88,15 @@ def export_slurm_env() -> bool:
     from submitit.slurm.slurm import SlurmJobEnvironment  # the [slurm] extra; parses "gpu[07-08],cpu3"
 
     tasks, nodes = int(env["SLURM_NTASKS"]), int(env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", "1")))
-    env.update(RANK=env["SLURM_PROCID"], LOCAL_RANK=env["SLURM_LOCALID"], WORLD_SIZE=str(tasks),
-               LOCAL_WORLD_SIZE=str(tasks // nodes), MASTER_ADDR=SlurmJobEnvironment().hostnames[0],
-               # the same port on every task without talking: derived from the job id (submitit's rule)
-               MASTER_PORT=env.get("MASTER_PORT") or str(20000 + int(env["SLURM_JOB_ID"]) % 40000))
+    env.update(
+        RANK=env["SLURM_PROCID"],
+        LOCAL_RANK=env["SLURM_LOCALID"],
+        WORLD_SIZE=str(tasks),
+        LOCAL_WORLD_SIZE=str(tasks // nodes),
+        MASTER_ADDR=SlurmJobEnvironment().hostnames[0],
+        # the same port on every task without talking: derived from the job id (submitit's rule)
+        MASTER_PORT=env.get("MASTER_PORT") or str(20000 + int(env["SLURM_JOB_ID"]) % 40000),
+    )
     return True
 
 

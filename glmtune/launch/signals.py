@@ -10,6 +10,7 @@ checkpoint is still there).
 
 Light on purpose (no torch import): the launcher installs it before anything slow starts.
 """
+
 from __future__ import annotations
 
 import os
@@ -128,6 +129,7 @@ class StopSignals:
         release after every fork of a multi-process data build), a __del__, a weakref callback. There the
         first Interrupted is lost and the run would go on; the repeat lands in ordinary code and stops it. 3 s: long
         enough for the usual unwinding (a data build's pool teardown, the run dir's lock) to finish first."""
+
         def again() -> None:
             if self._previous and self.received and not self.deferred:  # still installed, nobody stopped yet
                 os.kill(os.getpid(), signum)

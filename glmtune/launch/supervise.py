@@ -27,6 +27,7 @@ rank explained (a rank killed by a signal, a crash outside glmtune's handlers) k
 deepspeed.launcher.runner`), not looked up on PATH: a venv's python named without activating the venv (SLURM
 scripts often do) finds them there, and the ranks run under the same python.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -98,8 +99,10 @@ def launcher_command(argv: list[str]) -> list[str]:
     if name in LAUNCHERS:
         module, package = LAUNCHERS[name]
         if importlib.util.find_spec(package) is None:
-            raise LookupError(f"{name} needs {package}, which {sys.executable} cannot import: pip install {package} "
-                              "into this python's environment, or set PYTHON= to the python that has it")
+            raise LookupError(
+                f"{name} needs {package}, which {sys.executable} cannot import: pip install {package} "
+                "into this python's environment, or set PYTHON= to the python that has it"
+            )
         return [sys.executable, "-m", module, *rest]
     if shutil.which(argv[0]) is None:
         raise LookupError(f"launcher {argv[0]!r} not found on PATH ({os.environ.get('PATH', '')})")
@@ -148,8 +151,15 @@ class Supervisor:
         except LookupError as missing:
             print(f"{ERROR_PREFIX}{missing}", file=sys.stderr)
             return EXIT_BAD_INPUT
-        self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1,
-                                     start_new_session=True, preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(
+            command,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+            bufsize=1,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
         for sig in STOP_SIGNALS:
             signal.signal(sig, self.forward)
         reader = threading.Thread(target=self.relay, daemon=True)
@@ -157,20 +167,29 @@ class Supervisor:
         code = self.proc.wait()
         reader.join(timeout=10)
         ranks_stopped = self.exit_codes and all(c == EXIT_INTERRUPTED for c in self.exit_codes)
-        if code != 0 and (self.stopped or self.stop_line) and (ranks_stopped or self.stop_line
-                                                              or code == EXIT_INTERRUPTED):
+        if (
+            code != 0
+            and (self.stopped or self.stop_line)
+            and (ranks_stopped or self.stop_line or code == EXIT_INTERRUPTED)
+        ):
             return EXIT_INTERRUPTED
         if code != 0 and self.stopped and not self.seen:  # the signal came before any rank could answer it
             # (torchrun's SignalException, or ranks still importing, which SIGTERM kills): nothing was saved
-            print(f"glmtune: stopped by {self.signal_name} before training began; nothing to save — re-run the same "
-                  "command to start again", file=sys.stderr)
+            print(
+                f"glmtune: stopped by {self.signal_name} before training began; nothing to save — re-run the same "
+                "command to start again",
+                file=sys.stderr,
+            )
             return EXIT_INTERRUPTED
         if code != 0 and self.seen and self.first_failure is not None and self.first_failure > 0:
             return self.first_failure  # torchrun's 1 for any failure: the rank's documented code instead
         if code != 0 and not self.seen and not self.reporting:  # nothing said why: the deepspeed launcher runs at
             # --log_level critical (scripts/deepspeed_launch.sh), without its "exits with return code" line
-            print(f"{ERROR_PREFIX}{os.path.basename(self.argv[0])} ended with exit code {code} and no rank said why: "
-                  "read the rank<N>.log files in the run dir", file=sys.stderr)
+            print(
+                f"{ERROR_PREFIX}{os.path.basename(self.argv[0])} ended with exit code {code} and no rank said why: "
+                "read the rank<N>.log files in the run dir",
+                file=sys.stderr,
+            )
         return code
 
 

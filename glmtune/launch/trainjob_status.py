@@ -11,6 +11,7 @@ transformers >= 4.57 registers such a callback itself; 4.40 has none, so this on
 Reporting never stops or slows training: each post runs in a background thread with a TIMEOUT_S limit, a step that
 comes while one is in flight skips its turn, and the first failure is one warning (the later ones go to rank0.log).
 """
+
 from __future__ import annotations
 
 import json
@@ -53,8 +54,9 @@ class StatusPoster:
             except (OSError, ssl.SSLError) as err:
                 self._failure(f"cannot read the CA {ca_file}: {err}")
         # The controller is inside the cluster: no proxy from the environment applies to it.
-        self.opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),
-                                                  urllib.request.HTTPSHandler(context=context))
+        self.opener = urllib.request.build_opener(
+            urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context)
+        )
 
     def ready(self) -> bool:
         return time.monotonic() - self.last >= INTERVAL_S and not (self.thread and self.thread.is_alive())
@@ -80,8 +82,9 @@ class StatusPoster:
             if self.token_file:
                 with open(self.token_file) as f:
                     headers["Authorization"] = f"Bearer {f.read().strip()}"
-            request = urllib.request.Request(self.url, data=json.dumps({"trainerStatus": status}).encode(),
-                                             headers=headers, method="POST")
+            request = urllib.request.Request(
+                self.url, data=json.dumps({"trainerStatus": status}).encode(), headers=headers, method="POST"
+            )
             with self.opener.open(request, timeout=TIMEOUT_S) as response:
                 response.read()
         except Exception as err:  # noqa: BLE001 - any failure of the report is the report's, never training's
@@ -89,8 +92,12 @@ class StatusPoster:
 
     def _failure(self, what: str) -> None:
         if not self.failed:
-            log.warning("cannot report progress to Kubeflow Trainer (%s): %s — training goes on; later failures are "
-                        "logged to this rank's log only", self.url, what)
+            log.warning(
+                "cannot report progress to Kubeflow Trainer (%s): %s — training goes on; later failures are "
+                "logged to this rank's log only",
+                self.url,
+                what,
+            )
         else:
             log.info("progress report to %s failed: %s", self.url, what)
         self.failed = True
@@ -117,8 +124,10 @@ class TrainJobStatus(TrainerCallback):
         metrics = {**self.metrics, "step": step, "total_steps": total}
         if state.epoch is not None:
             metrics["epoch"] = round(state.epoch, 4)
-        status["metrics"] = [{"name": name, "value": f"{value:.6g}" if isinstance(value, float) else str(value)}
-                             for name, value in metrics.items()]
+        status["metrics"] = [
+            {"name": name, "value": f"{value:.6g}" if isinstance(value, float) else str(value)}
+            for name, value in metrics.items()
+        ]
         return status
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -128,8 +137,15 @@ class TrainJobStatus(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         # loss, grad norm, learning rate, eval metrics: numbers only (the closing record's totals are not progress)
-        self.metrics.update({k: v for k, v in (logs or {}).items() if isinstance(v, (int, float))
-                             and not isinstance(v, bool) and not k.endswith(("_runtime", "per_second", "total_flos"))})
+        self.metrics.update(
+            {
+                k: v
+                for k, v in (logs or {}).items()
+                if isinstance(v, (int, float))
+                and not isinstance(v, bool)
+                and not k.endswith(("_runtime", "per_second", "total_flos"))
+            }
+        )
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.is_world_process_zero and self.poster.ready():

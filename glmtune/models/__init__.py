@@ -9,14 +9,23 @@ checkpoint loading (`loading.py`, the weight files checked first in `weightfiles
 May import: glmtune.config. The names below load their module on first use (PEP 562): `mode=plan` reads an
 architecture (GLMConfig) and must not pay for the model code, the tokenizers or accelerate.
 """
+
 import importlib
 
-_WHERE = {"RELEASED": "chatglm.configuration", "GLMConfig": "chatglm.configuration",
-          "Glm4Config": "glm4_0414.configuration", "released_config": "presets",
-          "build_meta_model": "loading", "enable_checkpointing": "loading", "load_config": "loading",
-          "load_model": "loading", "make_tiny_checkpoint": "loading",
-          "ChatGLMForConditionalGeneration": "chatglm.modeling", "ChatGLMModel": "chatglm.modeling",
-          "Glm4ForCausalLM": "glm4_0414.modeling"}
+_WHERE = {
+    "RELEASED": "chatglm.configuration",
+    "GLMConfig": "chatglm.configuration",
+    "Glm4Config": "glm4_0414.configuration",
+    "released_config": "presets",
+    "build_meta_model": "loading",
+    "enable_checkpointing": "loading",
+    "load_config": "loading",
+    "load_model": "loading",
+    "make_tiny_checkpoint": "loading",
+    "ChatGLMForConditionalGeneration": "chatglm.modeling",
+    "ChatGLMModel": "chatglm.modeling",
+    "Glm4ForCausalLM": "glm4_0414.modeling",
+}
 
 
 def __getattr__(name: str):

@@ -6,6 +6,7 @@ Without it each decode step copies every layer's whole cache into a new, one-tok
 new_tokens positions and every step writes one position into it (models/kernels/attention.py _store);
 the cache handed back to generate() is a view of the filled part, so nothing else changes.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager

@@ -6,6 +6,7 @@ GLM-Z1-0414: models/glm4_0414), anything else the ChatGLM architecture (GLM-4-9B
 models/chatglm). glmtune reads the weights into its own model class and never imports the Python files the
 folder ships (`modeling_chatglm.py`, ...); `trust_remote_code=True` is an explicit opt-in that does run them.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,12 +38,16 @@ def load_config(path: str | os.PathLike) -> GLMConfig:
     """The architecture in a folder's config.json: a Glm4Config (model_type glm4) or a GLMConfig (ChatGLM)."""
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
-        raise FileNotFoundError(f"{config_file}: no config.json — point model.path at a GLM-4/ChatGLM3 checkpoint folder")
+        raise FileNotFoundError(
+            f"{config_file}: no config.json — point model.path at a GLM-4/ChatGLM3 checkpoint folder"
+        )
     try:
         data = json.loads(config_file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
-        raise ConfigError(f"{config_file}:{err.lineno}: invalid JSON ({err.msg}, column {err.colno}) — restore the "
-                          "checkpoint's config.json (re-download it)") from None
+        raise ConfigError(
+            f"{config_file}:{err.lineno}: invalid JSON ({err.msg}, column {err.colno}) — restore the "
+            "checkpoint's config.json (re-download it)"
+        ) from None
     except UnicodeDecodeError:
         raise ConfigError(f"{config_file}: not UTF-8 text — restore the checkpoint's config.json") from None
     if not isinstance(data, dict):
@@ -69,8 +74,12 @@ def model_class(config) -> type:
     return ChatGLMForConditionalGeneration
 
 
-def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None,
-               trust_remote_code: bool = False) -> torch.nn.Module:
+def load_model(
+    path: str | os.PathLike,
+    dtype: torch.dtype | str | None = None,
+    device: str | torch.device | None = None,
+    trust_remote_code: bool = False,
+) -> torch.nn.Module:
     """Load a checkpoint folder into glmtune's model.
 
     dtype None keeps the checkpoint's own dtype (config.json `torch_dtype`, bf16 for GLM-4).
@@ -80,8 +89,10 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None, 
     dtype = _as_dtype(dtype)
     if trust_remote_code:
         if load_config(path).model_type == "glm4":
-            raise ConfigError(f"{path}: model.trust_remote_code=true, but a GLM-4-0414 checkpoint ships no remote code "
-                              "(transformers >= 4.51.3 has its class) — leave model.trust_remote_code=false")
+            raise ConfigError(
+                f"{path}: model.trust_remote_code=true, but a GLM-4-0414 checkpoint ships no remote code "
+                "(transformers >= 4.51.3 has its class) — leave model.trust_remote_code=false"
+            )
         return _load_remote_code(path, dtype, device)
     config = load_config(path)
     if str(device) == "meta":
@@ -90,7 +101,10 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None, 
 
     try:
         model, info = model_class(config).from_pretrained(
-            str(path), config=config, torch_dtype=dtype or "auto", output_loading_info=True,
+            str(path),
+            config=config,
+            torch_dtype=dtype or "auto",
+            output_loading_info=True,
             # ZeRO-3 builds the model inside deepspeed.zero.Init, which low_cpu_mem_usage would bypass.
             low_cpu_mem_usage=not is_deepspeed_zero3_enabled(),
         )
@@ -101,8 +115,10 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None, 
     # With low_cpu_mem_usage, transformers 4.40 leaves a missing weight on the meta device without listing it.
     missing = info["missing_keys"] or [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
-        raise ConfigError(f"{path}: checkpoint lacks {len(missing)} weights, e.g. "
-                         f"{', '.join(missing[:3])} — is it a complete GLM-4/ChatGLM3 checkpoint?")
+        raise ConfigError(
+            f"{path}: checkpoint lacks {len(missing)} weights, e.g. "
+            f"{', '.join(missing[:3])} — is it a complete GLM-4/ChatGLM3 checkpoint?"
+        )
     model.config.name_or_path = str(path)
     return model.to(device) if device is not None else model
 
@@ -117,8 +133,9 @@ def _load_remote_code(path, dtype, device):
     """Opt-in path: the folder's own modeling code (what `trust_remote_code=True` means everywhere in HF)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), trust_remote_code=True, torch_dtype=dtype or "auto",
-                                                 empty_init=False)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), trust_remote_code=True, torch_dtype=dtype or "auto", empty_init=False
+    )
     return model.to(device) if device is not None else model
 
 
@@ -141,21 +158,47 @@ def enable_checkpointing(model: torch.nn.Module, use_reentrant: bool = True) -> 
 
 # Small enough to train for the demo on 2 CPU cores in seconds, with the real model's structure:
 # GQA with 2 KV groups, partial rotary, fused QKV with bias, SwiGLU, untied output layer.
-TINY_ARCH = dict(num_layers=2, hidden_size=64, ffn_hidden_size=172, kv_channels=16, num_attention_heads=4,
-                 multi_query_attention=True, multi_query_group_num=2, add_qkv_bias=True, add_bias_linear=False,
-                 rmsnorm=True, post_layer_norm=True, apply_residual_connection_post_layernorm=False,
-                 # Wider than the usual 0.02: at hidden 64 that would cap logits near +-1.3, so no fine-tune
-                 # could move the loss far from ln(vocab); 0.1 gives a trained model's logit range.
-                 initializer_range=0.1)
+TINY_ARCH = dict(
+    num_layers=2,
+    hidden_size=64,
+    ffn_hidden_size=172,
+    kv_channels=16,
+    num_attention_heads=4,
+    multi_query_attention=True,
+    multi_query_group_num=2,
+    add_qkv_bias=True,
+    add_bias_linear=False,
+    rmsnorm=True,
+    post_layer_norm=True,
+    apply_residual_connection_post_layernorm=False,
+    # Wider than the usual 0.02: at hidden 64 that would cap logits near +-1.3, so no fine-tune
+    # could move the loss far from ln(vocab); 0.1 gives a trained model's logit range.
+    initializer_range=0.1,
+)
 _FAMILY = {
     "glm4": dict(rope_ratio=500.0, layernorm_epsilon=1.5625e-07, seq_length=8192),
     "chatglm3": dict(rope_ratio=1.0, layernorm_epsilon=1e-05, seq_length=8192),
     # glm-4v-9b has no rope_ratio (default 1). The tower keeps the real structure (post-norm ViT, conv 2x2,
     # GLU) at 56 px: 4x4 patches of 14 px -> conv -> 2x2 = 4 image tokens, 6 embeddings with boi/eoi.
-    "glm4v": dict(rope_ratio=1.0, layernorm_epsilon=1.5625e-07, seq_length=8192, vision_config=dict(
-        dropout_prob=0.0, hidden_act="gelu", in_channels=3, num_hidden_layers=2, hidden_size=32, patch_size=14,
-        num_heads=4, intermediate_size=64, layer_norm_eps=1e-06, num_positions=17, image_size=56,
-        scaling_factor=8)),
+    "glm4v": dict(
+        rope_ratio=1.0,
+        layernorm_epsilon=1.5625e-07,
+        seq_length=8192,
+        vision_config=dict(
+            dropout_prob=0.0,
+            hidden_act="gelu",
+            in_channels=3,
+            num_hidden_layers=2,
+            hidden_size=32,
+            patch_size=14,
+            num_heads=4,
+            intermediate_size=64,
+            layer_norm_eps=1e-06,
+            num_positions=17,
+            image_size=56,
+            scaling_factor=8,
+        ),
+    ),
 }
 
 
@@ -195,12 +238,19 @@ def make_tiny_checkpoint(out_dir: str | os.PathLike, family: str = "glm4", seed:
         return out
     vocab = write_tiny_tokenizer(out, family)
     tok = load_tokenizer(out)
-    config = GLMConfig(**{**TINY_ARCH, **_FAMILY[family], **arch},
-                       padded_vocab_size=-(-vocab // 64) * 64,  # padded like the real vocabularies
-                       eos_token_id=list(tok.stop_token_ids), pad_token_id=tok.pad_token_id,
-                       **(dict(boi_token_id=tok.get_command("<|begin_of_image|>"),
-                               eoi_token_id=tok.get_command("<|end_of_image|>")) if family == "glm4v" else {}),
-                       torch_dtype="float32", architectures=["ChatGLMForConditionalGeneration"])
+    config = GLMConfig(
+        **{**TINY_ARCH, **_FAMILY[family], **arch},
+        padded_vocab_size=-(-vocab // 64) * 64,  # padded like the real vocabularies
+        eos_token_id=list(tok.stop_token_ids),
+        pad_token_id=tok.pad_token_id,
+        **(
+            dict(boi_token_id=tok.get_command("<|begin_of_image|>"), eoi_token_id=tok.get_command("<|end_of_image|>"))
+            if family == "glm4v"
+            else {}
+        ),
+        torch_dtype="float32",
+        architectures=["ChatGLMForConditionalGeneration"],
+    )
     torch.manual_seed(seed)
     model = ChatGLMForConditionalGeneration(config)
     model.save_pretrained(out, safe_serialization=True)

@@ -4,6 +4,7 @@ Released models (glm4_9b_chat, glm4v_9b, chatglm3_6b; glm4_9b_0414, glm4_32b_041
 glmz1_32b_0414) need `model.path` to train, and nothing to plan: their architecture is built in.
 The tiny presets are random checkpoints glmtune writes itself, once, into a cache folder ($GLMTUNE_CACHE, default ~/.cache/glmtune), so a fresh clone runs with no download.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -39,8 +40,10 @@ def ensure_tiny(family: str) -> Path:
     # The tokenizer sources (tokenization*.py, and tokenizer_files.py with the tiny corpus) are part of what the
     # tiny checkpoint depends on.
     here = Path(__file__).parent
-    sources = [p.read_text() for p in sorted([*here.glob("tokeni*.py"), *here.glob("*/tokeni*.py"),
-                                             here / "glm4_0414" / "tiny.py"])]
+    sources = [
+        p.read_text()
+        for p in sorted([*here.glob("tokeni*.py"), *here.glob("*/tokeni*.py"), here / "glm4_0414" / "tiny.py"])
+    ]
     recipe = json.dumps([*tiny_recipe(family), sources], sort_keys=True)
     target = cache_root() / f"tiny-{family}-{hashlib.sha256(recipe.encode()).hexdigest()[:10]}"
     if (target / "model.safetensors").is_file():
@@ -71,13 +74,17 @@ def resolve_model_dir(cfg: ModelConfig) -> Path:
     if cfg.path:
         path = Path(cfg.path).expanduser()
         if not (path / "config.json").is_file():
-            raise ConfigError(f"model.path={cfg.path}: no config.json in that folder — point model.path at the "
-                              "downloaded checkpoint folder (config.json, *.safetensors, tokenizer.model)")
+            raise ConfigError(
+                f"model.path={cfg.path}: no config.json in that folder — point model.path at the "
+                "downloaded checkpoint folder (config.json, *.safetensors, tokenizer.model)"
+            )
         return path
     if cfg.name in TINY:
         return ensure_tiny(TINY[cfg.name])
-    raise ConfigError(f"model={cfg.name} needs its weights to train: download the checkpoint and pass "
-                      f"model.path=/path/to/it (mode=plan works without)")
+    raise ConfigError(
+        f"model={cfg.name} needs its weights to train: download the checkpoint and pass "
+        f"model.path=/path/to/it (mode=plan works without)"
+    )
 
 
 def arch_config(cfg: ModelConfig) -> GLMConfig:
@@ -88,5 +95,7 @@ def arch_config(cfg: ModelConfig) -> GLMConfig:
         return released_config(cfg.name)
     if cfg.name in TINY:
         return load_config(ensure_tiny(TINY[cfg.name]))
-    raise ConfigError(f"model.name={cfg.name!r} is not a known preset ({', '.join(KNOWN)}) and model.path is not "
-                      "set — set model.path to a checkpoint folder")
+    raise ConfigError(
+        f"model.name={cfg.name!r} is not a known preset ({', '.join(KNOWN)}) and model.path is not "
+        "set — set model.path to a checkpoint folder"
+    )

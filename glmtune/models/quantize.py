@@ -21,6 +21,7 @@ Kept in the compute dtype (bf16 on cards that have it):
   NF4 language model glm-4v-9b already fits a 24 GB card with the tower in bf16 (README table), so the
   tower stays exact.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -56,8 +57,11 @@ class _QuantizedCount:
 
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
         skip = {f"{n}.weight" for n, m in self.named_modules() if exclude_embeddings and isinstance(m, nn.Embedding)}
-        return sum(p.quant_state.shape.numel() if getattr(p, "quant_state", None) is not None else p.numel()
-                   for n, p in self.named_parameters() if n not in skip and (p.requires_grad or not only_trainable))
+        return sum(
+            p.quant_state.shape.numel() if getattr(p, "quant_state", None) is not None else p.numel()
+            for n, p in self.named_parameters()
+            if n not in skip and (p.requires_grad or not only_trainable)
+        )
 
 
 class QuantizedGLM(_QuantizedCount, ChatGLMForConditionalGeneration):
@@ -76,8 +80,9 @@ def _bnb():
     try:
         import bitsandbytes
     except ImportError:
-        raise ImportError("model.quantize needs bitsandbytes — pip install 'glmtune[quant]' "
-                          "(or model.quantize=none)") from None
+        raise ImportError(
+            "model.quantize needs bitsandbytes — pip install 'glmtune[quant]' (or model.quantize=none)"
+        ) from None
     return bitsandbytes
 
 
@@ -85,23 +90,33 @@ def _quantized_layer(old: nn.Linear, quantize: str, dtype: torch.dtype, double_q
     bnb = _bnb()
     bias = old.bias is not None
     if quantize == "nf4":
-        return bnb.nn.Linear4bit(old.in_features, old.out_features, bias=bias, compute_dtype=dtype,
-                                 compress_statistics=double_quant, quant_type="nf4", device="meta")
-    layer = bnb.nn.Linear8bitLt(old.in_features, old.out_features, bias=bias, has_fp16_weights=False,
-                                threshold=INT8_THRESHOLD, device="meta")
+        return bnb.nn.Linear4bit(
+            old.in_features,
+            old.out_features,
+            bias=bias,
+            compute_dtype=dtype,
+            compress_statistics=double_quant,
+            quant_type="nf4",
+            device="meta",
+        )
+    layer = bnb.nn.Linear8bitLt(
+        old.in_features, old.out_features, bias=bias, has_fp16_weights=False, threshold=INT8_THRESHOLD, device="meta"
+    )
     # peft 0.11 copies this flag when it wraps the layer; bitsandbytes 0.45+ dropped it (backward is always
     # the memory-efficient one now), so the wrap failed with an AttributeError.
     layer.state.memory_efficient_backward = False
     return layer
 
 
-def _quantized_weight(tensor: torch.Tensor, layer: nn.Module, quantize: str, dtype: torch.dtype, double_quant: bool,
-                      device: torch.device) -> nn.Parameter:
+def _quantized_weight(
+    tensor: torch.Tensor, layer: nn.Module, quantize: str, dtype: torch.dtype, double_quant: bool, device: torch.device
+) -> nn.Parameter:
     """The parameter quantizes itself when moved to the device (bitsandbytes' own `.to`)."""
     bnb = _bnb()
     if quantize == "nf4":  # quantized from the compute dtype, so dequantization returns that dtype
-        return bnb.nn.Params4bit(tensor.to(dtype), requires_grad=False, quant_type="nf4",
-                                 compress_statistics=double_quant, module=layer).to(device)
+        return bnb.nn.Params4bit(
+            tensor.to(dtype), requires_grad=False, quant_type="nf4", compress_statistics=double_quant, module=layer
+        ).to(device)
     return bnb.nn.Int8Params(tensor, requires_grad=False, has_fp16_weights=False).to(device)
 
 
@@ -178,8 +193,14 @@ def _tensors(files: list[Path]):
             yield from torch.load(file, map_location="cpu", weights_only=True, mmap=True).items()
 
 
-def load_quantized(path: str | os.PathLike, quantize: str, dtype: torch.dtype | str,
-                   device: str | torch.device | None = None, double_quant: bool = True, tensors=None) -> nn.Module:
+def load_quantized(
+    path: str | os.PathLike,
+    quantize: str,
+    dtype: torch.dtype | str,
+    device: str | torch.device | None = None,
+    double_quant: bool = True,
+    tensors=None,
+) -> nn.Module:
     """glmtune's model with NF4 or int8 weights in the GLM blocks; `dtype` is the compute dtype of everything.
 
     device None: cuda:LOCAL_RANK when there is a GPU (each data-parallel rank holds its own copy), else CPU.
@@ -199,8 +220,11 @@ def load_quantized(path: str | os.PathLike, quantize: str, dtype: torch.dtype | 
     names = set(quantized_linear_names(model))
     for name in names:
         parent, child = name.rsplit(".", 1)
-        setattr(model.get_submodule(parent), child,
-                _quantized_layer(model.get_submodule(name), quantize, dtype, double_quant))
+        setattr(
+            model.get_submodule(parent),
+            child,
+            _quantized_layer(model.get_submodule(name), quantize, dtype, double_quant),
+        )
     params, unexpected = dict(model.named_parameters()), []
     for name, tensor in tensors if tensors is not None else _tensors(weight_files(path)):
         if name not in params:
@@ -214,12 +238,15 @@ def load_quantized(path: str | os.PathLike, quantize: str, dtype: torch.dtype | 
             module._parameters[leaf] = nn.Parameter(tensor.to(device=device, dtype=dtype))
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
-        raise ValueError(f"{path}: checkpoint lacks {len(missing)} weights, e.g. "
-                         f"{', '.join(missing[:3])} — is it a complete GLM-4/ChatGLM3 checkpoint?")
+        raise ValueError(
+            f"{path}: checkpoint lacks {len(missing)} weights, e.g. "
+            f"{', '.join(missing[:3])} — is it a complete GLM-4/ChatGLM3 checkpoint?"
+        )
     unexpected = [n for n in unexpected if not n.endswith("rotary_pos_emb.inv_freq")]
     if unexpected:
-        logging.getLogger(__name__).warning("%s: %d checkpoint tensors not used, e.g. %s", path, len(unexpected),
-                                            ", ".join(unexpected[:3]))
+        logging.getLogger(__name__).warning(
+            "%s: %d checkpoint tensors not used, e.g. %s", path, len(unexpected), ", ".join(unexpected[:3])
+        )
     for module in model.modules():
         for key, buf in module._buffers.items():
             if buf is not None:

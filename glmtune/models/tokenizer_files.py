@@ -1,6 +1,7 @@
 """A checkpoint folder's tokenizer, chosen by its files (GLM-4-0414's tokenizer.json, or the format of the ChatGLM
 family's tokenizer.model), and the tiny tokenizers that the tiny test checkpoints use (trained on TINY_CORPUS,
 deterministic, well under a second)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -9,8 +10,7 @@ import os
 from pathlib import Path
 
 from .chatglm.tokenization_chatglm3 import ChatGLM3Tokenizer, tiny_chatglm3_tokenizer
-from .chatglm.tokenization_glm4 import (PAT_STR, SPECIAL_TOKENS, GLM4Tokenizer, looks_like_rank_file,
-                                        tiny_glm4_tokenizer)
+from .chatglm.tokenization_glm4 import PAT_STR, SPECIAL_TOKENS, GLM4Tokenizer, looks_like_rank_file, tiny_glm4_tokenizer
 
 
 def load_tokenizer(path: str | os.PathLike, thinking: str = "keep"):
@@ -29,8 +29,10 @@ def load_tokenizer(path: str | os.PathLike, thinking: str = "keep"):
     try:
         data = model_file.read_bytes()
     except OSError as e:
-        raise ValueError(f"{model_file}: cannot read tokenizer.model ({e.strerror or e}); point at a GLM-4 or "
-                         "ChatGLM3 checkpoint folder") from None
+        raise ValueError(
+            f"{model_file}: cannot read tokenizer.model ({e.strerror or e}); point at a GLM-4 or "
+            "ChatGLM3 checkpoint folder"
+        ) from None
     config_file = folder / "tokenizer_config.json"
     try:  # only its chat template is used: it names GLM-4's tools-block assistant; save_pretrained keeps it
         config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
@@ -44,8 +46,10 @@ def load_tokenizer(path: str | os.PathLike, thinking: str = "keep"):
         message = str(e).splitlines()[0][:160] if str(e).strip() else type(e).__name__
         if message.startswith(str(model_file)):
             raise
-        raise ValueError(f"{model_file}: not a complete {family.__name__[:-9]} tokenizer ({message}) — copy "
-                         "tokenizer.model again from the checkpoint") from None
+        raise ValueError(
+            f"{model_file}: not a complete {family.__name__[:-9]} tokenizer ({message}) — copy "
+            "tokenizer.model again from the checkpoint"
+        ) from None
     # What the tokenizer was made from, for caches of its output (glmtune.data.cache keys on it).
     tokenizer.files_sha256 = hashlib.sha256(data + b"\0" + (chat_template or "").encode()).hexdigest()
     return tokenizer
@@ -76,21 +80,33 @@ def write_tiny_fast_tokenizer(out_dir: str | os.PathLike, chat_template: str) ->
     text = {token: "".join(char[b] for b in token) for token in ranks}
     merges = []
     for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
-        splits = [(token[:i], token[i:]) for i in range(1, len(token))
-                  if ranks.get(token[:i], rank) < rank and ranks.get(token[i:], rank) < rank]
+        splits = [
+            (token[:i], token[i:])
+            for i in range(1, len(token))
+            if ranks.get(token[:i], rank) < rank and ranks.get(token[i:], rank) < rank
+        ]
         merges += [(text[a], text[b]) for a, b in sorted(splits, key=lambda ab: (ranks[ab[0]], ranks[ab[1]]))]
     backend = Tokenizer(models.BPE(vocab={text[t]: r for t, r in ranks.items()}, merges=merges))
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PAT_STR), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PAT_STR), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens(list(SPECIAL_TOKENS))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     backend.save(str(out / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
-              "padding_side": "left", "clean_up_tokenization_spaces": False, "model_max_length": 8192,
-              "chat_template": chat_template}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "padding_side": "left",
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 8192,
+        "chat_template": chat_template,
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     return backend.get_vocab_size()
 

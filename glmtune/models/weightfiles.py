@@ -1,6 +1,7 @@
 """A checkpoint's weight files, checked before any weights load (present, not cut short, no pickled code), and a
 failed load blamed on the files only when what failed was reading them.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,14 @@ def check_weight_files(path: str | os.PathLike) -> list[Path]:
     download, a full disk) is caught from its size; a torch .bin is a zip whose directory sits at the end, so
     truncation loses the directory. Returns the files; ConfigError names the first bad one."""
     folder = Path(path)
-    index = next((folder / n for n in ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-                  if (folder / n).is_file()), None)
+    index = next(
+        (
+            folder / n
+            for n in ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+            if (folder / n).is_file()
+        ),
+        None,
+    )
     if index is not None:
         try:
             names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -30,8 +37,10 @@ def check_weight_files(path: str | os.PathLike) -> list[Path]:
     else:
         files = [folder / n for n in ("model.safetensors", "pytorch_model.bin") if (folder / n).exists()][:1]
         if not files:
-            raise ConfigError(f"{folder}: no weights (model.safetensors, pytorch_model.bin or a sharded index) — "
-                              "point model.path at a complete checkpoint folder")
+            raise ConfigError(
+                f"{folder}: no weights (model.safetensors, pytorch_model.bin or a sharded index) — "
+                "point model.path at a complete checkpoint folder"
+            )
     for file in files:
         if not file.is_file():
             raise ConfigError(f"{file}: weight file missing — the checkpoint is incomplete; re-download it")
@@ -70,8 +79,17 @@ def _torch_zip_problem(file: Path) -> str | None:
 
 # What torch.load / safetensors say of a file they cannot read (a RuntimeError may also come from elsewhere: a
 # ZeRO-3 collective while the weights load, which is no reason to re-download anything).
-_FILE_ERRORS = ("PytorchStreamReader", "zip archive", "safetensor", "deserializ", "header", "invalid load key",
-                "unexpected EOF", "storage", "file")
+_FILE_ERRORS = (
+    "PytorchStreamReader",
+    "zip archive",
+    "safetensor",
+    "deserializ",
+    "header",
+    "invalid load key",
+    "unexpected EOF",
+    "storage",
+    "file",
+)
 
 
 def reading_error(err: BaseException) -> bool:
@@ -91,9 +109,11 @@ def load_error(path, err: BaseException) -> str:
     """One line for a weight file transformers could not read, without its advice to "set from_tf=True"."""
     chain = _chain(err)
     if any(isinstance(e, pickle.UnpicklingError) or "weights_only" in str(e) for e in chain):
-        return (f"{path}: a .bin weight file holds pickled objects other than tensors, which torch refuses to load "
-                "(weights_only=True) because unpickling runs code — use the checkpoint's .safetensors files, or "
-                "convert the .bin with safetensors on a machine you trust")
+        return (
+            f"{path}: a .bin weight file holds pickled objects other than tensors, which torch refuses to load "
+            "(weights_only=True) because unpickling runs code — use the checkpoint's .safetensors files, or "
+            "convert the .bin with safetensors on a machine you trust"
+        )
     root = chain[-1]
     first = str(root).strip().splitlines()[0] if str(root).strip() else type(root).__name__
     return f"{path}: weights cannot be read ({first[:200]}) — re-download the checkpoint"

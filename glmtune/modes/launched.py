@@ -10,6 +10,7 @@ WORLD_SIZE in every rank; a plain launch sets none and is one process).
 - mode=probe measures this one process and says so (a probe of the N-GPU plan in one process, a rehearsal, is
   planned: it will give the same command its meaning).
 """
+
 from __future__ import annotations
 
 import os
@@ -26,14 +27,19 @@ def launched() -> bool:
 
 def asked(dist: DistConfig) -> str:
     """The processes dist.* asks for, as the user wrote them."""
-    return (f"dist.nnodes={dist.nnodes} x dist.nproc_per_node={dist.nproc_per_node}" if dist.nnodes > 1
-            else f"dist.nproc_per_node={dist.nproc_per_node}")
+    return (
+        f"dist.nnodes={dist.nnodes} x dist.nproc_per_node={dist.nproc_per_node}"
+        if dist.nnodes > 1
+        else f"dist.nproc_per_node={dist.nproc_per_node}"
+    )
 
 
 def how_to_launch(dist: DistConfig) -> str:
     if dist.nnodes > 1:
-        return (f"NNODES={dist.nnodes} NPROC={dist.nproc_per_node} scripts/torchrun_multinode.sh <same overrides> "
-                "on each node (README: distributed runs)")
+        return (
+            f"NNODES={dist.nnodes} NPROC={dist.nproc_per_node} scripts/torchrun_multinode.sh <same overrides> "
+            "on each node (README: distributed runs)"
+        )
     return f"scripts/torchrun.sh {dist.nproc_per_node} <same overrides>"
 
 
@@ -41,8 +47,9 @@ def check_launch(run: RunConfig) -> None:
     """mode=train asking for several processes in a plain launch of one: ConfigError (exit 2)."""
     processes = run.dist.nnodes * run.dist.nproc_per_node
     if run.mode == "train" and processes > 1 and not launched():
-        raise ConfigError(f"{asked(run.dist)} asks for {processes} processes; this launch is one — "
-                          f"run {how_to_launch(run.dist)}")
+        raise ConfigError(
+            f"{asked(run.dist)} asks for {processes} processes; this launch is one — run {how_to_launch(run.dist)}"
+        )
 
 
 def launch_note(run: RunConfig) -> str | None:
@@ -53,8 +60,10 @@ def launch_note(run: RunConfig) -> str | None:
     if run.mode == "plan":
         note = f"planned for {processes} GPUs ({asked(run.dist)}): train it with {how_to_launch(run.dist)}"
     elif run.mode == "probe" and run.probe.rehearse is False:  # auto/true rehearse rank 0 of those N here
-        note = (f"the probe measures this one process, not the {processes} of {asked(run.dist)}: probe those with "
-                f"{how_to_launch(run.dist)} mode=probe")
+        note = (
+            f"the probe measures this one process, not the {processes} of {asked(run.dist)}: probe those with "
+            f"{how_to_launch(run.dist)} mode=probe"
+        )
     else:
         return None
     return textwrap.fill(note, LOG_WIDTH, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)

@@ -2,6 +2,7 @@
 architecture, and, except for mode=plan, the tokenizer and every data line. Every bad input is a ConfigError
 (one line, exit 2) raised here, before any weights load.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,8 +17,8 @@ from ..data.packing import decide_packing
 from ..data.pipeline import DataCollator, build_datasets, cache_entries
 from ..launch import rank
 from ..models import load_tokenizer
-from ..models.weightfiles import check_weight_files
 from ..models.presets import arch_config, resolve_model_dir
+from ..models.weightfiles import check_weight_files
 from ..plan.estimate import image_extra_tokens
 from ..rundir.atomic import is_disk_full
 from ..rundir.resume import input_fingerprints
@@ -63,8 +64,13 @@ def prepare(cfg: DictConfig, overrides: list[str]) -> Prepared:
             # content is hashed once per launch, not by every rank against the same disk.
             prep.inputs = input_fingerprints(cache_entries(data), prep.model_dir) if rank() == 0 else None
             prep.data = data  # packing never changes which examples a step trains: only how the collator lays them
-            prep.packing = decide_packing(run.data, data.train, image_extra_tokens(prep.arch),
-                                          run.train.per_device_batch_size, on_gpu=torch.cuda.is_available())
+            prep.packing = decide_packing(
+                run.data,
+                data.train,
+                image_extra_tokens(prep.arch),
+                run.train.per_device_batch_size,
+                on_gpu=torch.cuda.is_available(),
+            )
     except (ValueError, OSError) as err:  # bad input, or a device map that cannot place a tensor
         if is_disk_full(err):
             raise

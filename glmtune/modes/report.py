@@ -5,6 +5,7 @@ header keeps what decides a run: model, data, card and budget, the plan's decisi
 steps the run will take, so a run that trains 40 steps of a 3-epoch request cannot pass unnoticed. A full
 disk's one line names the file and folder it hit and whether a re-run resumes.
 """
+
 from __future__ import annotations
 
 import math
@@ -12,12 +13,12 @@ import textwrap
 from pathlib import Path
 
 from ..config import EVAL_METRICS, SAMPLE_SETS, DataConfig, RunConfig, TrainConfig, train_files
-from ..launch import rank
 from ..config.units import GIB
-from ..plan.planner import Choices, Plan
-from ..rundir.atomic import write_json
+from ..launch import rank
 from ..launch.console import LOG_WIDTH, console
 from ..launch.exits import ERROR_PREFIX
+from ..plan.planner import Choices, Plan
+from ..rundir.atomic import write_json
 from ..train.checkpoints import last_complete
 
 
@@ -41,8 +42,11 @@ def _card(run: RunConfig, plan: Plan) -> str:
 
 
 def _decisions(c: Choices) -> str:
-    parts = [c.dtype, f"checkpointing {'on' if c.gradient_checkpointing else 'off'}",
-             "ZeRO-3" if c.zero_stage == 3 else "no ZeRO"]
+    parts = [
+        c.dtype,
+        f"checkpointing {'on' if c.gradient_checkpointing else 'off'}",
+        "ZeRO-3" if c.zero_stage == 3 else "no ZeRO",
+    ]
     if c.offload_params:
         parts.append("CPU offload")
     if c.loss_chunk_tokens:
@@ -51,10 +55,15 @@ def _decisions(c: Choices) -> str:
         parts.append(f"tiled MLP ({c.mlp_tile_tokens}-token tiles)")
     # Under sequence parallelism the plan's width is the number of groups, each sharing its rows over N GPUs.
     sp = c.sequence_parallel
-    width = (f"{c.world_size} GPU(s)" if sp == 1 else
-             f"{c.world_size} group(s) of {sp} GPUs sharing each row (dist.sequence_parallel)")
-    parts.append(f"micro-batch {c.micro_batch_size} x accum {c.grad_accum} x {width} = global batch "
-                 f"{c.micro_batch_size * c.grad_accum * c.world_size}")
+    width = (
+        f"{c.world_size} GPU(s)"
+        if sp == 1
+        else f"{c.world_size} group(s) of {sp} GPUs sharing each row (dist.sequence_parallel)"
+    )
+    parts.append(
+        f"micro-batch {c.micro_batch_size} x accum {c.grad_accum} x {width} = global batch "
+        f"{c.micro_batch_size * c.grad_accum * c.world_size}"
+    )
     return ", ".join(parts)
 
 
@@ -79,32 +88,43 @@ def header(run: RunConfig, plan: Plan, run_dir: Path | None, train_examples: int
     else:
         model = f"{run.model.name} (architecture facts only: training needs model.path)"
     if run.model.quantize != "none":  # QLoRA: the numerics change, so the header says it (conf/model: opt-in)
-        model += (f", base weights in {run.model.quantize} (bitsandbytes"
-                  + (", double quant)" if run.model.quantize == "nf4" and run.model.double_quant else ")"))
+        model += f", base weights in {run.model.quantize} (bitsandbytes" + (
+            ", double quant)" if run.model.quantize == "nf4" and run.model.double_quant else ")"
+        )
     files = train_files(run.data)
     data = ", ".join(files) + (f" mixed {':'.join(f'{w:g}' for w in run.data.mix)}" if run.data.mix else "")
-    where = (f"run dir {run_dir}  (full config: .hydra/config.yaml)" if run_dir else
-             "nothing written (hydra.run.dir=DIR keeps plan.json)")
-    lines = [f"glmtune {run.mode}: {where}",
-             f"  model  {model}",
-             f"  data   {data}, max_length {plan.choices.max_length}",
-             f"  val    {val_line(run.data)}",
-             f"  card   {_card(run, plan)}",
-             f"  plan   {_decisions(plan.choices)}; planned peak {plan.peak_bytes / GIB:.2f} GiB "
-             + ("per GPU (estimate)" if plan.budget_bytes is not None else "(estimate, tensors on CPU)")
-             + ("" if plan.fits else "  DOES NOT FIT")]
+    where = (
+        f"run dir {run_dir}  (full config: .hydra/config.yaml)"
+        if run_dir
+        else "nothing written (hydra.run.dir=DIR keeps plan.json)"
+    )
+    lines = [
+        f"glmtune {run.mode}: {where}",
+        f"  model  {model}",
+        f"  data   {data}, max_length {plan.choices.max_length}",
+        f"  val    {val_line(run.data)}",
+        f"  card   {_card(run, plan)}",
+        f"  plan   {_decisions(plan.choices)}; planned peak {plan.peak_bytes / GIB:.2f} GiB "
+        + ("per GPU (estimate)" if plan.budget_bytes is not None else "(estimate, tensors on CPU)")
+        + ("" if plan.fits else "  DOES NOT FIT"),
+    ]
     if plan.budget_bytes is not None and "host" in plan.reasons:  # a GPU plan: one node's RAM, the second budget
         lines.append(f"  host   {plan.reasons['host']}")
     if plan.budget_bytes is not None and "allocator" in plan.reasons:  # a GPU plan: the reserve it assumes
         lines.append(f"  alloc  {plan.reasons['allocator']}")
     if train_examples is not None and run.mode == "train":
         steps, epochs = optimizer_steps(run.train, plan.choices, train_examples)
-        why = (f"train.max_steps={run.train.max_steps}: {epochs:.2f} epochs" if run.train.max_steps > 0
-               else f"{epochs:g} epoch(s)")
+        why = (
+            f"train.max_steps={run.train.max_steps}: {epochs:.2f} epochs"
+            if run.train.max_steps > 0
+            else f"{epochs:g} epoch(s)"
+        )
         lines.append(f"  steps  {steps} optimizer steps ({why} of {train_examples} examples)")
     # 120 columns, continued under the value: a log file or CI page shows it whole (a path is never split)
-    return "\n".join(textwrap.fill(line, LOG_WIDTH, subsequent_indent=" " * 9, break_long_words=False,
-                                   break_on_hyphens=False) for line in lines)
+    return "\n".join(
+        textwrap.fill(line, LOG_WIDTH, subsequent_indent=" " * 9, break_long_words=False, break_on_hyphens=False)
+        for line in lines
+    )
 
 
 def plan_written(run: RunConfig, plan: Plan, arch, overrides: list[str], run_dir: Path) -> str:
@@ -134,24 +154,35 @@ def probe_line(report, planned_bytes: int | None) -> str:
     """The probe's peak named by what it measures, beside the header's planned peak: on a CPU probing a card's
     plan the two differ by what only a GPU holds (the plan's CUDA context, workspaces and allocator reserve)."""
     on_gpu = report.method.startswith("whole process")
-    line = (f"probe measured peak {report.measured_peak_bytes / GIB:.2f} GiB "
-            f"({'whole GPU process' if on_gpu else 'live tensors on CPU'}), predicted "
-            f"{report.predicted_peak_bytes / GIB:.2f} GiB for this device")
+    line = (
+        f"probe measured peak {report.measured_peak_bytes / GIB:.2f} GiB "
+        f"({'whole GPU process' if on_gpu else 'live tensors on CPU'}), predicted "
+        f"{report.predicted_peak_bytes / GIB:.2f} GiB for this device"
+    )
     if planned_bytes is not None and not on_gpu and report.budget_bytes is not None:
-        line += (f"; the planned peak {planned_bytes / GIB:.2f} GiB per GPU adds what only a GPU holds (CUDA context, "
-                 "cuBLAS workspaces, allocator reserve)")
+        line += (
+            f"; the planned peak {planned_bytes / GIB:.2f} GiB per GPU adds what only a GPU holds (CUDA context, "
+            "cuBLAS workspaces, allocator reserve)"
+        )
     return textwrap.fill(line, LOG_WIDTH, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
 
 
 def summary(metrics: dict, wall_s: float) -> str:
     """Three lines after training, each within a 120-column log (a longer one wraps, a path never split): what the
     run did (steps, losses, metrics, throughput), its measured memory, where the adapters are."""
-    result = [f"done in {wall_s:.0f} s: {metrics['steps']} steps ({metrics.get('epochs', 0):.2f} epochs)",
-              f"train loss {metrics['train_loss']:.4f}"]
+    result = [
+        f"done in {wall_s:.0f} s: {metrics['steps']} steps ({metrics.get('epochs', 0):.2f} epochs)",
+        f"train loss {metrics['train_loss']:.4f}",
+    ]
     if "eval_loss" in metrics:
-        result.append(f"eval loss {metrics['eval_loss']:.4f} (perplexity {math.exp(min(metrics['eval_loss'], 50)):.1f})")
-    generated = [f"{k.removeprefix('eval_')} {metrics[k]:.4g}" for k in EVAL_METRICS
-                 if k in metrics and k not in ("eval_loss", "eval_perplexity")]
+        result.append(
+            f"eval loss {metrics['eval_loss']:.4f} (perplexity {math.exp(min(metrics['eval_loss'], 50)):.1f})"
+        )
+    generated = [
+        f"{k.removeprefix('eval_')} {metrics[k]:.4g}"
+        for k in EVAL_METRICS
+        if k in metrics and k not in ("eval_loss", "eval_perplexity")
+    ]
     if generated:  # eval.generate: ROUGE/BLEU/exact match of the last evaluation
         result.append(", ".join(generated))
     if metrics.get("tokens_per_s"):
@@ -159,11 +190,16 @@ def summary(metrics: dict, wall_s: float) -> str:
     memory = []
     phases = metrics.get("phase_peak_bytes")
     if phases:  # measured as the probe measured: the figure its certificate is about
-        memory.append(f"peak {max(phases.values()) / GIB:.2f} GiB ({metrics['phase_peak_kind']}; "
-                      + ", ".join(f"{p} {b / GIB:.2f}" for p, b in phases.items()) + ")"
-                      + (f", {metrics['over_probe']:.1%} over the probe's" if metrics.get("over_probe") else ""))
+        memory.append(
+            f"peak {max(phases.values()) / GIB:.2f} GiB ({metrics['phase_peak_kind']}; "
+            + ", ".join(f"{p} {b / GIB:.2f}" for p, b in phases.items())
+            + ")"
+            + (f", {metrics['over_probe']:.1%} over the probe's" if metrics.get("over_probe") else "")
+        )
     if metrics.get("measured_peak_bytes") and not (phases and metrics.get("peak_kind", "").startswith("GPU")):
-        memory.append(f"{'' if phases else 'peak '}{metrics['measured_peak_bytes'] / GIB:.2f} GiB ({metrics['peak_kind']})")
+        memory.append(
+            f"{'' if phases else 'peak '}{metrics['measured_peak_bytes'] / GIB:.2f} GiB ({metrics['peak_kind']})"
+        )
     saved = f"adapter saved to {metrics['adapter_dir']}"
     best = metrics.get("best") or {}
     if best.get("adapter_dir"):  # with a val set: the best evaluation's adapter, kept beside the last one
@@ -171,8 +207,17 @@ def summary(metrics: dict, wall_s: float) -> str:
         where = f"{kept.name}/" if kept.parent == Path(metrics["adapter_dir"]).parent else str(kept)
         saved += f"; best {best['metric']} {best['value']:.4g} at step {best['step']} in {where}"
     lines = [", ".join(result), *([", ".join(memory)] if memory else []), saved]
-    return "\n".join(textwrap.fill(line, LOG_WIDTH, initial_indent="" if i == 0 else "  ", subsequent_indent="    ",
-                                   break_long_words=False, break_on_hyphens=False) for i, line in enumerate(lines))
+    return "\n".join(
+        textwrap.fill(
+            line,
+            LOG_WIDTH,
+            initial_indent="" if i == 0 else "  ",
+            subsequent_indent="    ",
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+        for i, line in enumerate(lines)
+    )
 
 
 def crash_line(crash: BaseException) -> str:
@@ -193,8 +238,9 @@ def disk_full_line(err: BaseException, run_dir: Path) -> str:
     where = f"{named} in {Path(named).parent}" if named else f"a run file in {run_dir}"
     last = last_complete(run_dir / "checkpoints") if run_dir.is_dir() else None
     then = f"it resumes from {last}" if last else "nothing was saved yet, so it starts again"
-    return (f"disk full or over quota writing {where} ({reason}) — free space there, then re-run the same "
-            f"command: {then}")
+    return (
+        f"disk full or over quota writing {where} ({reason}) — free space there, then re-run the same command: {then}"
+    )
 
 
 def no_fit_line(plan) -> str:
@@ -202,12 +248,16 @@ def no_fit_line(plan) -> str:
     and a grep of the log keep them); the options themselves are the numbered list under the plan table."""
     host = getattr(plan, "host", None) or {}
     if plan.budget_bytes is None:  # a CPU run: its RAM (hw.host_memory_gib) holds everything
-        return (f"the plan does not fit this machine's RAM: {host['bytes'] / GIB:.1f} GiB > "
-                f"{host['budget_bytes'] / GIB:.1f} GiB budget ({host['budget_source']}) — give hw.host_memory_gib "
-                "the RAM the run will have, or lower train.per_device_batch_size or data.max_length")
+        return (
+            f"the plan does not fit this machine's RAM: {host['bytes'] / GIB:.1f} GiB > "
+            f"{host['budget_bytes'] / GIB:.1f} GiB budget ({host['budget_source']}) — give hw.host_memory_gib "
+            "the RAM the run will have, or lower train.per_device_batch_size or data.max_length"
+        )
     if plan.peak_bytes <= plan.budget_bytes and not host.get("fits", True):  # the card fits; one node's RAM does not
-        line = (f"the plan's host memory does not fit: {host['bytes'] / GIB:.1f} GiB per node > "
-                f"{host['budget_bytes'] / GIB:.1f} GiB budget; ")
+        line = (
+            f"the plan's host memory does not fit: {host['bytes'] / GIB:.1f} GiB per node > "
+            f"{host['budget_bytes'] / GIB:.1f} GiB budget; "
+        )
     else:
         line = f"the plan does not fit: {plan.peak_bytes / GIB:.1f} GiB > {plan.budget_bytes / GIB:.1f} GiB budget; "
     if not plan.advice:

@@ -4,6 +4,7 @@
 hands over to the mode (training: train.py). Every bad input is a ConfigError (one line, exit 2) raised before any
 weights load; every other stop is `launch.console.fail` with its exit code (launch/exits.py).
 """
+
 from __future__ import annotations
 
 import gc
@@ -73,8 +74,11 @@ def infer_mode(prep: Prepared, run_dir: Path) -> None:
     if "merged" in result:
         console.print(result["merged_line"], markup=False)  # what and where, and the vllm serve command
     if "predictions" in result:  # the last line: where the outputs are
-        console.print(f"{result['count']} predictions (batch {result['batch_size']}) written to {result['predictions']}; "
-                      f"provenance in {result['provenance']}", markup=False)
+        console.print(
+            f"{result['count']} predictions (batch {result['batch_size']}) written to {result['predictions']}; "
+            f"provenance in {result['provenance']}",
+            markup=False,
+        )
 
 
 def chat_mode(prep: Prepared, run_dir: Path) -> None:
@@ -92,8 +96,16 @@ def planned(prep: Prepared, run_dir: Path, plan_scratch: bool):
     world = plan_world(run, world_size())  # dist.nnodes x dist.nproc_per_node for mode=plan and a rehearsal
     length_set = run.data.max_length != 500 or typed(prep.overrides, "data.max_length")
     packed = prep.packing.shape() if prep.packing else planned_packing(run.data, image_extra_tokens(arch))
-    plan = make_plan(run, arch, world, length_set, data_max_tokens=longest_length(data.stats) if data else None,
-                     packed=packed, data_tokens=set_tokens(data.stats) if data else 0, user_ds=prep.user_ds)
+    plan = make_plan(
+        run,
+        arch,
+        world,
+        length_set,
+        data_max_tokens=longest_length(data.stats) if data else None,
+        packed=packed,
+        data_tokens=set_tokens(data.stats) if data else 0,
+        user_ds=prep.user_ds,
+    )
     world = plan.choices.world_size  # the data-parallel width: processes / the planned sequence-parallel degree
     if plan.packing and prep.packing is not None:  # the data's own rows per micro-step at the plan's micro-batch
         plan.packing["expected_rows_per_micro_step"] = expected_rows(prep.packing, plan.choices.micro_batch_size)
@@ -101,25 +113,33 @@ def planned(prep: Prepared, run_dir: Path, plan_scratch: bool):
     if run.mode == "train":  # an earlier run in this dir: resume it, refuse, or move it aside (runlock.decide)
         start = decide(run_dir, run.train.resume, prep.config, last_complete(run_dir / "checkpoints"), rank() == 0)
         recorded = Choices(**start.choices) if start.choices else None
-        if recorded and (recorded.world_size != world or start.levers_changed
-                         or recorded.sequence_parallel != plan.choices.sequence_parallel):  # other hardware: re-split
-            batch_set = any(k in ("train.per_device_batch_size", "train.grad_accum") and typed(prep.overrides, k)
-                            for k in start.levers_changed)  # typed on this command line, and changed
+        if recorded and (
+            recorded.world_size != world
+            or start.levers_changed
+            or recorded.sequence_parallel != plan.choices.sequence_parallel
+        ):  # other hardware: re-split
+            batch_set = any(
+                k in ("train.per_device_batch_size", "train.grad_accum") and typed(prep.overrides, k)
+                for k in start.levers_changed
+            )  # typed on this command line, and changed
             plan.choices, line = elastic_choices(recorded, plan.choices, world, batch_set)  # same global batch
             start = replace(start, choices=None, note=f"{start.note}; {line}")  # probed like a first launch
         if start.resume_from and rank() == 0:
             check_inputs(run_dir, prep.inputs or {})
         problem = damage(start.resume_from) if start.resume_from else None
         if problem:  # every rank reads the same files, so every rank stops with the same line
-            raise ConfigError(f"{start.resume_from}: cannot resume from this checkpoint: {problem} — delete that "
-                              "folder to resume from the one before it, or start over with train.resume=restart")
+            raise ConfigError(
+                f"{start.resume_from}: cannot resume from this checkpoint: {problem} — delete that "
+                "folder to resume from the one before it, or start over with train.resume=restart"
+            )
     elif not plan_scratch:
         refuse_training_run(run_dir, run.mode)
     if not plan_scratch:  # mode=plan without a run dir writes nothing (not even into its scratch dir)
         write_run_files(run_dir, OmegaConf.to_yaml(prep.cfg), prep.overrides, run.model.path or run.model.name, plan)
     if rank() == 0:
-        console.print(header(run, plan, None if plan_scratch else run_dir, len(data.train) if data else None),
-                      markup=False)
+        console.print(
+            header(run, plan, None if plan_scratch else run_dir, len(data.train) if data else None), markup=False
+        )
         if run.mode == "plan" or not plan.fits:
             console.print(format_plan(plan))
         if note := launch_note(run):  # dist.nproc_per_node=N in one process: how to launch N (modes/launched.py)
@@ -157,22 +177,40 @@ def probe_stage(prep: Prepared, plan, start: Start, run_dir: Path) -> tuple[Choi
         return Choices(**start.choices), plan.peak_bytes, probed_peak(run_dir)  # the first launch's, for trackers
     if not run.probe.enabled:
         if rank() == 0 and plan.unmeasured_risk:  # never skipped silently: the plan alone is not enough here
-            console.print(f"probe.enabled=false, but {plan.unmeasured_risk}; nothing measures them before training "
-                          "(probe.enabled=true to measure)")
+            console.print(
+                f"probe.enabled=false, but {plan.unmeasured_risk}; nothing measures them before training "
+                "(probe.enabled=true to measure)"
+            )
         if rank() == 0 and resolve_compile(run.train, plan.choices.zero_stage)[0]:
-            console.print("probe.enabled=false with compiled blocks: their memory is in no estimate and no probe "
-                          "measures it (probe.enabled=true to measure it before training)")
+            console.print(
+                "probe.enabled=false with compiled blocks: their memory is in no estimate and no probe "
+                "measures it (probe.enabled=true to measure it before training)"
+            )
         return plan.choices, plan.peak_bytes, None
     try:
-        probe = run_probe(run, plan, arch, prep.model_dir, longest_length(prep.data.stats), prep.tokenizer,
-                          collator(prep), run_dir, world_size(), evaluates=prep.data.val is not None,
-                          packed=prep.packing.shape(), rehearsed=rehearsed_world(run, world_size()),
-                          user_ds=prep.user_ds)
+        probe = run_probe(
+            run,
+            plan,
+            arch,
+            prep.model_dir,
+            longest_length(prep.data.stats),
+            prep.tokenizer,
+            collator(prep),
+            run_dir,
+            world_size(),
+            evaluates=prep.data.val is not None,
+            packed=prep.packing.shape(),
+            rehearsed=rehearsed_world(run, world_size()),
+            user_ds=prep.user_ds,
+        )
     except Exception as crash:  # noqa: BLE001 - not an out-of-memory (that is a rung): the run would fail the same way
         if is_disk_full(crash) or isinstance(crash, (ConfigError, Interrupted)):
             raise
-        fail(f"the probe failed before training: {crash_line(crash)} — the run would fail the same way; the traceback "
-             f"is in {log_traceback(crash) or 'rank0.log'}", code=EXIT_CRASH)
+        fail(
+            f"the probe failed before training: {crash_line(crash)} — the run would fail the same way; the traceback "
+            f"is in {log_traceback(crash) or 'rank0.log'}",
+            code=EXIT_CRASH,
+        )
     report_probe(probe, run_dir, plan.peak_bytes)
     remove_empty_dirs(run_dir, "probe")  # the probe's Trainer makes an output folder it never writes to
     if not probe.fits:

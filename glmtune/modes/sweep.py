@@ -27,6 +27,7 @@ so the table is current while the sweep runs and survives a sweep that is killed
 writes. The numbers come from the files the trial left in its run dir (plan.json, probe.json,
 metrics.json): the table shows exactly what each run dir holds.
 """
+
 from __future__ import annotations
 
 import io
@@ -41,13 +42,13 @@ from typing import Callable, TextIO
 
 from hydra.experimental.callback import Callback
 
-from ..rundir.atomic import append_line, read_jsonl, write_text
+from ..config.units import GIB
 from ..launch import rank
 from ..launch.console import console
 from ..launch.exits import ERROR_PREFIX, EXIT_INTERRUPTED, EXIT_NO_FIT
 from ..launch.signals import Requeued
+from ..rundir.atomic import append_line, read_jsonl, write_text
 from . import sweepstop
-from ..config.units import GIB
 
 # The text of glmtune's one line, anywhere in a line: a progress bar's last update (ended by \r) may precede it.
 ONE_LINE = re.compile(re.escape(ERROR_PREFIX) + r"(.*)|glmtune: (stopped by .*)")
@@ -74,13 +75,16 @@ class _Tee(io.TextIOBase):
         return found[-1] if found else None
 
 
-def run_trial(task: Callable[[], float | None], sweep_dir: Path, run_dir: Path, num: int,
-              overrides: list[str]) -> float | None:
+def run_trial(
+    task: Callable[[], float | None], sweep_dir: Path, run_dir: Path, num: int, overrides: list[str]
+) -> float | None:
     """Run one trial, record it, and return its metric (eval loss, else train loss; None if it failed)."""
     global _SWEEP_DIR
     sweepstop.enter_trial(num, sweep_dir)  # a stop signal since the last trial ends the sweep here
-    done = next((t for t in read_trials(sweep_dir) if t["num"] == num and t["overrides"] == overrides
-                 and t["status"] == "ok"), None)
+    done = next(
+        (t for t in read_trials(sweep_dir) if t["num"] == num and t["overrides"] == overrides and t["status"] == "ok"),
+        None,
+    )
     if done is not None:  # a re-run of this sweep: the trial finished before; never train it twice
         _SWEEP_DIR = sweep_dir
         if rank() == 0:
@@ -113,8 +117,10 @@ def run_trial(task: Callable[[], float | None], sweep_dir: Path, run_dir: Path, 
         summary = write_summary(sweep_dir)
         _SWEEP_DIR = sweep_dir
         loss = "" if math.isnan(record["metric"]) else f", loss {record['metric']:.4f}"
-        console.print(f"trial {num}: {status}{loss} (table: {summary}; one line per trial: "
-                      f"{sweep_dir / 'trials.jsonl'})", markup=False)
+        console.print(
+            f"trial {num}: {status}{loss} (table: {summary}; one line per trial: {sweep_dir / 'trials.jsonl'})",
+            markup=False,
+        )
     if status == "stopped" and sweepstop.stops_sweep():
         # No further trial: Hydra's launcher and the sweepers catch Exception only, so this ends the sweep (exit 7;
         # the trial's line said what to do).
@@ -130,18 +136,27 @@ def _read(path: Path) -> dict:
         return {}
 
 
-def trial_record(run_dir: Path, num: int, overrides: list[str], status: str, error: str | None, code: int,
-                 seconds: float) -> dict:
+def trial_record(
+    run_dir: Path, num: int, overrides: list[str], status: str, error: str | None, code: int, seconds: float
+) -> dict:
     plan, probe, metrics = (_read(run_dir / name) for name in ("plan.json", "probe.json", "metrics.json"))
     loss = metrics.get("eval_loss", metrics.get("train_loss"))
     return {
-        "num": num, "overrides": overrides, "status": status, "exit_code": code, "error": error,
-        "fits": plan.get("fits"), "planned_peak_bytes": plan.get("peak_bytes"),
+        "num": num,
+        "overrides": overrides,
+        "status": status,
+        "exit_code": code,
+        "error": error,
+        "fits": plan.get("fits"),
+        "planned_peak_bytes": plan.get("peak_bytes"),
         "measured_peak_bytes": probe.get("measured_peak_bytes"),
-        "train_loss": metrics.get("train_loss"), "last_logged_loss": metrics.get("last_logged_loss"),
+        "train_loss": metrics.get("train_loss"),
+        "last_logged_loss": metrics.get("last_logged_loss"),
         "eval_loss": metrics.get("eval_loss"),
         "metric": float(loss) if status == "ok" and loss is not None else math.nan,
-        "seconds": round(seconds, 1), "run_dir": str(run_dir), "adapter": str(run_dir / "adapter") if (run_dir / "adapter").is_dir() else None,
+        "seconds": round(seconds, 1),
+        "run_dir": str(run_dir),
+        "adapter": str(run_dir / "adapter") if (run_dir / "adapter").is_dir() else None,
     }
 
 
@@ -167,27 +182,42 @@ def _first(*values: float | None) -> float | None:
 
 def format_summary(trials: list[dict]) -> str:
     """A Markdown table, one row per trial, best metric first among the trials that finished."""
-    lines = ["| # | overrides | status | fits | planned peak GiB | measured peak GiB | final loss | eval loss | note |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| # | overrides | status | fits | planned peak GiB | measured peak GiB | final loss | eval loss | note |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for t in trials:
         fits = "" if t["fits"] is None else "yes" if t["fits"] else "no"
         note = (t["error"] or "").replace("|", "\\|")[:200]
-        lines.append(f"| {t['num']} | `{' '.join(t['overrides'])}` | {t['status']} | {fits} | "
-                     f"{_gib(t['planned_peak_bytes'])} | {_gib(t['measured_peak_bytes'])} | "
-                     f"{_num(_first(t['last_logged_loss'], t['train_loss']))} | {_num(t['eval_loss'])} | {note} |")
+        lines.append(
+            f"| {t['num']} | `{' '.join(t['overrides'])}` | {t['status']} | {fits} | "
+            f"{_gib(t['planned_peak_bytes'])} | {_gib(t['measured_peak_bytes'])} | "
+            f"{_num(_first(t['last_logged_loss'], t['train_loss']))} | {_num(t['eval_loss'])} | {note} |"
+        )
     failed = sum(t["status"] not in ("ok", "stopped") for t in trials)
     stopped = sum(t["status"] == "stopped" for t in trials)
-    return "\n".join([f"# sweep summary: {len(trials)} trials, {failed} failed or not fitting"
-                      + (f", {stopped} stopped (the same sweep command resumes them)" if stopped else ""), "", *lines,
-                      "", best_trial(trials), ""])
+    return "\n".join(
+        [
+            f"# sweep summary: {len(trials)} trials, {failed} failed or not fitting"
+            + (f", {stopped} stopped (the same sweep command resumes them)" if stopped else ""),
+            "",
+            *lines,
+            "",
+            best_trial(trials),
+            "",
+        ]
+    )
 
 
 def best_trial(trials: list[dict]) -> str:
     done = [t for t in trials if not math.isnan(t["metric"])]
     best = min(done, key=lambda t: t["metric"], default=None)
-    return (f"best: trial {best['num']} (`{' '.join(best['overrides'])}`), loss {best['metric']:.4f}, "
-            f"run dir {best['run_dir']}" + (f", adapter {best['adapter']}" if best.get("adapter") else "")
-            if best else "no trial has a loss (none trained, or all failed)")
+    return (
+        f"best: trial {best['num']} (`{' '.join(best['overrides'])}`), loss {best['metric']:.4f}, "
+        f"run dir {best['run_dir']}" + (f", adapter {best['adapter']}" if best.get("adapter") else "")
+        if best
+        else "no trial has a loss (none trained, or all failed)"
+    )
 
 
 class RecordedFailures(logging.Filter):
@@ -224,8 +254,10 @@ def final_line() -> str | None:
         return None
     trials = read_trials(_SWEEP_DIR)
     failed = sum(t["status"] != "ok" for t in trials)
-    return (f"sweep done: {len(trials)} trials, {failed} failed or not fitting; summary {_SWEEP_DIR / 'summary.md'}, "
-            f"trials {_SWEEP_DIR / 'trials.jsonl'}; {best_trial(trials)}")
+    return (
+        f"sweep done: {len(trials)} trials, {failed} failed or not fitting; summary {_SWEEP_DIR / 'summary.md'}, "
+        f"trials {_SWEEP_DIR / 'trials.jsonl'}; {best_trial(trials)}"
+    )
 
 
 def none_succeeded() -> bool:

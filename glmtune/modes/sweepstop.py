@@ -14,6 +14,7 @@ A stopped sweep leaves `stopped.json` in its sweep dir with its command line. Hy
 `hydra.sweep.dir=` is given, a sweep first looks under ./multirun for the newest stopped sweep of the same
 command and continues in its dir (modes/sweep.py then skips its finished trials and resumes the stopped one).
 """
+
 from __future__ import annotations
 
 import json
@@ -24,10 +25,10 @@ from pathlib import Path
 from omegaconf import read_write
 
 from ..launch import rank
-from ..launch.signals import StopSignals
-from ..rundir.atomic import write_json
 from ..launch.console import console
 from ..launch.exits import ERROR_PREFIX, EXIT_INTERRUPTED
+from ..launch.signals import StopSignals
+from ..rundir.atomic import write_json
 
 BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"  # Hydra's: every trial in this process
 MARKER = "stopped.json"
@@ -60,8 +61,9 @@ def start(config) -> Path:
     with read_write(config):  # the launcher reads the dir here, and composes each trial's config from these overrides
         config.hydra.sweep.dir = str(found)
         config.hydra.overrides.hydra.append(f"hydra.sweep.dir={found}")
-    console.print(f"the same sweep command was stopped before: continuing {found} (finished trials are kept)",
-                  markup=False)
+    console.print(
+        f"the same sweep command was stopped before: continuing {found} (finished trials are kept)", markup=False
+    )
     return found
 
 
@@ -105,9 +107,11 @@ def enter_trial(num: int, sweep_dir: Path) -> None:
     if SWEEP_STOP.received is not None:
         mark_stopped(sweep_dir)
         if rank() == 0:
-            print(f"{ERROR_PREFIX}stopped by {SWEEP_STOP.received} between two trials; no further trial starts — "
-                  f"re-run the same sweep command to continue it ({sweep_dir}): finished trials are kept",
-                  file=sys.stderr)
+            print(
+                f"{ERROR_PREFIX}stopped by {SWEEP_STOP.received} between two trials; no further trial starts — "
+                f"re-run the same sweep command to continue it ({sweep_dir}): finished trials are kept",
+                file=sys.stderr,
+            )
         raise SystemExit(EXIT_INTERRUPTED)
     _TRIAL = (num, sweep_dir) if _COMMAND is not None else None
 
@@ -135,5 +139,7 @@ def trial_stop_advice() -> str | None:
     if _TRIAL is None:
         return None
     num, sweep_dir = _TRIAL
-    return (f"the sweep stops here (no further trial starts); re-run the same sweep command to continue it "
-            f"({sweep_dir}): trial {num} resumes from that checkpoint, finished trials are kept")
+    return (
+        f"the sweep stops here (no further trial starts); re-run the same sweep command to continue it "
+        f"({sweep_dir}): trial {num} resumes from that checkpoint, finished trials are kept"
+    )

@@ -13,6 +13,7 @@ GPUs, then changed numerics (quantized; with shorter examples after), then new h
 at any setting is not mentioned. Each line starts with the overrides to type, so it can be pasted onto the command
 line as it is (tests/plan/test_advice.py does exactly that), then what it means, its estimate and its headroom.
 """
+
 from __future__ import annotations
 
 import textwrap
@@ -49,8 +50,10 @@ class Option:
         return 1 - self.peak_bytes / self.budget_bytes
 
     def line(self) -> str:
-        return (f"{' '.join(self.overrides)}: {self.what}, estimated {self.peak_bytes / GIB:.1f} of "
-                f"{self.budget_bytes / GIB:.1f} GiB ({100 * self.headroom:.1f} % headroom)")
+        return (
+            f"{' '.join(self.overrides)}: {self.what}, estimated {self.peak_bytes / GIB:.1f} of "
+            f"{self.budget_bytes / GIB:.1f} GiB ({100 * self.headroom:.1f} % headroom)"
+        )
 
 
 def comfortable(plan) -> bool:
@@ -68,8 +71,16 @@ def format_options(lines: list[str]) -> str:
         return ""
     out = ["what would fit, best first (type the overrides before the colon):"]
     for i, line in enumerate(lines, 1):
-        out.append(textwrap.fill(line, WIDTH, initial_indent=f"  {i}. ", subsequent_indent="     ",
-                                 break_long_words=False, break_on_hyphens=False))
+        out.append(
+            textwrap.fill(
+                line,
+                WIDTH,
+                initial_indent=f"  {i}. ",
+                subsequent_indent="     ",
+                break_long_words=False,
+                break_on_hyphens=False,
+            )
+        )
     return "\n".join(out)
 
 
@@ -85,8 +96,11 @@ def advise(run: RunConfig, world_size: int, max_length: int, replan: Callable[[R
     `replan(run, world_size)` is the planner itself (without advice); `max_length` is the planned length."""
     base = replace(run, data=replace(run.data, max_length=max_length))
     shorter = _length(base, world_size, max_length, replan)
-    options = ([_option([f"data.max_length={shorter[0]}"], "shorter examples (longer ones are cut)", shorter[1])]
-               if shorter else [])
+    options = (
+        [_option([f"data.max_length={shorter[0]}"], "shorter examples (longer ones are cut)", shorter[1])]
+        if shorter
+        else []
+    )
     options += _gpus(run, base, world_size, replan)
     options += _quantized(run, base, world_size, max_length, replan, shorter[0] if shorter else 0)
     options += _host(run, base, world_size, replan)
@@ -101,6 +115,7 @@ def _longest(plan_at: Callable[[int], object], max_length: int):
     spends what it frees on speed (checkpointing off, a larger evaluation batch) and lands near the budget again.
     So from the longest that fits, down one LENGTH_STEP at a time to the first with MIN_HEADROOM (~7 ms a plan;
     at most MAX_SCAN of them, then a binary search below)."""
+
     def search(lo: int, hi: int, ok: Callable) -> tuple[int, object] | None:
         best = None
         while lo <= hi:
@@ -142,8 +157,11 @@ def _gpus(run: RunConfig, base: RunConfig, world_size: int, replan) -> list[Opti
         overrides = ([f"dist.nnodes={nodes}"] if nodes > 1 else []) + [f"dist.nproc_per_node={procs}"]
         if strategy != run.dist.strategy:
             overrides.append(f"dist.strategy={strategy}")
-        launch = (f"scripts/torchrun.sh {procs}" if nodes == 1 else
-                  f"NNODES={nodes} NPROC={procs} scripts/torchrun_multinode.sh on each node")
+        launch = (
+            f"scripts/torchrun.sh {procs}"
+            if nodes == 1
+            else f"NNODES={nodes} NPROC={procs} scripts/torchrun_multinode.sh on each node"
+        )
         zero = "ZeRO-3" if plan.choices.zero_stage == 3 else "data parallel"
         if plan.choices.sequence_parallel > 1:  # the planner's SP rung (plan/sequence.py)
             zero += f", {plan.choices.sequence_parallel} GPUs sharing each row"
@@ -151,8 +169,7 @@ def _gpus(run: RunConfig, base: RunConfig, world_size: int, replan) -> list[Opti
     return []
 
 
-def _quantized(run: RunConfig, base: RunConfig, world_size: int, max_length: int, replan,
-               shorter: int) -> list[Option]:
+def _quantized(run: RunConfig, base: RunConfig, world_size: int, max_length: int, replan, shorter: int) -> list[Option]:
     """A quantized base alone where it fits (int8 first when it leaves INT8_FIRST free, else nf4 first); when
     neither does, each with the longest length that then fits, if longer than `shorter` (the length that fits
     without quantizing, which changes less)."""
@@ -161,8 +178,12 @@ def _quantized(run: RunConfig, base: RunConfig, world_size: int, max_length: int
     # ZeRO-3 cannot shard bitsandbytes weights (plan/quantized.py allows_zero3): a zero3 run goes back to auto.
     also = ["dist.strategy=auto"] if run.dist.strategy == "zero3" else []
     what = "quantize the frozen base weights (QLoRA; changes the numerics)"
-    trials = {mode: replace(base, model=replace(run.model, quantize=mode),
-                            dist=replace(run.dist, strategy="auto") if also else run.dist) for mode in ("int8", "nf4")}
+    trials = {
+        mode: replace(
+            base, model=replace(run.model, quantize=mode), dist=replace(run.dist, strategy="auto") if also else run.dist
+        )
+        for mode in ("int8", "nf4")
+    }
     alone = {mode: plan for mode, trial in trials.items() if comfortable(plan := replan(trial, world_size))}
     if alone:
         int8 = alone.get("int8")
@@ -170,11 +191,17 @@ def _quantized(run: RunConfig, base: RunConfig, world_size: int, max_length: int
         return [_option([f"model.quantize={m}", *also], what, alone[m]) for m in order if m in alone]
     combined = []
     for mode, trial in trials.items():
-        found = _longest(lambda n: replan(replace(trial, data=replace(trial.data, max_length=n)), world_size),
-                         max_length)
+        found = _longest(
+            lambda n: replan(replace(trial, data=replace(trial.data, max_length=n)), world_size), max_length
+        )
         if found and found[0] > shorter:
-            combined.append(_option([f"model.quantize={mode}", f"data.max_length={found[0]}", *also],
-                                    f"{what}, and cut examples to {found[0]} tokens", found[1]))
+            combined.append(
+                _option(
+                    [f"model.quantize={mode}", f"data.max_length={found[0]}", *also],
+                    f"{what}, and cut examples to {found[0]} tokens",
+                    found[1],
+                )
+            )
     return sorted(combined, key=lambda o: -int(o.overrides[1].split("=")[1]))  # the longer examples first
 
 
@@ -184,8 +211,9 @@ def _cards(run: RunConfig, base: RunConfig, world_size: int, replan) -> list[Opt
         if name == run.hw.name or len(out) == MAX_CARDS:
             continue
         # Another card in the same node: the node's RAM (hw.host_memory_gib) stays the run's.
-        plan = replan(replace(base, hw=replace(hw, margin=run.hw.margin, host_memory_gib=run.hw.host_memory_gib)),
-                      world_size)
+        plan = replan(
+            replace(base, hw=replace(hw, margin=run.hw.margin, host_memory_gib=run.hw.host_memory_gib)), world_size
+        )
         if comfortable(plan):
             out.append(_option([f"+hw={name}"], f"the {name} preset ({hw.memory_gib} GiB per GPU)", plan))
     return out
@@ -206,8 +234,13 @@ def _host(run: RunConfig, base: RunConfig, world_size: int, replan) -> list[Opti
             continue
         trial = replan(replace(base, hw=replace(run.hw, host_memory_gib=float(size))), world_size)
         if comfortable(trial):
-            return [_option([f"hw.host_memory_gib={size}"], f"a node with {size} GiB of RAM (the host needs "
-                            f"{trial.host['bytes'] / GIB:.0f} GiB)", trial)]
+            return [
+                _option(
+                    [f"hw.host_memory_gib={size}"],
+                    f"a node with {size} GiB of RAM (the host needs {trial.host['bytes'] / GIB:.0f} GiB)",
+                    trial,
+                )
+            ]
     return []
 
 
@@ -218,6 +251,8 @@ def cards_for_measured(run: RunConfig, measured_peak: int) -> list[str]:
     for name, hw in sorted(hw_presets().items(), key=lambda item: item[1].memory_gib):
         budget = hw.memory_gib * GIB * run.hw.margin
         if name != run.hw.name and (1 - MIN_HEADROOM) * budget >= measured_peak:
-            out.append(f"+hw={name}: the {name} preset ({hw.memory_gib} GiB per GPU), measured "
-                       f"{measured_peak / GIB:.1f} of {budget / GIB:.1f} GiB")
+            out.append(
+                f"+hw={name}: the {name} preset ({hw.memory_gib} GiB per GPU), measured "
+                f"{measured_peak / GIB:.1f} of {budget / GIB:.1f} GiB"
+            )
     return out

@@ -1,5 +1,6 @@
 """Sizes that follow from the architecture alone: parameter counts of a GLM block, the GLM-4V tower and the
 whole frozen model, and how much an image grows a row. The estimator (estimate.py) turns them into bytes."""
+
 from __future__ import annotations
 
 from ..models import GLMConfig
@@ -14,8 +15,17 @@ def block_params(arch: GLMConfig) -> int:
     h, f = arch.hidden_size, arch.ffn_hidden_size
     qkv_bias = arch.qkv_out if (arch.add_qkv_bias or arch.add_bias_linear) else 0
     bias = arch.add_bias_linear
-    return (h * arch.qkv_out + qkv_bias + arch.num_attention_heads * arch.kv_channels * h + h * bias
-            + h * 2 * f + 2 * f * bias + f * h + h * bias + getattr(arch, "norms_per_layer", 2) * h)
+    return (
+        h * arch.qkv_out
+        + qkv_bias
+        + arch.num_attention_heads * arch.kv_channels * h
+        + h * bias
+        + h * 2 * f
+        + 2 * f * bias
+        + f * h
+        + h * bias
+        + getattr(arch, "norms_per_layer", 2) * h
+    )
 
 
 def vision_params(arch: GLMConfig) -> int:

@@ -8,19 +8,27 @@ slack are per-family constants, marked UNCALIBRATED. ZeRO-1/2 are not modelled o
 shard only adapter gradients and optimizer states (megabytes) and never the frozen weights that fill
 the card, so glmtune offers ZeRO stage 0 or 3 only.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..config.units import MIB
 from ..models import GLMConfig
 from . import longctx, quantized, variants
+from .archsize import (
+    IMAGE_TOKENS,
+    VISION_LAYER_TOKENS,
+    block_params,
+    frozen_params,  # noqa: F401 (re-exported)
+    image_extra_tokens,
+    vision_params,
+    vision_working,
+)
 from .host import host_breakdown
 from .reserve import phase_reserves
 from .terms import block_saved, block_working, eval_loss_bytes, lora_params, loss_bytes  # noqa: F401 (re-exported)
 from .variants import BYTES, HEADS, linear_shapes, peft_adapter_dtype, roles  # noqa: F401 (shared with variants)
-from .archsize import (IMAGE_TOKENS, VISION_LAYER_TOKENS, block_params, frozen_params,  # noqa: F401 (re-exported)
-                       image_extra_tokens, vision_params, vision_working)
-from ..config.units import MIB
 
 # ZeRO-3 buffer sizes in elements. The prefetch bucket and the largest gathered layer are what ZeRO-3
 # adds to a card's peak; the estimator counts them with these same numbers.
@@ -44,8 +52,17 @@ NCCL_PER_GPU = 566 * MIB
 
 def gpu_family(hw_name: str) -> str | None:
     """GPU family from a conf/hw preset name; None = CPU / unknown (no CUDA overhead terms)."""
-    for key, fam in (("h100", "hopper"), ("h200", "hopper"), ("a100", "ampere"), ("a10", "ampere"),
-                     ("3090", "ampere"), ("4090", "ada"), ("l40", "ada"), ("v100", "volta"), ("t4", "turing")):
+    for key, fam in (
+        ("h100", "hopper"),
+        ("h200", "hopper"),
+        ("a100", "ampere"),
+        ("a10", "ampere"),
+        ("3090", "ampere"),
+        ("4090", "ada"),
+        ("l40", "ada"),
+        ("v100", "volta"),
+        ("t4", "turing"),
+    ):
         if key in hw_name:
             return fam
     return None
@@ -54,6 +71,7 @@ def gpu_family(hw_name: str) -> str | None:
 @dataclass(frozen=True)
 class RunShape:
     """What the estimator needs to know about a run (built by `planner.run_shape` from RunConfig + Choices)."""
+
     dtype: str = "bf16"
     micro_batch: int = 1
     seq_len: int = 500  # padded tokens per sample incl. image tokens
@@ -80,7 +98,9 @@ class RunShape:
     double_quant: bool = True  # nf4: quantized absmax scales
     allocator: str = "expandable"  # expandable | default: the CUDA caching allocator's mode (plan/reserve.py)
     use_dora: bool = False  # DoRA's terms and the 8-bit optimizer's states: plan/variants.py
-    document_mask: bool = False  # packed rows on the dense path (sdpa; models/kernels/docattention.py): what estimate() says
+    document_mask: bool = (
+        False  # packed rows on the dense path (sdpa; models/kernels/docattention.py): what estimate() says
+    )
     mlp_tile_tokens: int = 0  # >0: the MLP runs in tiles of this many tokens (plan/tiledmlp.py), 0 = whole
     optimizer: str = "adamw_torch"  # adamw_torch | adamw_8bit
     sequence_parallel: int = 1  # ranks sharing each row (Ulysses): per-rank tokens seq/N (plan/longctx.py)
@@ -137,8 +157,11 @@ def estimate(arch: GLMConfig, shape: RunShape) -> Estimate:
         kept = 0 if shape.offload_checkpoints else L * e * tokens * h
         # The recomputed block's input is its kept checkpoint input (the same storage) unless it came back
         # from the CPU as a new tensor.
-        recompute = block_saved(arch, shape, tokens, True) - (0 if shape.offload_checkpoints else e * tokens * h) \
-            - variants.dora_last_saved(arch, shape, tokens)  # DoRA: freed before the backward peak
+        recompute = (
+            block_saved(arch, shape, tokens, True)
+            - (0 if shape.offload_checkpoints else e * tokens * h)
+            - variants.dora_last_saved(arch, shape, tokens)
+        )  # DoRA: freed before the backward peak
     else:
         kept = block_saved(arch, shape, tokens, False) + (L - 1) * block_saved(arch, shape, tokens, True)
         recompute = 0
@@ -158,7 +181,7 @@ def estimate(arch: GLMConfig, shape: RunShape) -> Estimate:
     # backward keeps: one per block without checkpointing, the recomputed block's alone with it. Measured on CPU (tiny model, 2 blocks at 512:
     # 2 x 512^2 x 4 B more live bytes than unpacked) and on an H200 (RESULTS §11 row 1: 40 blocks at 2,048
     # positions, bf16: the 0.31-0.35 GiB the tensor terms missed).
-    mask_bytes = shape.micro_batch * shape.seq_len ** 2 if shape.document_mask else 0
+    mask_bytes = shape.micro_batch * shape.seq_len**2 if shape.document_mask else 0
     bias = mask_bytes * e
     kept_bias, recomputed_bias = (0, bias) if ckpt else (L * bias, 0)
     if mask_bytes:
@@ -175,8 +198,12 @@ def estimate(arch: GLMConfig, shape: RunShape) -> Estimate:
         # The eval loss runs under the training's sequence-parallel layout (train/sequence.py): a shard of each row.
         et, whole = shape.eval_batch * longctx.local_seq(shape), shape.eval_batch * shape.seq_len
         # Without grad nothing is kept between blocks: a block's working set is gone before the loss head runs.
-        phases["eval"] = (states + max(eval_loss_bytes(arch, shape, et), block_working(arch, shape, et))
-                          + 2 * e * et * h + (shape.eval_batch * shape.seq_len ** 2 * (1 + e) if mask_bytes else 0))
+        phases["eval"] = (
+            states
+            + max(eval_loss_bytes(arch, shape, et), block_working(arch, shape, et))
+            + 2 * e * et * h
+            + (shape.eval_batch * shape.seq_len**2 * (1 + e) if mask_bytes else 0)
+        )
         if shape.eval_max_new_tokens:  # generation decodes whole rows on every rank (no SP): its prompt's prefill
             et = whole
             kv_per_token = L * arch.kv_groups * arch.kv_channels * 2 * e  # 40,960 B for GLM-4 bf16

@@ -8,6 +8,7 @@ rounds each block up to a power of two), ZeRO-3's parameter and optimizer offloa
 does not is refused. A CPU run has no card: its RAM is the budget of the whole estimate, checked again before
 training (train/preflight.check_host_memory).
 """
+
 from __future__ import annotations
 
 import os
@@ -88,15 +89,22 @@ def host_figures(est, run: RunConfig, gpu_plan: bool) -> dict:
     checked = budget is not None and (gpu_plan or run.hw.host_memory_gib is not None)
     if not gpu_plan:
         used += est.peak_bytes
-    return {"bytes": used, "budget_bytes": budget, "budget_source": source,
-            "fits": not checked or used <= budget, "breakdown": dict(est.host)}
+    return {
+        "bytes": used,
+        "budget_bytes": budget,
+        "budget_source": source,
+        "fits": not checked or used <= budget,
+        "breakdown": dict(est.host),
+    }
 
 
 def host_reason(host: dict, ranks: int) -> str:
     """The plan's `host` reason line: one node's bytes against its budget."""
     budget = "unknown" if host["budget_bytes"] is None else f"{host['budget_bytes'] / GIB:.1f} GiB"
-    return (f"{host['bytes'] / GIB:.1f} GiB for {ranks} process(es) on a node, budget {budget} "
-            f"({host['budget_source']})" + ("" if host["fits"] else ": DOES NOT FIT"))
+    return (
+        f"{host['bytes'] / GIB:.1f} GiB for {ranks} process(es) on a node, budget {budget} "
+        f"({host['budget_source']})" + ("" if host["fits"] else ": DOES NOT FIT")
+    )
 
 
 def host_rows(host: dict) -> list[tuple[str, str, str]]:
@@ -105,9 +113,14 @@ def host_rows(host: dict) -> list[tuple[str, str, str]]:
         return []
     hb = host["budget_bytes"]
     rows = [(f"host: {name}", f"{value / GIB:.2f} GiB", "per node") for name, value in host["breakdown"].items()]
-    rows.append(("[bold]host RAM per node", f"[bold]{host['bytes'] / GIB:.2f} GiB",
-                 f"budget {'unknown' if hb is None else f'{hb / GIB:.1f} GiB'}: {host['budget_source']}"
-                 + ("" if host["fits"] else " — DOES NOT FIT")))
+    rows.append(
+        (
+            "[bold]host RAM per node",
+            f"[bold]{host['bytes'] / GIB:.2f} GiB",
+            f"budget {'unknown' if hb is None else f'{hb / GIB:.1f} GiB'}: {host['budget_source']}"
+            + ("" if host["fits"] else " — DOES NOT FIT"),
+        )
+    )
     return rows
 
 

@@ -12,6 +12,7 @@ each KV group is replicated before the exchange (N / groups copies), so k and v 
 exchange buffers are transient; what attention's backward adds on top of the MLP-bound working set is
 attention_working (measured on CPU; bench/length_table.py uses exchange_bytes for the time they take).
 """
+
 from __future__ import annotations
 
 from ..models import GLMConfig

@@ -14,6 +14,7 @@ more than m). `most_rows` gives that bound, which the plan prints beside the pro
 The attention those rows run (models/kernels/attnpath.py: a dense mask up to a length, per document above) is named in
 the plan by `path_figures` and `path_reason`.
 """
+
 from __future__ import annotations
 
 import math
@@ -61,8 +62,11 @@ def path_figures(requested: str, row_length: int) -> dict:
 
 def path_reason(requested: str, figures: dict) -> str:
     """The plan's line: the probed row's path, and above which length no [S, S] tensor exists."""
-    path = {"sdpa": "a dense block-diagonal mask", "segments": "per-document SDPA (segments)",
-            "flex": "a FlexAttention block mask"}[figures["attention"]]
+    path = {
+        "sdpa": "a dense block-diagonal mask",
+        "segments": "per-document SDPA (segments)",
+        "flex": "a FlexAttention block mask",
+    }[figures["attention"]]
     rows = f"rows of {figures['probed_row_positions']} positions: {path}"
     if figures["dense_mask_max"] is None:
         return f"train.packed_attention=sdpa: {rows}, a [S, S] tensor at every length"

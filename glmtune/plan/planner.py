@@ -6,6 +6,7 @@ more accumulation, chunked loss, checkpointing, checkpoint offload, ZeRO-3) unti
 budget = hw.memory_gib x margin. Without a budget (no preset, no GPU) everything fits and the plan
 still reports the estimate.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -46,9 +47,11 @@ def rehearsed_world(run: RunConfig, processes: int) -> int:
         return 0
     if processes > 1:
         if setting is True:
-            raise ConfigError(f"probe.rehearse=true rehearses a plan in one process, and this launch has {processes}: "
-                              "run mode=probe without torchrun (dist.nproc_per_node=N names the GPUs it plans for), "
-                              "or probe.rehearse=auto to probe the processes running")
+            raise ConfigError(
+                f"probe.rehearse=true rehearses a plan in one process, and this launch has {processes}: "
+                "run mode=probe without torchrun (dist.nproc_per_node=N names the GPUs it plans for), "
+                "or probe.rehearse=auto to probe the processes running"
+            )
         return 0
     return planned if setting is True or planned > 1 else 0
 
@@ -113,10 +116,18 @@ def _budget(run: RunConfig, margin: float) -> int | None:
     return None
 
 
-def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
-              data_max_tokens: int | None = None, margin: float | None = None,
-              packed: tuple[int, int] | None = None, advice: bool = True, data_tokens: int = 0,
-              user_ds: userds.UserDeepSpeed | None = None) -> Plan:
+def make_plan(
+    run: RunConfig,
+    arch,
+    world_size: int,
+    user_set_max_length: bool,
+    data_max_tokens: int | None = None,
+    margin: float | None = None,
+    packed: tuple[int, int] | None = None,
+    advice: bool = True,
+    data_tokens: int = 0,
+    user_ds: userds.UserDeepSpeed | None = None,
+) -> Plan:
     """world_size: the processes of the launch; the plan's width (Choices.world_size) is that over the
     sequence-parallel degree. data_tokens: the tokenized set's size, for the host budget (0 = unknown).
     user_ds: dist.deepspeed_config as config/userds.load read it; the plan starts from its offloads."""
@@ -125,17 +136,26 @@ def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
     world_size = processes // sp
     dtype, why_dtype = local_dtype(run)
     max_length = run.data.max_length if user_set_max_length else DEFAULT_MAX_LENGTH
-    c = Choices(dtype=dtype, gradient_checkpointing=run.train.gradient_checkpointing == "on",
-                zero_stage=3 if run.dist.strategy == "zero3" else 0,  # the offloads: the user's file's, else none
-                offload_params=bool(user_ds and user_ds.offload_params),
-                offload_optimizer=bool(user_ds and user_ds.offload_optimizer),
-                micro_batch_size=run.train.per_device_batch_size, grad_accum=run.train.grad_accum,
-                max_length=max_length, world_size=world_size, eval_batch_size=run.train.eval_batch_size,
-                sequence_parallel=sp,
-                mlp_tile_tokens=tile_tokens(arch) if run.train.tiled_mlp == "on" else 0)
-    reasons = {"dtype": why_dtype,
-               "max_length": "set by data.max_length" if user_set_max_length else
-               f"default {DEFAULT_MAX_LENGTH} tokens (data.max_length not set)"}
+    c = Choices(
+        dtype=dtype,
+        gradient_checkpointing=run.train.gradient_checkpointing == "on",
+        zero_stage=3 if run.dist.strategy == "zero3" else 0,  # the offloads: the user's file's, else none
+        offload_params=bool(user_ds and user_ds.offload_params),
+        offload_optimizer=bool(user_ds and user_ds.offload_optimizer),
+        micro_batch_size=run.train.per_device_batch_size,
+        grad_accum=run.train.grad_accum,
+        max_length=max_length,
+        world_size=world_size,
+        eval_batch_size=run.train.eval_batch_size,
+        sequence_parallel=sp,
+        mlp_tile_tokens=tile_tokens(arch) if run.train.tiled_mlp == "on" else 0,
+    )
+    reasons = {
+        "dtype": why_dtype,
+        "max_length": "set by data.max_length"
+        if user_set_max_length
+        else f"default {DEFAULT_MAX_LENGTH} tokens (data.max_length not set)",
+    }
 
     def peak(ch: Choices, evaluating: bool = True):
         shape = run_shape(run, arch, ch, data_max_tokens, packed, data_tokens)
@@ -147,8 +167,13 @@ def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
 
     # Frozen weights alone exceed one card: only ZeRO-3 over several GPUs shards them.
     weights_only = peak(c).breakdown.get("frozen weights", 0)
-    if (budget is not None and weights_only > budget and processes > 1 and run.dist.strategy == "auto"
-            and allows_zero3(run)):
+    if (
+        budget is not None
+        and weights_only > budget
+        and processes > 1
+        and run.dist.strategy == "auto"
+        and allows_zero3(run)
+    ):
         c = replace(c, zero_stage=3)
     start = c
     # Training first: a smaller evaluation batch costs the training nothing, so it must not push the
@@ -172,9 +197,18 @@ def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
     reasons["sequence_parallel"] = sequence.reason(run, arch, c, processes)
     reasons["host"] = host_reason(host, sequence.shape_fields(run, c, 0)["ranks_per_node"])
     sources = term_sources(est.breakdown, run_shape(run, arch, c, data_max_tokens, packed))
-    plan = Plan(ok, budget, est.peak_bytes, est.breakdown, c, reasons, sources=sources,
-                unmeasured_risk=derived_near_budget(est.breakdown, sources, est.peak_bytes, budget) if ok else "",
-                packing=packing_figures(run, arch, c, data_max_tokens, packed), host=host)
+    plan = Plan(
+        ok,
+        budget,
+        est.peak_bytes,
+        est.breakdown,
+        c,
+        reasons,
+        sources=sources,
+        unmeasured_risk=derived_near_budget(est.breakdown, sources, est.peak_bytes, budget) if ok else "",
+        packing=packing_figures(run, arch, c, data_max_tokens, packed),
+        host=host,
+    )
     if plan.packing:
         reasons["packed_attention"] = path_reason(run.train.packed_attention, plan.packing)
     if not ok and advice and budget is not None:  # the options are other cards and levers for a card budget
@@ -182,9 +216,19 @@ def make_plan(run: RunConfig, arch, world_size: int, user_set_max_length: bool,
     return plan
 
 
-def _advice(run, arch, world_size: int, max_length: int, data_max_tokens, margin,
-            packed: tuple[int, int] | None = None, data_tokens: int = 0, user_ds=None) -> list[str]:
+def _advice(
+    run,
+    arch,
+    world_size: int,
+    max_length: int,
+    data_max_tokens,
+    margin,
+    packed: tuple[int, int] | None = None,
+    data_tokens: int = 0,
+    user_ds=None,
+) -> list[str]:
     """The overrides that would fit, each one planned again (plan/advice.py); empty when none does."""
+
     def replan(changed: RunConfig, world: int) -> Plan:
         return make_plan(changed, arch, world, True, data_max_tokens, margin, packed, False, data_tokens, user_ds)
 

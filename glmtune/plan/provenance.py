@@ -11,7 +11,9 @@
 A plan whose peak is within NEAR_BUDGET of the budget and includes a derived term says so: the probe is then
 what stands between the plan and an out-of-memory error.
 """
+
 from __future__ import annotations
+
 from ..config.units import GIB
 
 MEASURED = "measured (H100, bench/RESULTS.md §0)"
@@ -20,8 +22,12 @@ DERIVED = "derived (not measured)"
 NEAR_BUDGET = 0.05
 # Under sequence parallelism the per-token terms are taken at the shard's length and the exchange buffers added
 # (plan/longctx.py): checked on CPU against live bytes of a 2-rank gloo run, never on GPUs.
-SP_TERMS = ("activations kept for backward", "recomputed block (checkpointing)", "block backward working set",
-            "logits and loss")
+SP_TERMS = (
+    "activations kept for backward",
+    "recomputed block (checkpointing)",
+    "block backward working set",
+    "logits and loss",
+)
 SP_SOURCE = CPU_VERIFIED
 
 
@@ -35,16 +41,23 @@ def term_sources(breakdown: dict[str, int], shape) -> dict[str, str]:
             source = MEASURED if "(measured)" in name else DERIVED
         elif name.startswith("cuBLAS") or name == "eval KV cache":
             source = DERIVED
-        elif name.startswith(("ZeRO-3", "frozen weights (ZeRO-3", "NCCL")) or (shape.zero_stage == 3 and name.startswith("LoRA")):
+        elif name.startswith(("ZeRO-3", "frozen weights (ZeRO-3", "NCCL")) or (
+            shape.zero_stage == 3 and name.startswith("LoRA")
+        ):
             source = DERIVED if multi else MEASURED
         elif getattr(shape, "sequence_parallel", 1) > 1 and name in SP_TERMS:
             source = SP_SOURCE
-        elif quantized and name in ("frozen weights", "block backward working set", "activations kept for backward",
-                                    "recomputed block (checkpointing)"):
+        elif quantized and name in (
+            "frozen weights",
+            "block backward working set",
+            "activations kept for backward",
+            "recomputed block (checkpointing)",
+        ):
             source = CPU_VERIFIED
-        elif getattr(shape, "mlp_tile_tokens", 0) and (name in ("block backward working set", "recomputed block "
-                                                                "(checkpointing)") or (name == "activations kept for "
-                                                                "backward" and not shape.gradient_checkpointing)):
+        elif getattr(shape, "mlp_tile_tokens", 0) and (
+            name in ("block backward working set", "recomputed block (checkpointing)")
+            or (name == "activations kept for backward" and not shape.gradient_checkpointing)
+        ):
             source = CPU_VERIFIED  # the tiled MLP's terms: fitted on CPU live bytes only (plan/tiledmlp.py)
         else:
             source = MEASURED
@@ -59,5 +72,7 @@ def derived_near_budget(breakdown: dict[str, int], sources: dict[str, str], peak
     derived = [n for n, s in sources.items() if s == DERIVED and breakdown[n] > 0]
     if not derived:
         return ""
-    return (f"the peak ({peak / GIB:.2f} of {budget / GIB:.2f} GiB) is within {NEAR_BUDGET:.0%} of the budget "
-            f"and rests on terms never measured on a GPU ({', '.join(derived)}): the probe measures them")
+    return (
+        f"the peak ({peak / GIB:.2f} of {budget / GIB:.2f} GiB) is within {NEAR_BUDGET:.0%} of the budget "
+        f"and rests on terms never measured on a GPU ({', '.join(derived)}): the probe measures them"
+    )

@@ -15,6 +15,7 @@ Working memory that bf16 weights do not need (the CUDA kernels of bitsandbytes 0
   into int32 ([tokens, out] x 4 B) before scaling back; and every int8 Linear whose input needs a gradient
   keeps that input for backward (MatMul8bitLt saves A), which bf16 frozen Linears do not.
 """
+
 from __future__ import annotations
 
 from ..models import GLMConfig
@@ -50,8 +51,9 @@ def frozen_weight_bytes(arch: GLMConfig, frozen_params: int, quantize: str, e: i
         return frozen_params * e
     layers = quantized_linears(arch)
     quantized = arch.num_layers * sum(i * o for i, o in layers)
-    return ((frozen_params - quantized) * e
-            + arch.num_layers * sum(layer_bytes(i, o, quantize, double_quant) for i, o in layers))
+    return (frozen_params - quantized) * e + arch.num_layers * sum(
+        layer_bytes(i, o, quantize, double_quant) for i, o in layers
+    )
 
 
 def working_bytes(arch: GLMConfig, quantize: str, e: int, tokens: int, on_cuda: bool, double_quant: bool = True) -> int:

@@ -24,13 +24,14 @@ Two allocators, fitted on the H100 rows of bench/gpu_calib_2026-11-23.jsonl (tor
   1 GiB)), fitted on the 4K row (the tightest); +1.7 % over on the ~24.7K row, +2.5 % at 4K eval batch 2, and
   0 on every row that did not grow. An evaluation is then charged the training's whole footprint plus that.
 """
+
 from __future__ import annotations
 
 import math
 
+from ..config.units import GIB, MIB
 from ..models import GLMConfig
 from .longctx import local_tokens
-from ..config.units import GIB, MIB
 
 RESERVE_FLOOR = 256 * MIB
 RESERVE_PER_LARGEST = 0.55
@@ -72,7 +73,9 @@ def largest_transients(arch: GLMConfig, shape, e: int) -> dict[str, int]:
     out = {"loss": step(tokens), "backward": step(tokens)}
     if arch.vision_config:  # the ViT's QKV [T, 3w] or fc1 output [T, i], T = patches + CLS of every image
         vc = arch.vision_config
-        patches = shape.micro_batch * max(shape.images_per_sample, 1) * ((vc["image_size"] // vc["patch_size"]) ** 2 + 1)
+        patches = (
+            shape.micro_batch * max(shape.images_per_sample, 1) * ((vc["image_size"] // vc["patch_size"]) ** 2 + 1)
+        )
         out["vision"] = e * patches * max(3 * vc["hidden_size"], vc["intermediate_size"])
     if shape.eval_batch:
         et = shape.eval_batch * shape.seq_len

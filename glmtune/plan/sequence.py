@@ -9,6 +9,7 @@ stays. An integer is taken as given. The micro-batch loss mean (a shard's mean i
 is sharded after the image merge (models/chatglm/modeling.ChatGLMModel.merge_images): every rank of a group runs the
 tower on the whole images, the rows it keeps are 1/N of the merged rows.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -34,8 +35,9 @@ def degrees(run: RunConfig, arch, processes: int) -> list[int]:
         return [sp]
     if run.train.loss_normalization != "tokens":
         return [1]
-    return [1] + [n for n in range(2, min(processes, MAX_DEGREE) + 1)
-                  if processes % n == 0 and heads_problem(arch, n) is None]
+    return [1] + [
+        n for n in range(2, min(processes, MAX_DEGREE) + 1) if processes % n == 0 and heads_problem(arch, n) is None
+    ]
 
 
 def first_degree(run: RunConfig, arch, processes: int) -> int:
@@ -44,8 +46,10 @@ def first_degree(run: RunConfig, arch, processes: int) -> int:
     if sp == "auto":
         return 1
     if processes % sp:
-        raise ConfigError(f"dist.sequence_parallel={sp} must divide the {processes} processes of the launch — use a "
-                          f"divisor of {processes}, or launch a multiple of {sp} processes")
+        raise ConfigError(
+            f"dist.sequence_parallel={sp} must divide the {processes} processes of the launch — use a "
+            f"divisor of {processes}, or launch a multiple of {sp} processes"
+        )
     problem = heads_problem(arch, sp)
     if problem:
         raise ConfigError(f"dist.sequence_parallel={sp}: {problem} — use dist.sequence_parallel=auto or 1")
@@ -65,16 +69,23 @@ def next_degree(c, run: RunConfig, arch):
 def shape_fields(run: RunConfig, c, data_tokens: int) -> dict:
     """RunShape's sequence-parallel and host fields: ZeRO-3 shards over every process, SP groups included."""
     processes = c.world_size * c.sequence_parallel
-    return dict(world_size=processes, sequence_parallel=c.sequence_parallel, data_tokens=data_tokens,
-                ranks_per_node=max(1, processes // max(1, run.dist.nnodes)))
+    return dict(
+        world_size=processes,
+        sequence_parallel=c.sequence_parallel,
+        data_tokens=data_tokens,
+        ranks_per_node=max(1, processes // max(1, run.dist.nnodes)),
+    )
 
 
 def batch_reason(start, c) -> str:
     """The plan's micro-batch line: the global batch the rungs kept (micro x accumulation x data-parallel width)."""
-    groups = (f"{c.world_size} GPUs" if c.sequence_parallel == 1 else
-              f"{c.world_size} group(s) of {c.sequence_parallel} GPUs")
-    return (f"{c.micro_batch_size} x grad_accum {c.grad_accum} x {groups} keeps the global batch "
-            f"{start.micro_batch_size * start.grad_accum * start.world_size}")
+    groups = (
+        f"{c.world_size} GPUs" if c.sequence_parallel == 1 else f"{c.world_size} group(s) of {c.sequence_parallel} GPUs"
+    )
+    return (
+        f"{c.micro_batch_size} x grad_accum {c.grad_accum} x {groups} keeps the global batch "
+        f"{start.micro_batch_size * start.grad_accum * start.world_size}"
+    )
 
 
 def reason(run: RunConfig, arch, c, processes: int) -> str:
@@ -82,11 +93,16 @@ def reason(run: RunConfig, arch, c, processes: int) -> str:
     if sp != "auto":
         return f"dist.sequence_parallel={sp}"
     if c.sequence_parallel > 1:
-        return (f"{c.sequence_parallel}: whole rows do not fit one card; {c.sequence_parallel} ranks share each row "
-                f"(1/{c.sequence_parallel} of the activations, an all-to-all per attention), accumulation x "
-                f"{c.sequence_parallel} keeps the global batch")
+        return (
+            f"{c.sequence_parallel}: whole rows do not fit one card; {c.sequence_parallel} ranks share each row "
+            f"(1/{c.sequence_parallel} of the activations, an all-to-all per attention), accumulation x "
+            f"{c.sequence_parallel} keeps the global batch"
+        )
     if len(degrees(run, arch, processes)) == 1:
-        why = ("train.loss_normalization=micro_batch" if run.train.loss_normalization != "tokens" else
-               f"no degree > 1 divides the {processes} process(es) and the heads")
+        why = (
+            "train.loss_normalization=micro_batch"
+            if run.train.loss_normalization != "tokens"
+            else f"no degree > 1 divides the {processes} process(es) and the heads"
+        )
         return f"1: {why}"
     return "1: whole rows fit"

@@ -1,10 +1,11 @@
 """The plan as a table for the console: each breakdown term in GiB with its source, the budgets, each decision
 with its reason, and under it the numbered options that would fit."""
+
 from __future__ import annotations
 
-from .host import host_rows
-from .advice import format_options
 from ..config.units import GIB
+from .advice import format_options
+from .host import host_rows
 from .planner import Plan
 
 
@@ -47,14 +48,18 @@ def world_row(c) -> tuple[str, str]:
     processes = c.world_size * c.sequence_parallel
     if c.sequence_parallel == 1:
         return str(processes), f"{processes} GPU(s), data parallel" if processes > 1 else "1 GPU"
-    return str(processes), (f"{processes} GPUs: {c.world_size} data-parallel group(s) of {c.sequence_parallel} "
-                            "sharing each row (dist.sequence_parallel)")
+    return str(processes), (
+        f"{processes} GPUs: {c.world_size} data-parallel group(s) of {c.sequence_parallel} "
+        "sharing each row (dist.sequence_parallel)"
+    )
 
 
 def format_rows(p: dict) -> str:
     """The plan's packing line: how many rows a micro-step and a step become."""
-    expected = (f"expected {p['expected_rows_per_micro_step']:.1f}, " if "expected_rows_per_micro_step" in p else "")
-    return (f"{p['examples_per_micro_step']} examples per micro-step -> {expected}probed "
-            f"{p['probed_rows_per_micro_step']} x {p['probed_row_positions']} positions, at most "
-            f"{p['most_rows_per_micro_step']} rows; a step: {p['micro_steps_per_step']} micro-steps, at most "
-            f"{p['most_rows_per_step']} rows of <= {p['pack_length']}")
+    expected = f"expected {p['expected_rows_per_micro_step']:.1f}, " if "expected_rows_per_micro_step" in p else ""
+    return (
+        f"{p['examples_per_micro_step']} examples per micro-step -> {expected}probed "
+        f"{p['probed_rows_per_micro_step']} x {p['probed_row_positions']} positions, at most "
+        f"{p['most_rows_per_micro_step']} rows; a step: {p['micro_steps_per_step']} micro-steps, at most "
+        f"{p['most_rows_per_step']} rows of <= {p['pack_length']}"
+    )

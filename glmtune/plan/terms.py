@@ -12,6 +12,7 @@ reference loss keeps fp32 logits, a shifted contiguous copy and log_softmax's ou
 These are checked against measured live tensor bytes on CPU (tests/plan/test_memory.py, bench/). `shape` is the
 estimator's RunShape (estimate.py).
 """
+
 from __future__ import annotations
 
 from ..models import GLMConfig
@@ -48,8 +49,12 @@ def _lora_inputs(tokens: int, d_in: int, layers: int, shape, a: int) -> int:
 def block_saved(arch: GLMConfig, shape, tokens: int, input_requires_grad: bool) -> int:
     """Bytes one GLMBlock keeps for backward (no checkpointing inside it)."""
     e, a = BYTES[shape.dtype], BYTES[shape.adapter_dtype or peft_adapter_dtype(shape.dtype)]
-    h, f, heads, g, d = (arch.hidden_size, arch.ffn_hidden_size, arch.num_attention_heads, arch.kv_groups,
-                         arch.kv_channels)
+    h, heads, g, d = (
+        arch.hidden_size,
+        arch.num_attention_heads,
+        arch.kv_groups,
+        arch.kv_channels,
+    )
     fp32_copy = 4 * tokens * h if e != 4 else 0  # RMSNorm's x.to(float32), kept by pow
     norm = e * tokens * h + fp32_copy  # an RMSNorm's input (kept by the mul) + its fp32 copy
     sandwich = getattr(arch, "norms_per_layer", 2) > 2  # GLM-4-0414: a norm after attention and after the MLP
@@ -76,8 +81,11 @@ def block_saved(arch: GLMConfig, shape, tokens: int, input_requires_grad: bool) 
         total += mlp_saved(arch, shape, tokens, rg)
     if sandwich and mlp_rg:  # post_mlp_layernorm on the MLP's output
         total += norm
-    return total + quantized.saved_bytes(arch, shape.quantize, e, tokens) + variants.dora_saved(arch, shape, tokens,
-                                                                                                input_requires_grad)
+    return (
+        total
+        + quantized.saved_bytes(arch, shape.quantize, e, tokens)
+        + variants.dora_saved(arch, shape, tokens, input_requires_grad)
+    )
 
 
 def mlp_saved(arch: GLMConfig, shape, tokens: int, rg: bool) -> int:
@@ -99,11 +107,18 @@ def block_working(arch: GLMConfig, shape, tokens: int) -> int:
     the SwiGLU gradients (the fused [tokens, 2f] and one [tokens, f] at a time) and two [tokens, h].
     Fitted on an H100 at 8K-32K tokens with checkpointing (bench/RESULTS.md): 4f + 3h over-counted ~50 KB per
     token, the SwiGLU input's storage being freed before the fused gradient is built."""
-    e, quant = BYTES[shape.dtype], quantized.working_bytes(arch, shape.quantize, BYTES[shape.dtype], tokens,
-                                                           shape.device != "cpu", shape.double_quant)
+    e, quant = (
+        BYTES[shape.dtype],
+        quantized.working_bytes(
+            arch, shape.quantize, BYTES[shape.dtype], tokens, shape.device != "cpu", shape.double_quant
+        ),
+    )
     f, h, tile = arch.ffn_hidden_size, arch.hidden_size, tiledmlp.tile_in_force(shape, tokens)
-    mlp = (tiledmlp.working(e, tokens, tile, f, h, mlp_saved(arch, shape, tile, True)) if tile
-           else e * tokens * (3 * f + 2 * h))
+    mlp = (
+        tiledmlp.working(e, tokens, tile, f, h, mlp_saved(arch, shape, tile, True))
+        if tile
+        else e * tokens * (3 * f + 2 * h)
+    )
     return mlp + quant + variants.dora_working(arch, shape, tokens)
 
 

@@ -14,6 +14,7 @@ Tile size (bench/tiled_mlp.py, RESULTS.md): TILE_PER_HIDDEN x hidden_size tokens
 (GLM-4-9B: 8,192 tokens, 428 MiB), while its matmuls stay [8192, 4096] x [4096, 27392], far above the size
 where a GPU's matmul efficiency drops; on CPU no tile size was measurably cheaper than another.
 """
+
 from __future__ import annotations
 
 TILE_PER_HIDDEN = 2

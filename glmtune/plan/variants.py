@@ -13,6 +13,7 @@ bitsandbytes' AdamW8bit (0.50): tensors of at least 4,096 elements keep m and v 
 plus one fp32 absmax per 256-element block for each (8 B per 256), and two shared 256-entry fp32 code tables;
 smaller tensors keep fp32 m and v (8 B per parameter), as torch AdamW does.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,11 +25,28 @@ BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes' min_8bit_size default: smaller tensors
 BNB_BLOCK = 256  # elements per absmax block of the blockwise 8-bit states
 BNB_QMAPS = 2 * 256 * 4  # the dynamic code tables for m and v, one copy per optimizer
 # As a GLM block runs them: the ChatGLM names, then GLM-4-0414's (HF) names.
-_ORDER = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h",
-          "q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
+_ORDER = (
+    "query_key_value",
+    "dense",
+    "dense_h_to_4h",
+    "dense_4h_to_h",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_up_proj",
+    "down_proj",
+)
 # GLM-4-0414's Linears by the ChatGLM layer whose place they take (q/k/v_proj split query_key_value).
-ROLE = {"q_proj": "query_key_value", "k_proj": "query_key_value", "v_proj": "query_key_value", "o_proj": "dense",
-        "gate_up_proj": "dense_h_to_4h", "down_proj": "dense_4h_to_h", "lm_head": "output_layer"}
+ROLE = {
+    "q_proj": "query_key_value",
+    "k_proj": "query_key_value",
+    "v_proj": "query_key_value",
+    "o_proj": "dense",
+    "gate_up_proj": "dense_h_to_4h",
+    "down_proj": "dense_4h_to_h",
+    "lm_head": "output_layer",
+}
 HEADS = ("output_layer", "lm_head")  # the one LM head, not one per layer
 
 
@@ -36,10 +54,20 @@ def linear_shapes(arch: GLMConfig) -> dict[str, tuple[int, int]]:
     """(in, out) features of each LoRA-targetable linear, by official module name (both families' names)."""
     h, f = arch.hidden_size, arch.ffn_hidden_size
     q, kv = arch.num_attention_heads * arch.kv_channels, arch.kv_groups * arch.kv_channels
-    return {"query_key_value": (h, arch.qkv_out), "dense": (q, h), "dense_h_to_4h": (h, 2 * f),
-            "dense_4h_to_h": (f, h), "output_layer": (h, arch.padded_vocab_size),
-            "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_up_proj": (h, 2 * f),
-            "down_proj": (f, h), "lm_head": (h, arch.padded_vocab_size)}
+    return {
+        "query_key_value": (h, arch.qkv_out),
+        "dense": (q, h),
+        "dense_h_to_4h": (h, 2 * f),
+        "dense_4h_to_h": (f, h),
+        "output_layer": (h, arch.padded_vocab_size),
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_up_proj": (h, 2 * f),
+        "down_proj": (f, h),
+        "lm_head": (h, arch.padded_vocab_size),
+    }
 
 
 def roles(targets) -> set[str]:

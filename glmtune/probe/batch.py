@@ -1,6 +1,7 @@
 """The worst batch the data can produce, which the probe measures: examples of the longest kept length whose every
 token is a target (the loss head at its largest), and for GLM-4V a noise image of the tower's input size in each.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

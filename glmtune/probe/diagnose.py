@@ -12,6 +12,7 @@ handles an out-of-memory (GLM-4 issue #275: the official GLM-4V script on 4x A10
 On an OOM a snapshot of the allocator history is written for https://pytorch.org/memory_viz. Checkpoints
 already saved by the Trainer are complete files and are left untouched.
 """
+
 from __future__ import annotations
 
 import sys
@@ -19,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
 from ..config.units import GIB
 from ..launch.exits import EXIT_NCCL, EXIT_OOM, EXIT_TRANSFORMERS
 
@@ -26,14 +28,14 @@ EXIT = {"oom": EXIT_OOM, "nvml_oom": EXIT_OOM, "nccl": EXIT_NCCL, "transformers_
 
 EXPLAIN = {
     "oom": "CUDA ran out of memory during training: the run needs more than the card has at some step "
-           "(a longer batch than the probe saw, evaluation, or fragmentation).",
+    "(a longer batch than the probe saw, evaluation, or fragmentation).",
     "nvml_oom": "this NVML 'INTERNAL ASSERT FAILED' is an out-of-memory in disguise: torch >= 2.3 on a driver "
-                "whose libnvidia-ml lacks nvmlDeviceGetNvLinkRemoteDeviceType fails this way while handling "
-                "an OOM (GLM-4 issue #275). Treat it as an OOM; upgrading the NVIDIA driver restores the real message.",
+    "whose libnvidia-ml lacks nvmlDeviceGetNvLinkRemoteDeviceType fails this way while handling "
+    "an OOM (GLM-4 issue #275). Treat it as an OOM; upgrading the NVIDIA driver restores the real message.",
     "nccl": "a collective operation failed between ranks: usually one rank died first (look for an OOM in "
-            "its rank*.log) or the ranks cannot reach each other (network interface, firewall, timeout).",
+    "its rank*.log) or the ranks cannot reach each other (network interface, firewall, timeout).",
     "transformers_version": "the checkpoint's own Python code (trust_remote_code) was written for another "
-                            "transformers version than 4.40.2; glmtune's native model does not use it.",
+    "transformers version than 4.40.2; glmtune's native model does not use it.",
 }
 
 

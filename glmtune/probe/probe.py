@@ -16,6 +16,7 @@ The probe's model, optimizer and Trainer are discarded before the real run build
 states are restored, so the run starts exactly as it would without the probe. The price is one extra
 model load (from the page cache on the second read).
 """
+
 from __future__ import annotations
 
 import gc
@@ -29,20 +30,19 @@ import numpy as np
 import torch
 import torch.distributed as torch_dist
 
-from ..config import RunConfig
-from ..data.packing import RowPacker
+from ..config import RunConfig, userds
 from ..config.units import GIB
+from ..data.packing import RowPacker
 from ..plan.estimate import CUDA_CONTEXT_DEFAULT, estimate, image_extra_tokens
-from ..config import userds
 from ..plan.packrows import fullest_micro_step
 from ..plan.planner import Choices, Plan, run_shape, step_down
 from ..train.gpumem import outside_allocator_bytes
 from ..train.phases import estimated_phases
 from ..train.trainer import build_model, make_trainer, training_args
-from .diagnose import classify, record_memory_history
-from .batch import probe_image, worst_case_examples
-from .report import Attempt, ProbeReport, merge_ranks, over_in_evaluation
 from . import rehearse
+from .batch import probe_image, worst_case_examples
+from .diagnose import classify, record_memory_history
+from .report import Attempt, ProbeReport, merge_ranks, over_in_evaluation
 
 
 def emulate_card(memory_gib: float | None) -> bool:
@@ -60,19 +60,36 @@ def emulate_card(memory_gib: float | None) -> bool:
     return True
 
 
-def _attempt(run: RunConfig, choices: Choices, model_dir: Path, examples: list[dict], eval_examples, collator,
-             scratch: Path, packer: RowPacker | None = None, user_ds=None) -> tuple[dict | None, dict]:
+def _attempt(
+    run: RunConfig,
+    choices: Choices,
+    model_dir: Path,
+    examples: list[dict],
+    eval_examples,
+    collator,
+    scratch: Path,
+    packer: RowPacker | None = None,
+    user_ds=None,
+) -> tuple[dict | None, dict]:
     """One probe attempt through the run's own Trainer and phases (train/phases.py): a training step, an
     evaluation when the run evaluates, training again, evaluating again. Returns (peak bytes per phase, detail),
     or (None, detail) when it ran out of memory; detail["phase"] then names the phase it ran out in."""
-    args = training_args(run.train, choices, scratch, has_eval=bool(eval_examples), probe_steps=run.probe.steps,
-                         user_ds=user_ds)
+    args = training_args(
+        run.train, choices, scratch, has_eval=bool(eval_examples), probe_steps=run.probe.steps, user_ds=user_ds
+    )
     model = trainer = None
     try:
         model = build_model(model_dir, run, choices)
-        trainer = make_trainer(args, model, examples, eval_examples or None, collator,
-                               normalization=run.train.loss_normalization, packer=packer,
-                               sequence_parallel=choices.sequence_parallel)
+        trainer = make_trainer(
+            args,
+            model,
+            examples,
+            eval_examples or None,
+            collator,
+            normalization=run.train.loss_normalization,
+            packer=packer,
+            sequence_parallel=choices.sequence_parallel,
+        )
         try:
             trainer.train()
         finally:
@@ -121,9 +138,21 @@ def _restore_rng(state: tuple) -> None:
     np.random.set_state(state[3])
 
 
-def run_probe(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, tokenizer, collator,
-              run_dir: Path, world_size: int, evaluates: bool, packed: tuple[int, int] | None = None,
-              rehearsed: int = 0, user_ds: userds.UserDeepSpeed | None = None) -> ProbeReport:
+def run_probe(
+    run: RunConfig,
+    plan: Plan,
+    arch,
+    model_dir: Path,
+    longest: int,
+    tokenizer,
+    collator,
+    run_dir: Path,
+    world_size: int,
+    evaluates: bool,
+    packed: tuple[int, int] | None = None,
+    rehearsed: int = 0,
+    user_ds: userds.UserDeepSpeed | None = None,
+) -> ProbeReport:
     """packed: (positions per row, images per row) when the data is packed: the probe then runs the fullest
     micro-step packing can make of its micro-batch (plan/packrows.py), laid out by the run's own packer.
     rehearsed: this one process is rank 0 of that many ranks (probe/rehearse.py), measured as rank 0.
@@ -135,26 +164,62 @@ def run_probe(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, t
     image = probe_image(arch.vision_config["image_size"], run_dir / "probe") if arch.vision_config else None
     world = rehearse.rehearsal_world(world_size, max(1, world_size // run.dist.nnodes)) if rehearsed else nullcontext()
     with world:
-        attempts, choices = _ladder(run, plan, arch, model_dir, longest, tokenizer, collator, run_dir, world_size,
-                                    evaluates, packed, image, rehearsed, user_ds)
+        attempts, choices = _ladder(
+            run,
+            plan,
+            arch,
+            model_dir,
+            longest,
+            tokenizer,
+            collator,
+            run_dir,
+            world_size,
+            evaluates,
+            packed,
+            image,
+            rehearsed,
+            user_ds,
+        )
     _restore_rng(rng)
     last = attempts[-1]
     added = last.detail.get("added_terms", {})
-    return ProbeReport(device=_device_name(), emulated=emulated,
-                       method="whole process: torch.cuda max_memory_reserved + NVML bytes outside the allocator"
-                       if torch.cuda.is_available()
-                       else "live tensor bytes (train/livebytes.py LiveTensorTracker)",
-                       budget_bytes=plan.budget_bytes, predicted_peak_bytes=last.predicted_peak_bytes,
-                       measured_peak_bytes=last.measured_peak_bytes, per_rank=last.per_rank, attempts=attempts,
-                       final=choices.to_dict(), fits=last.outcome == "fits",
-                       seconds=round(time.perf_counter() - start, 2), rehearsed=rehearsed,
-                       rehearsal={"ranks": world_size, "measured": "rank 0", "added_terms": added,
-                                  "unseen": rehearse.UNSEEN} if rehearsed else {})
+    return ProbeReport(
+        device=_device_name(),
+        emulated=emulated,
+        method="whole process: torch.cuda max_memory_reserved + NVML bytes outside the allocator"
+        if torch.cuda.is_available()
+        else "live tensor bytes (train/livebytes.py LiveTensorTracker)",
+        budget_bytes=plan.budget_bytes,
+        predicted_peak_bytes=last.predicted_peak_bytes,
+        measured_peak_bytes=last.measured_peak_bytes,
+        per_rank=last.per_rank,
+        attempts=attempts,
+        final=choices.to_dict(),
+        fits=last.outcome == "fits",
+        seconds=round(time.perf_counter() - start, 2),
+        rehearsed=rehearsed,
+        rehearsal={"ranks": world_size, "measured": "rank 0", "added_terms": added, "unseen": rehearse.UNSEEN}
+        if rehearsed
+        else {},
+    )
 
 
-def _ladder(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, tokenizer, collator, run_dir: Path,
-            world_size: int, evaluates: bool, packed, image, rehearsed: int,
-            user_ds: userds.UserDeepSpeed | None) -> tuple[list[Attempt], Choices]:
+def _ladder(
+    run: RunConfig,
+    plan: Plan,
+    arch,
+    model_dir: Path,
+    longest: int,
+    tokenizer,
+    collator,
+    run_dir: Path,
+    world_size: int,
+    evaluates: bool,
+    packed,
+    image,
+    rehearsed: int,
+    user_ds: userds.UserDeepSpeed | None,
+) -> tuple[list[Attempt], Choices]:
     """The probe's attempts, one rung down the ladder after each that does not fit."""
     choices, attempts = plan.choices, []
     while True:
@@ -164,13 +229,18 @@ def _ladder(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, tok
         if packed is not None:  # equal examples the run's own packer lays into the fullest micro-step (packrows.py)
             extra = image_extra_tokens(arch)
             image_positions = extra if image is not None else 0
-            each = fullest_micro_step(choices.micro_batch_size, length + image_positions,
-                                      packed[0]).example_positions - image_positions
+            each = (
+                fullest_micro_step(choices.micro_batch_size, length + image_positions, packed[0]).example_positions
+                - image_positions
+            )
             packer = RowPacker(packed[0], extra)
         examples = worst_case_examples(count, each, tokenizer, run.train.seed, image)
         # Evaluation batches are never packed (data/packing.py): the longest examples, as unpacked.
-        eval_examples = (worst_case_examples(choices.eval_batch_size * world_size, length, tokenizer,
-                                             run.train.seed, image) if evaluates else None)
+        eval_examples = (
+            worst_case_examples(choices.eval_batch_size * world_size, length, tokenizer, run.train.seed, image)
+            if evaluates
+            else None
+        )
         shape = run_shape(run, arch, choices, longest, packed)
         if not torch.cuda.is_available():  # CPU: compare tensor terms only (no CUDA context, no allocator)
             shape = replace(shape, device="cpu", gpu_family=None)
@@ -182,8 +252,9 @@ def _ladder(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, tok
         peaks, detail = _attempt(run, choices, model_dir, examples, eval_examples, collator, run_dir, packer, user_ds)
         detail["host_rss_bytes"] = _host_rss()
         if rehearsed:  # rank 0 is the one rank here: its peaks, plus what no rehearsal allocates
-            peaks, detail = rehearse.with_added(peaks, detail, rehearse.added_terms(choices.zero_stage, world_size,
-                                                                            torch.cuda.is_available()))
+            peaks, detail = rehearse.with_added(
+                peaks, detail, rehearse.added_terms(choices.zero_stage, world_size, torch.cuda.is_available())
+            )
         gathered = [(peaks, detail)] if rehearsed else _gather((peaks, detail))
         per_rank = [None if p is None else max(p.values()) for p, _ in gathered]
         host = [d.get("host_rss_bytes") for _, d in gathered]  # every rank's peak RSS; the node's is their sum
@@ -196,15 +267,17 @@ def _ladder(run: RunConfig, plan: Plan, arch, model_dir: Path, longest: int, tok
         else:
             measured = max(peaks.values())
             outcome = "fits" if plan.budget_bytes is None or measured <= plan.budget_bytes else "over budget"
-        attempts.append(Attempt(choices.to_dict(), outcome, predicted, measured, per_rank,
-                                round(time.perf_counter() - t0, 2), detail))
+        attempts.append(
+            Attempt(
+                choices.to_dict(), outcome, predicted, measured, per_rank, round(time.perf_counter() - t0, 2), detail
+            )
+        )
         if outcome == "fits":
             break
         # Evaluation over budget costs training nothing to fix: its batch is halved before any training rung.
         if over_in_evaluation(peaks, detail, plan.budget_bytes) and choices.eval_batch_size > 1:
             nxt = replace(choices, eval_batch_size=choices.eval_batch_size // 2)
-            detail["next_rung"] = (f"train.eval_batch_size={nxt.eval_batch_size}: evaluation was the phase over "
-                                   "budget")
+            detail["next_rung"] = f"train.eval_batch_size={nxt.eval_batch_size}: evaluation was the phase over budget"
         else:
             nxt = step_down(choices, run, arch, choices.world_size)
         if nxt is None:

@@ -22,6 +22,7 @@ the collective fills them, so they are measured, not added. Values stay finite (
 rank's input) and the row layout sequence-parallel attention gathers is the real one; the probe stops on memory,
 never on a loss. What no rehearsal sees is said in one line (UNSEEN).
 """
+
 from __future__ import annotations
 
 import os
@@ -30,8 +31,10 @@ from contextlib import contextmanager
 
 from ..config import ConfigError
 
-UNSEEN = ("a rehearsal measures rank 0 alone: it cannot see the other ranks' host RAM (the plan's host budget "
-          "counts them) nor the links' speed (its collectives move no data; its seconds are one rank's compute)")
+UNSEEN = (
+    "a rehearsal measures rank 0 alone: it cannot see the other ranks' host RAM (the plan's host budget "
+    "counts them) nor the links' speed (its collectives move no data; its seconds are one rank's compute)"
+)
 
 
 def added_terms(zero_stage: int, world: int, on_gpu: bool) -> dict[str, int]:
@@ -73,9 +76,15 @@ def rehearsal_world(world: int, ranks_per_node: int):
     if dist.is_initialized():
         raise ConfigError("a rehearsal needs this process alone, and a process group is already running")
     saved = dict(os.environ)  # restored whole: a ZeRO-3 rung leaves ACCELERATE_USE_DEEPSPEED=true (transformers)
-    os.environ.update(RANK="0", LOCAL_RANK="0", GROUP_RANK="0", WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(min(world, ranks_per_node)), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=os.environ.get("MASTER_PORT") or "29500")  # never dialled: the store is fake
+    os.environ.update(
+        RANK="0",
+        LOCAL_RANK="0",
+        GROUP_RANK="0",
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(min(world, ranks_per_node)),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=os.environ.get("MASTER_PORT") or "29500",
+    )  # never dialled: the store is fake
     # Without it accelerate (multi-CPU) would share the cores out over the N ranks, and keep torch at 1/N of its
     # threads after the rehearsal: rank 0 is the only rank here and takes every thread this process has.
     os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))

@@ -1,6 +1,7 @@
 """What the probe reports: each attempt, the report of all of them (probe.json), every rank's peaks taken as one, and
 the line when no rung fits.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -47,8 +48,7 @@ def over_in_evaluation(peaks: dict | None, detail: dict, budget: int | None) -> 
     if peaks is None:
         return detail.get("phase") == "eval"
     first = detail.get("first_training_peak_bytes")
-    return (budget is not None and "eval" in peaks and peaks["eval"] > budget
-            and first is not None and first <= budget)
+    return budget is not None and "eval" in peaks and peaks["eval"] > budget and first is not None and first <= budget
 
 
 def merge_ranks(per_rank: list[tuple[dict | None, dict]]) -> tuple[dict | None, dict]:
@@ -59,8 +59,11 @@ def merge_ranks(per_rank: list[tuple[dict | None, dict]]) -> tuple[dict | None, 
         return None, {**per_rank[0][1], **oom[0]}
     peaks = {k: max(p.get(k, 0) for p, _ in per_rank) for k in per_rank[0][0]}
     firsts = [d.get("first_training_peak_bytes") for _, d in per_rank]
-    detail = {**per_rank[0][1], "phase_peak_bytes": peaks,
-              "first_training_peak_bytes": max(firsts) if None not in firsts else None}
+    detail = {
+        **per_rank[0][1],
+        "phase_peak_bytes": peaks,
+        "first_training_peak_bytes": max(firsts) if None not in firsts else None,
+    }
     return peaks, detail
 
 
@@ -68,7 +71,8 @@ def probe_shortfall(report: ProbeReport, run: RunConfig) -> str:
     """The exit-3 line when no rung fit: what was measured against which budget, and the presets whose budget
     holds the smallest measured peak (measured, not re-planned: the estimate was already shown too low)."""
     measured = [a.measured_peak_bytes for a in report.attempts if a.measured_peak_bytes]
-    seen = (f"measured {min(measured) / GIB:.2f} GiB at best" if measured else "every rung ran out of memory")
+    seen = f"measured {min(measured) / GIB:.2f} GiB at best" if measured else "every rung ran out of memory"
     fits = cards_for_measured(run, min(measured)) if measured else []
-    return (f"the probe found no rung that fits: {seen}, budget {report.budget_bytes / GIB:.2f} GiB"
-            + (f"; what fits: {'; '.join(fits)}" if fits else "; no preset holds it: shorten data.max_length"))
+    return f"the probe found no rung that fits: {seen}, budget {report.budget_bytes / GIB:.2f} GiB" + (
+        f"; what fits: {'; '.join(fits)}" if fits else "; no preset holds it: shorten data.max_length"
+    )

@@ -1,4 +1,5 @@
 """The estimator's CPU check: one steady-state LoRA step's live tensor bytes (train/livebytes.py measures them)."""
+
 from __future__ import annotations
 
 import torch
@@ -19,20 +20,28 @@ def measure_lora_step(arch, shape, seed: int = 0, sequence=None) -> tuple[int, i
     sequence: this rank's models/kernels/ulysses.SequenceGroup (a torchrun of N ranks): the step runs on its shard of the
     rows, as the trainer runs it (train/sequence.shard_batch), and the peak is this rank's."""
     from ..config import LoraConfig
+    from ..models import enable_checkpointing
+    from ..models.kernels.tiling import set_mlp_tile_tokens
+    from ..models.loading import model_class
+    from ..plan.estimate import BYTES
     from ..train.lora import apply_lora, trainable_parameters
     from ..train.optim import make_optimizer
-    from ..plan.estimate import BYTES
-    from ..models import enable_checkpointing
-    from ..models.loading import model_class
-    from ..models.kernels.tiling import set_mlp_tile_tokens
 
     dtype = {2: torch.bfloat16, 4: torch.float32}[BYTES[shape.dtype]]
     torch.manual_seed(seed)
     model = model_class(arch)(arch).to(dtype)
     model.config.use_cache = False
     model.loss_chunk_tokens = shape.loss_chunk_tokens
-    model = apply_lora(model, LoraConfig(r=shape.lora_r, alpha=2 * shape.lora_r, dropout=shape.lora_dropout,
-                                         target_modules=list(shape.lora_targets), use_dora=shape.use_dora))
+    model = apply_lora(
+        model,
+        LoraConfig(
+            r=shape.lora_r,
+            alpha=2 * shape.lora_r,
+            dropout=shape.lora_dropout,
+            target_modules=list(shape.lora_targets),
+            use_dora=shape.use_dora,
+        ),
+    )
     if shape.gradient_checkpointing:
         enable_checkpointing(model, use_reentrant=True)
         model.enable_input_require_grads()

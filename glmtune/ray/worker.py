@@ -13,6 +13,7 @@ and the exit codes. It dies with its worker (PR_SET_PDEATHSIG, SIGKILL): when Ra
 the ranks did since their last complete checkpoint is lost (train.save_minutes bounds it); a rank cannot save
 alone, since a checkpoint is written by all ranks together.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -60,9 +61,15 @@ def run_rank(config: dict) -> None:
         return
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
-    env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(ctx.get_local_rank()),
-           "WORLD_SIZE": str(ctx.get_world_size()), "LOCAL_WORLD_SIZE": str(ctx.get_local_world_size()),
-           "GROUP_RANK": str(ctx.get_node_rank()), "MASTER_PORT": str(rank0_port(rank))}
+    env = {
+        **os.environ,
+        "RANK": str(rank),
+        "LOCAL_RANK": str(ctx.get_local_rank()),
+        "WORLD_SIZE": str(ctx.get_world_size()),
+        "LOCAL_WORLD_SIZE": str(ctx.get_local_world_size()),
+        "GROUP_RANK": str(ctx.get_node_rank()),
+        "MASTER_PORT": str(rank0_port(rank)),
+    }
     env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it for its ranks
     wait_for_free_run_dir(run_dir)
     code, line = run_child([sys.executable, "-m", "glmtune", *config["overrides"], f"hydra.run.dir={run_dir}"], env)
@@ -89,8 +96,11 @@ def rank0_port(rank: int) -> int:
 def wait_for_free_run_dir(run_dir: Path) -> None:
     """A group Ray restarts can start before the ranks of the last one are gone: their run dir locks say so."""
     deadline = time.monotonic() + LOCK_WAIT_S
-    while any(RunDirLock(run_dir, int(p.name.removeprefix(".lock.rank"))).held() for p in run_dir.glob(".lock.rank*")
-              if p.name.removeprefix(".lock.rank").isdigit()):
+    while any(
+        RunDirLock(run_dir, int(p.name.removeprefix(".lock.rank"))).held()
+        for p in run_dir.glob(".lock.rank*")
+        if p.name.removeprefix(".lock.rank").isdigit()
+    ):
         if time.monotonic() > deadline:
             raise RankFailed(-1, 1, f"{run_dir} is still in use by the last worker group after {LOCK_WAIT_S} s")
         time.sleep(1)
@@ -104,8 +114,9 @@ def _die_with_worker() -> None:
 def run_child(cmd: list[str], env: dict) -> tuple[int, str]:
     """Run the rank; its output goes to the worker's (which Ray shows on the driver). Returns the exit code and the
     rank's last glmtune line (`glmtune: error: ...`, `glmtune: stopped by ...`), for the driver's one line."""
-    child = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1,
-                             preexec_fn=_die_with_worker)
+    child = subprocess.Popen(
+        cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1, preexec_fn=_die_with_worker
+    )
     last = [""]
 
     def relay() -> None:
@@ -113,6 +124,7 @@ def run_child(cmd: list[str], env: dict) -> tuple[int, str]:
             sys.stderr.write(text)
             if text.startswith("glmtune: "):
                 last[0] = text.strip()
+
     reader = threading.Thread(target=relay, daemon=True)
     reader.start()
     code = child.wait()

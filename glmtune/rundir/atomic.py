@@ -8,6 +8,7 @@ weights and its adapter_config.json) is built under a temporary name and renamed
 
 Imports nothing from glmtune, so every layer may use it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,6 +19,7 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Iterator
+
 from ..config.units import MIB
 
 # Errors that mean "the disk cannot take this write", reported as one line instead of a traceback.

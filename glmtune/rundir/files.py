@@ -5,6 +5,7 @@ Written by rank 0 only, and only after the inputs validated, so a run that stops
 overwrites the files of an earlier run in the same folder; each file atomically (atomic.py), so a full
 disk or a kill leaves the old file or the new one, never a 0-byte one.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -13,9 +14,9 @@ import logging
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from .atomic import write_json, write_text
 from ..launch import rank
 from ..launch.console import fail
+from .atomic import write_json, write_text
 
 
 def check_output_dirs(argv: list[str]) -> list[Path]:
@@ -30,8 +31,10 @@ def check_output_dirs(argv: list[str]) -> list[Path]:
         path = Path(value).expanduser()
         blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
         if blocker is not None:
-            fail(f"{key}={value}: {blocker} is a file, not a folder — give a folder (new or existing) for the "
-                 "run's files")
+            fail(
+                f"{key}={value}: {blocker} is a file, not a folder — give a folder (new or existing) for the "
+                "run's files"
+            )
         new = [p for p in (path, *path.parents) if not p.exists()]
         try:  # what Hydra does next; here its failure is one line (a read-only or virtual filesystem)
             path.mkdir(parents=True, exist_ok=True)

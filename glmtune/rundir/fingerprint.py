@@ -19,6 +19,7 @@ A .bin (pickle) file has no header to parse: its first MiB and the blocks are ha
 Reads go through os.pread with POSIX_FADV_RANDOM (no readahead of the gaps), every block's read queued first
 with POSIX_FADV_WILLNEED so a cold disk serves them in parallel; bench/fingerprint_speed.py measures it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,6 +27,7 @@ import json
 import os
 import struct
 from pathlib import Path
+
 from ..config.units import MIB
 
 BLOCK = 4096  # bytes per sampled block: one page, one read

@@ -13,6 +13,7 @@ so a stale lock never needs cleaning up.
 done, the last step, the config the run was started with, and the plan's final choices (so a resume trains
 with the exact micro-batch and dtype of the first launch, without probing again).
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -24,23 +25,38 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .atomic import is_disk_full, read_jsonl, write_json, write_text
 from ..config import ConfigError
+from .atomic import is_disk_full, read_jsonl, write_json, write_text
 
 STATE = "run_state.json"
 RESUME_MODES = ("auto", "always", "restart")
 FINISHED = ("done", "diverged")  # a resume would not change the outcome: refused unless told
 # Keys that may change between a run and its resume: how long to train and how often to save. Any other
 # difference (data, LoRA, learning rate, ...) would splice two different runs into one curve.
-RESUMABLE_CHANGES = ("train.resume", "train.max_steps", "train.num_epochs", "train.save_steps",
-                     "train.save_minutes", "train.keep_checkpoints", "train.logging_steps")
+RESUMABLE_CHANGES = (
+    "train.resume",
+    "train.max_steps",
+    "train.num_epochs",
+    "train.save_steps",
+    "train.save_minutes",
+    "train.keep_checkpoints",
+    "train.logging_steps",
+)
 # The memory levers: they change where and how fast the run trains, never what it computes (the loss is the mean
 # over each optimizer step's target tokens, train/steps.py), so a resume may move to another card, GPU count or
 # engine. The micro-batch and accumulation may change as long as the global batch (micro x accumulation x
 # processes, recorded at the first launch) stays; modes/run.py checks that and re-plans for the new hardware.
-MEMORY_LEVERS = ("train.per_device_batch_size", "train.grad_accum", "train.eval_batch_size",
-                 "train.gradient_checkpointing", "train.precision", "train.compile", "train.packed_attention",
-                 "data.packing", "data.pack_length")  # packing: rows of the same examples (data/packing.py)
+MEMORY_LEVERS = (
+    "train.per_device_batch_size",
+    "train.grad_accum",
+    "train.eval_batch_size",
+    "train.gradient_checkpointing",
+    "train.precision",
+    "train.compile",
+    "train.packed_attention",
+    "data.packing",
+    "data.pack_length",
+)  # packing: rows of the same examples (data/packing.py)
 MEMORY_LEVER_GROUPS = ("hw.", "dist.", "probe.")  # the card preset, process counts and engine, the probe
 # What a training launch writes before run_state.json: the plan's files and the probe's report.
 BEFORE_TRAINING = {".hydra", "plan.json", "versions.json", "probe.json"}
@@ -60,11 +76,12 @@ class RunDirLock:
         except OSError:
             holder = os.read(fd, 4096).decode(errors="replace").strip() or "another process"
             os.close(fd)
-            raise ConfigError(f"{self.path.parent}: run dir is in use by {holder} — wait for that run to end, "
-                              "or give this one another hydra.run.dir (or none: every launch gets its own)") from None
+            raise ConfigError(
+                f"{self.path.parent}: run dir is in use by {holder} — wait for that run to end, "
+                "or give this one another hydra.run.dir (or none: every launch gets its own)"
+            ) from None
         os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
-                     .encode())
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
         self.fd = fd
         return self
 
@@ -171,8 +188,9 @@ def earlier_files(run_dir: Path) -> list[str]:
     """What an earlier launch left: every entry except this launch's lock files, logs and moved-aside dirs."""
     if not run_dir.is_dir():
         return []
-    return sorted(p.name for p in run_dir.iterdir()
-                  if not p.name.startswith(_OURS) and not p.name.startswith("replaced-"))
+    return sorted(
+        p.name for p in run_dir.iterdir() if not p.name.startswith(_OURS) and not p.name.startswith("replaced-")
+    )
 
 
 def move_aside(run_dir: Path, names: list[str]) -> Path:
@@ -209,42 +227,58 @@ def _decide(run_dir: Path, mode: str, config: dict, last_checkpoint: Path | None
             return Start(note=f"train.resume=restart: the earlier run's files moved to {move_aside(run_dir, found)}")
         return Start()
     if state is None and (run_dir / STATE).exists():  # a glmtune run whose state file was damaged
-        raise ConfigError(f"{run_dir / STATE}: unreadable (not JSON) — without it the run cannot be resumed; pass "
-                          "train.resume=restart to move the run's files aside and start over, or use another "
-                          "hydra.run.dir")
+        raise ConfigError(
+            f"{run_dir / STATE}: unreadable (not JSON) — without it the run cannot be resumed; pass "
+            "train.resume=restart to move the run's files aside and start over, or use another "
+            "hydra.run.dir"
+        )
     if state is None:
-        raise ConfigError(f"{run_dir}: run dir already holds files that are not a glmtune run ({', '.join(found[:4])}"
-                          f"{', …' if len(found) > 4 else ''}) — choose another hydra.run.dir, or pass "
-                          "train.resume=restart to move them aside")
+        raise ConfigError(
+            f"{run_dir}: run dir already holds files that are not a glmtune run ({', '.join(found[:4])}"
+            f"{', …' if len(found) > 4 else ''}) — choose another hydra.run.dir, or pass "
+            "train.resume=restart to move them aside"
+        )
     if state.get("mode", "train") != "train":
-        raise ConfigError(f"{run_dir}: run dir holds a mode={state['mode']} run — use another hydra.run.dir, or pass "
-                          "train.resume=restart to move its files aside")
+        raise ConfigError(
+            f"{run_dir}: run dir holds a mode={state['mode']} run — use another hydra.run.dir, or pass "
+            "train.resume=restart to move its files aside"
+        )
     if state.get("status") in FINISHED and mode != "always":
-        raise ConfigError(f"{run_dir}: run dir holds a {'finished' if state['status'] == 'done' else 'diverged'} run "
-                          f"(step {state.get('step', '?')}) — pass train.resume=always to continue it from its last "
-                          "checkpoint (e.g. with a larger train.max_steps), train.resume=restart to start over "
-                          "(its files are moved aside), or use another hydra.run.dir")
+        raise ConfigError(
+            f"{run_dir}: run dir holds a {'finished' if state['status'] == 'done' else 'diverged'} run "
+            f"(step {state.get('step', '?')}) — pass train.resume=always to continue it from its last "
+            "checkpoint (e.g. with a larger train.max_steps), train.resume=restart to start over "
+            "(its files are moved aside), or use another hydra.run.dir"
+        )
     before, now = comparable(state.get("config", {})), comparable(config)
     changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
     if changed:
         shown = ", ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in changed[:3])
-        raise ConfigError(f"{run_dir}: run dir holds a run with another config ({shown}"
-                          f"{', …' if len(changed) > 3 else ''}) — a resume keeps the "
-                          "model, LoRA, data, lengths and learning settings (only memory levers such as +hw=, dist.*, "
-                          "the micro-batch and accumulation may change): repeat the original command to resume it, "
-                          "pass train.resume=restart to start over, or use another hydra.run.dir")
+        raise ConfigError(
+            f"{run_dir}: run dir holds a run with another config ({shown}"
+            f"{', …' if len(changed) > 3 else ''}) — a resume keeps the "
+            "model, LoRA, data, lengths and learning settings (only memory levers such as +hw=, dist.*, "
+            "the micro-batch and accumulation may change): repeat the original command to resume it, "
+            "pass train.resume=restart to start over, or use another hydra.run.dir"
+        )
     if last_checkpoint is None:
         if mode == "always":
-            raise ConfigError(f"{run_dir}: train.resume=always, but the run dir has no complete checkpoint — "
-                              "use train.resume=restart")
+            raise ConfigError(
+                f"{run_dir}: train.resume=always, but the run dir has no complete checkpoint — use train.resume=restart"
+            )
         if leader:
-            return Start(note=f"no complete checkpoint in {run_dir}: starting at step 0 (the earlier run's files "
-                              f"moved to {move_aside(run_dir, found)})")
+            return Start(
+                note=f"no complete checkpoint in {run_dir}: starting at step 0 (the earlier run's files "
+                f"moved to {move_aside(run_dir, found)})"
+            )
         return Start()
-    return Start(resume_from=last_checkpoint, choices=state.get("choices"),
-                 levers_changed=changed_levers(state.get("config", {}), config),
-                 note=f"resuming from {last_checkpoint} (step {last_checkpoint.name.rsplit('-', 1)[-1]}, "
-                      f"status was {state.get('status')})")
+    return Start(
+        resume_from=last_checkpoint,
+        choices=state.get("choices"),
+        levers_changed=changed_levers(state.get("config", {}), config),
+        note=f"resuming from {last_checkpoint} (step {last_checkpoint.name.rsplit('-', 1)[-1]}, "
+        f"status was {state.get('status')})",
+    )
 
 
 def trim_metrics(path: Path, step: int) -> None:

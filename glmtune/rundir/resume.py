@@ -15,6 +15,7 @@ and `train.resume=restart` always starts a new run. Every rank looks with its ow
 order is by the run's start time recorded in run_state.json, which a resume never rewrites, so all ranks of
 one launch pick the same dir while rank 0 already writes into it.
 """
+
 from __future__ import annotations
 
 import json
@@ -69,8 +70,13 @@ def redirect(fresh: Path, config: dict, multirun: bool) -> Path:
 
     Moving to another dir points this rank's log file there and removes what Hydra made for `fresh`."""
     train = config.get("train", {})
-    if (multirun or config.get("mode", "train") != "train" or train.get("resume") == "restart"
-            or not generated(fresh) or (fresh / "run_state.json").exists()):
+    if (
+        multirun
+        or config.get("mode", "train") != "train"
+        or train.get("resume") == "restart"
+        or not generated(fresh)
+        or (fresh / "run_state.json").exists()
+    ):
         return fresh
     found = unfinished_run(config, rank())
     if found is None or found.resolve() == fresh.resolve():
@@ -92,8 +98,17 @@ def resume_command(run_dir: Path, overrides: list[str]) -> str:
     if world_size() == 1:
         launcher = [sys.executable, "-m", "glmtune"]
     elif os.environ.get("TORCHELASTIC_RUN_ID") and local == world_size():  # one node: torchrun --standalone
-        launcher = [sys.executable, "-m", "glmtune.supervise", "torchrun", "--standalone", "--nproc_per_node",
-                    str(local), "-m", "glmtune"]  # as scripts/torchrun.sh runs it
+        launcher = [
+            sys.executable,
+            "-m",
+            "glmtune.supervise",
+            "torchrun",
+            "--standalone",
+            "--nproc_per_node",
+            str(local),
+            "-m",
+            "glmtune",
+        ]  # as scripts/torchrun.sh runs it
     else:
         return f"re-run the same launch command on every node (it finds {run_dir})"
     return f"cd {shlex.quote(os.getcwd())} && " + " ".join(shlex.quote(a) for a in [*launcher, *args])
@@ -121,12 +136,15 @@ def check_inputs(run_dir: Path, now: dict[str, str]) -> None:
     before = (read_state(run_dir) or {}).get("inputs")
     if before is None:  # a run from before inputs were recorded: nothing to compare with
         return
-    changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k)
-                     and not _same_legacy(k, before.get(k)))
+    changed = sorted(
+        k for k in before.keys() | now.keys() if before.get(k) != now.get(k) and not _same_legacy(k, before.get(k))
+    )
     if changed:
-        raise ConfigError(f"{run_dir}: cannot resume: {'; '.join(changed[:3])}{' …' if len(changed) > 3 else ''} "
-                          "changed since the interrupted run started — restore the original files to resume, or "
-                          "start over with train.resume=restart (or another hydra.run.dir)")
+        raise ConfigError(
+            f"{run_dir}: cannot resume: {'; '.join(changed[:3])}{' …' if len(changed) > 3 else ''} "
+            "changed since the interrupted run started — restore the original files to resume, or "
+            "start over with train.resume=restart (or another hydra.run.dir)"
+        )
 
 
 def _same_legacy(key: str, recorded: str | None) -> bool:
@@ -134,7 +152,7 @@ def _same_legacy(key: str, recorded: str | None) -> bool:
     it still resumes (with the old, weaker check)."""
     if not (recorded and LEGACY in recorded and key.startswith("weight file ")):
         return False
-    path = Path(key[len("weight file "):])
+    path = Path(key[len("weight file ") :])
     return path.is_file() and legacy_fingerprint(path) == recorded
 
 
@@ -142,5 +160,7 @@ def refuse_training_run(run_dir: Path, mode: str) -> None:
     """mode=plan/probe into a training run's dir would replace its .hydra/, plan.json and versions.json with files
     that describe another launch than the adapter beside them: refused (exit 2)."""
     if read_state(run_dir) is not None:
-        raise ConfigError(f"{run_dir}: run dir holds a training run; mode={mode} would overwrite its config and plan "
-                          "files — give this launch another hydra.run.dir (or none)")
+        raise ConfigError(
+            f"{run_dir}: run dir holds a training run; mode={mode} would overwrite its config and plan "
+            "files — give this launch another hydra.run.dir (or none)"
+        )

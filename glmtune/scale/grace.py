@@ -16,19 +16,30 @@ checkpoint before, up to train.save_minutes of work lost). So each term is an up
 
 mode=plan runs no step and writes no checkpoint, so nothing here is measured on the cluster's cards and volume.
 """
+
 from __future__ import annotations
 
 import math
 
 from ..config import RunConfig
+from ..config.units import MIB
 from ..plan.archsize import frozen_params
 from ..plan.planner import Choices
 from ..train.preflight import checkpoint_bytes
-from ..config.units import MIB
 
 # Datasheet dense bf16 tensor TFLOP/s per conf/hw preset (fp16 for V100 and T4, which have no bf16).
-TFLOPS = {"a100_40g": 312, "a100_80g": 312, "h100_80g": 989, "h200_141g": 989, "l40s_48g": 362, "a10_24g": 125,
-          "rtx3090_24g": 71, "rtx4090_24g": 165, "v100_32g": 125, "t4_16g": 65}
+TFLOPS = {
+    "a100_40g": 312,
+    "a100_80g": 312,
+    "h100_80g": 989,
+    "h200_141g": 989,
+    "l40s_48g": 362,
+    "a10_24g": 125,
+    "rtx3090_24g": 71,
+    "rtx4090_24g": 165,
+    "v100_32g": 125,
+    "t4_16g": 65,
+}
 UNKNOWN_TFLOPS = 1  # a card of your own preset, or a CPU run: slow on purpose (the period only has to be long enough)
 MFU = 0.2
 ZERO3_S_PER_MICRO_STEP = 1.64  # bench/RESULTS.md §0: ZeRO-3's parameter gathers on an H100, per micro-step

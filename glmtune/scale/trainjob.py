@@ -17,6 +17,7 @@ The quota Kueue admits against is the pods' requests: GPUs as the plan's process
 host RAM per node (plan.json `host`), CPUs as CPUS_PER_PROCESS per process. Memory and CPU are requests without a
 limit: a limit at an estimate would have the kernel kill a node for the estimate's error.
 """
+
 from __future__ import annotations
 
 import math
@@ -59,8 +60,10 @@ def image(run: RunConfig) -> str:
 def trainer_args(overrides: list[str]) -> list[str]:
     """The user's overrides, less what only the planning command needs (mode=plan, plan.*, hydra.*): the pods
     train with the same config, and the run dir is the TrainJob's."""
+
     def key(arg: str) -> str:
         return arg.split("=", 1)[0].lstrip("+~")
+
     return [a for a in overrides if key(a) != "mode" and not key(a).startswith(("plan.", "hydra.", "hydra/"))]
 
 
@@ -72,62 +75,114 @@ def resources(run: RunConfig, plan: Plan) -> k.IoK8sApiCoreV1ResourceRequirement
     if plan.budget_bytes is None:  # a plan for this machine's CPU: no GPU to ask for
         return k.IoK8sApiCoreV1ResourceRequirements(requests=requests)
     gpus = k.IoK8sApimachineryPkgApiResourceQuantity(str(procs))  # extended resources: requests = limits
-    return k.IoK8sApiCoreV1ResourceRequirements(requests={**requests, "nvidia.com/gpu": gpus},
-                                                limits={"nvidia.com/gpu": gpus})
+    return k.IoK8sApiCoreV1ResourceRequirements(
+        requests={**requests, "nvidia.com/gpu": gpus}, limits={"nvidia.com/gpu": gpus}
+    )
 
 
 def trainjob(run: RunConfig, plan: Plan, overrides: list[str], name: str, grace: int) -> k.TrainerV1alpha1TrainJob:
-    env = [k.IoK8sApiCoreV1EnvVar(name="GLMTUNE_RUN_ID", value=name),  # the run dir: outputs/<name> (launch/ranks.py)
-           k.IoK8sApiCoreV1EnvVar(name="GLMTUNE_CACHE", value=f"{MOUNT}/cache"),  # data cache and tiny models, shared
-           k.IoK8sApiCoreV1EnvVar(name="OMP_NUM_THREADS", value="1")]  # torchrun's own default, without its banner
+    env = [
+        k.IoK8sApiCoreV1EnvVar(name="GLMTUNE_RUN_ID", value=name),  # the run dir: outputs/<name> (launch/ranks.py)
+        k.IoK8sApiCoreV1EnvVar(name="GLMTUNE_CACHE", value=f"{MOUNT}/cache"),  # data cache and tiny models, shared
+        k.IoK8sApiCoreV1EnvVar(name="OMP_NUM_THREADS", value="1"),
+    ]  # torchrun's own default, without its banner
     trainer = k.TrainerV1alpha1Trainer(
-        image=image(run), command=["python", "-m", "glmtune.supervise", "torchrun", "-m", "glmtune"],
-        args=trainer_args(overrides), env=env, num_nodes=run.dist.nnodes, num_proc_per_node=run.dist.nproc_per_node,
-        resources_per_node=resources(run, plan))
+        image=image(run),
+        command=["python", "-m", "glmtune.supervise", "torchrun", "-m", "glmtune"],
+        args=trainer_args(overrides),
+        env=env,
+        num_nodes=run.dist.nnodes,
+        num_proc_per_node=run.dist.nproc_per_node,
+        resources_per_node=resources(run, plan),
+    )
     pod = k.TrainerV1alpha1PodSpecPatch(
         termination_grace_period_seconds=grace,
-        volumes=[k.IoK8sApiCoreV1Volume(name="glmtune", persistent_volume_claim=(
-            k.IoK8sApiCoreV1PersistentVolumeClaimVolumeSource(claim_name=run.plan.volume)))],
-        containers=[k.TrainerV1alpha1ContainerPatch(name=NODE, volume_mounts=[
-            k.IoK8sApiCoreV1VolumeMount(name="glmtune", mount_path=MOUNT)])])
-    job = k.TrainerV1alpha1ReplicatedJobPatch(name=NODE, template=k.TrainerV1alpha1JobTemplatePatch(
-        spec=k.TrainerV1alpha1JobSpecPatch(template=k.TrainerV1alpha1PodTemplatePatch(spec=pod))))
+        volumes=[
+            k.IoK8sApiCoreV1Volume(
+                name="glmtune",
+                persistent_volume_claim=(k.IoK8sApiCoreV1PersistentVolumeClaimVolumeSource(claim_name=run.plan.volume)),
+            )
+        ],
+        containers=[
+            k.TrainerV1alpha1ContainerPatch(
+                name=NODE, volume_mounts=[k.IoK8sApiCoreV1VolumeMount(name="glmtune", mount_path=MOUNT)]
+            )
+        ],
+    )
+    job = k.TrainerV1alpha1ReplicatedJobPatch(
+        name=NODE,
+        template=k.TrainerV1alpha1JobTemplatePatch(
+            spec=k.TrainerV1alpha1JobSpecPatch(template=k.TrainerV1alpha1PodTemplatePatch(spec=pod))
+        ),
+    )
     jobset = k.TrainerV1alpha1JobSetTemplatePatch(spec=k.TrainerV1alpha1JobSetSpecPatch(replicated_jobs=[job]))
-    patch = k.TrainerV1alpha1RuntimePatch(manager=MANAGER, training_runtime_spec=(
-        k.TrainerV1alpha1TrainingRuntimeSpecPatch(template=jobset)))
+    patch = k.TrainerV1alpha1RuntimePatch(
+        manager=MANAGER, training_runtime_spec=(k.TrainerV1alpha1TrainingRuntimeSpecPatch(template=jobset))
+    )
     labels = {"kueue.x-k8s.io/queue-name": run.plan.queue} if run.plan.queue else None
     return k.TrainerV1alpha1TrainJob(
-        api_version=API_VERSION, kind="TrainJob", metadata=k.IoK8sApimachineryPkgApisMetaV1ObjectMeta(
-            name=name, labels=labels),
-        spec=k.TrainerV1alpha1TrainJobSpec(runtime_ref=k.TrainerV1alpha1RuntimeRef(
-            api_group="trainer.kubeflow.org", kind="ClusterTrainingRuntime", name=RUNTIME), trainer=trainer,
-            runtime_patches=[patch]))
+        api_version=API_VERSION,
+        kind="TrainJob",
+        metadata=k.IoK8sApimachineryPkgApisMetaV1ObjectMeta(name=name, labels=labels),
+        spec=k.TrainerV1alpha1TrainJobSpec(
+            runtime_ref=k.TrainerV1alpha1RuntimeRef(
+                api_group="trainer.kubeflow.org", kind="ClusterTrainingRuntime", name=RUNTIME
+            ),
+            trainer=trainer,
+            runtime_patches=[patch],
+        ),
+    )
 
 
 def runtime(default_image: str) -> k.TrainerV1alpha1ClusterTrainingRuntime:
     """glmtune-torch: the torch-distributed runtime's shape (one replicated job `node`, the torch ML policy) with
     the container's working dir on the shared volume, and failures sorted into final ones and ones a restart fixes."""
-    final = k.IoK8sApiBatchV1PodFailurePolicy(rules=[k.IoK8sApiBatchV1PodFailurePolicyRule(
-        action="FailJob", on_exit_codes=k.IoK8sApiBatchV1PodFailurePolicyOnExitCodesRequirement(
-            container_name=NODE, operator="In", values=FINAL_EXITS))])
-    pod = k.IoK8sApiCoreV1PodSpec(restart_policy="Never",  # a failed rank is not restarted alone: the JobSet is
-                                  containers=[k.IoK8sApiCoreV1Container(name=NODE, image=default_image,
-                                                                        working_dir=MOUNT)])
-    job = k.JobsetV1alpha2ReplicatedJob(name=NODE, template=k.IoK8sApiBatchV1JobTemplateSpec(
-        metadata=k.IoK8sApimachineryPkgApisMetaV1ObjectMeta(labels={"trainer.kubeflow.org/trainjob-ancestor-step":
-                                                                   "trainer"}),
-        spec=k.IoK8sApiBatchV1JobSpec(backoff_limit=0, pod_failure_policy=final,
-                                      template=k.IoK8sApiCoreV1PodTemplateSpec(spec=pod))))
-    failures = k.JobsetV1alpha2FailurePolicy(max_restarts=MAX_RESTARTS, rules=[k.JobsetV1alpha2FailurePolicyRule(
-        name="finalExit", action="FailJobSet", on_job_failure_reasons=["PodFailurePolicy"])])
+    final = k.IoK8sApiBatchV1PodFailurePolicy(
+        rules=[
+            k.IoK8sApiBatchV1PodFailurePolicyRule(
+                action="FailJob",
+                on_exit_codes=k.IoK8sApiBatchV1PodFailurePolicyOnExitCodesRequirement(
+                    container_name=NODE, operator="In", values=FINAL_EXITS
+                ),
+            )
+        ]
+    )
+    pod = k.IoK8sApiCoreV1PodSpec(
+        restart_policy="Never",  # a failed rank is not restarted alone: the JobSet is
+        containers=[k.IoK8sApiCoreV1Container(name=NODE, image=default_image, working_dir=MOUNT)],
+    )
+    job = k.JobsetV1alpha2ReplicatedJob(
+        name=NODE,
+        template=k.IoK8sApiBatchV1JobTemplateSpec(
+            metadata=k.IoK8sApimachineryPkgApisMetaV1ObjectMeta(
+                labels={"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}
+            ),
+            spec=k.IoK8sApiBatchV1JobSpec(
+                backoff_limit=0, pod_failure_policy=final, template=k.IoK8sApiCoreV1PodTemplateSpec(spec=pod)
+            ),
+        ),
+    )
+    failures = k.JobsetV1alpha2FailurePolicy(
+        max_restarts=MAX_RESTARTS,
+        rules=[
+            k.JobsetV1alpha2FailurePolicyRule(
+                name="finalExit", action="FailJobSet", on_job_failure_reasons=["PodFailurePolicy"]
+            )
+        ],
+    )
     return k.TrainerV1alpha1ClusterTrainingRuntime(
-        api_version=API_VERSION, kind="ClusterTrainingRuntime",
-        metadata=k.IoK8sApimachineryPkgApisMetaV1ObjectMeta(name=RUNTIME, labels={"trainer.kubeflow.org/framework":
-                                                                                   "torch"}),
+        api_version=API_VERSION,
+        kind="ClusterTrainingRuntime",
+        metadata=k.IoK8sApimachineryPkgApisMetaV1ObjectMeta(
+            name=RUNTIME, labels={"trainer.kubeflow.org/framework": "torch"}
+        ),
         spec=k.TrainerV1alpha1TrainingRuntimeSpec(
             ml_policy=k.TrainerV1alpha1MLPolicy(num_nodes=1, torch=k.TrainerV1alpha1TorchMLPolicySource()),
-            template=k.TrainerV1alpha1JobSetTemplateSpec(spec=k.JobsetV1alpha2JobSetSpec(
-                failure_policy=failures, replicated_jobs=[job]))))
+            template=k.TrainerV1alpha1JobSetTemplateSpec(
+                spec=k.JobsetV1alpha2JobSetSpec(failure_policy=failures, replicated_jobs=[job])
+            ),
+        ),
+    )
 
 
 def to_yaml(obj) -> str:
@@ -143,13 +198,23 @@ def emit(run: RunConfig, plan: Plan, arch, overrides: list[str], run_dir: Path) 
     write_text(job_file, to_yaml(job))
     requests = job.spec.trainer.resources_per_node.requests
     per_node = ", ".join(f"{q.actual_instance} {'GPUs' if r == 'nvidia.com/gpu' else r}" for r, q in requests.items())
-    lines = [f"TrainJob {name}: {run.dist.nnodes} node(s) x {run.dist.nproc_per_node} process(es); requests per node: "
-             f"{per_node}", f"terminationGracePeriodSeconds {grace} (the step in flight, one complete checkpoint, the "
-             "exit); run dir on the shared volume:",
-             f"  PersistentVolumeClaim {run.plan.volume}, {MOUNT}/outputs/{name}",
-             f"Kueue queue {run.plan.queue}" if run.plan.queue else
-             "no plan.queue: Kueue neither admits nor pre-empts it (plan.queue=<LocalQueue>)"]
+    lines = [
+        f"TrainJob {name}: {run.dist.nnodes} node(s) x {run.dist.nproc_per_node} process(es); requests per node: "
+        f"{per_node}",
+        f"terminationGracePeriodSeconds {grace} (the step in flight, one complete checkpoint, the "
+        "exit); run dir on the shared volume:",
+        f"  PersistentVolumeClaim {run.plan.volume}, {MOUNT}/outputs/{name}",
+        f"Kueue queue {run.plan.queue}"
+        if run.plan.queue
+        else "no plan.queue: Kueue neither admits nor pre-empts it (plan.queue=<LocalQueue>)",
+    ]
     if not run.plan.image:
         lines.append(f"the image {image(run)} is a placeholder: build one with glmtune installed, or set plan.image")
-    return "\n".join([*lines, f"written to {run_dir}:", f"  kubectl apply -f {runtime_file}   # once per cluster",
-                       f"  kubectl apply -f {job_file}"])
+    return "\n".join(
+        [
+            *lines,
+            f"written to {run_dir}:",
+            f"  kubectl apply -f {runtime_file}   # once per cluster",
+            f"  kubectl apply -f {job_file}",
+        ]
+    )

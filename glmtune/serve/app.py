@@ -14,6 +14,7 @@ The event loop only moves bytes: the body is read up to serve.max_body_mib as it
 bytes read are counted, not the Content-Length promised), and parsing, validation and tokenization run on a
 thread of their own, so one large or slow request never holds up /health or another client's stream.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,10 +33,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..config import InferConfig
+from ..config.units import MIB
 from .engine import Engine, Job
 from .guard import Guard, Hosts
 from .protocol import ApiError, ChatRequest, parse_chat, parse_json
-from ..config.units import MIB
 
 log = logging.getLogger("glmtune.serve")
 # After a body over the cap, the rest is read and dropped for up to this long (seconds) before the 413 goes
@@ -64,13 +65,22 @@ class Service:
             return
         given = request.headers.get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-            raise ApiError(401, "Incorrect or missing API key: send the header `Authorization: Bearer <key>` with "
-                                "the key the server was started with (serve.api_key)", None, "invalid_api_key")
+            raise ApiError(
+                401,
+                "Incorrect or missing API key: send the header `Authorization: Bearer <key>` with "
+                "the key the server was started with (serve.api_key)",
+                None,
+                "invalid_api_key",
+            )
 
     async def models(self, request: Request) -> Response:
         self.check_key(request)
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "glmtune"}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [{"id": self.model_id, "object": "model", "created": self.created, "owned_by": "glmtune"}],
+            }
+        )
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": self.model_id})
@@ -84,8 +94,9 @@ class Service:
         self.engine.submit(job)
         reply_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if chat.stream:
-            return StreamingResponse(self.sse(job, reply_id, created), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(
+                self.sse(job, reply_id, created), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
         try:
             while True:  # the deltas add up to the final content, which "done" carries whole
                 kind, result = await job.events.get()
@@ -98,11 +109,19 @@ class Service:
         message = {"role": "assistant", "content": result["content"]}
         if result["tool_call"]:
             message["tool_calls"] = [result["tool_call"].openai()]
-        return JSONResponse({"id": reply_id, "object": "chat.completion", "created": created,
-                             "model": self.model_id, "system_fingerprint": None,
-                             "choices": [{"index": 0, "message": message, "logprobs": None,
-                                          "finish_reason": result["finish_reason"]}],
-                             "usage": usage(result)})
+        return JSONResponse(
+            {
+                "id": reply_id,
+                "object": "chat.completion",
+                "created": created,
+                "model": self.model_id,
+                "system_fingerprint": None,
+                "choices": [
+                    {"index": 0, "message": message, "logprobs": None, "finish_reason": result["finish_reason"]}
+                ],
+                "usage": usage(result),
+            }
+        )
 
     def parse(self, raw: bytearray) -> ChatRequest:
         """The body checked whole (parser thread); ApiError names the first thing at fault."""
@@ -110,17 +129,28 @@ class Service:
         if isinstance(body, dict) and not isinstance(body.get("model"), str):
             raise ApiError(400, f"model is required: this server serves `{self.model_id}`", "model", "missing_model")
         if isinstance(body, dict) and body.get("model") != self.model_id:
-            raise ApiError(404, f"The model `{body['model'][:200]}` does not exist; this server serves "
-                                f"`{self.model_id}` (GET /v1/models)", "model", "model_not_found")
+            raise ApiError(
+                404,
+                f"The model `{body['model'][:200]}` does not exist; this server serves "
+                f"`{self.model_id}` (GET /v1/models)",
+                "model",
+                "model_not_found",
+            )
         return parse_chat(body, self.infer, self.engine.tokenizer, self.vision)
 
     async def sse(self, job: Job, reply_id: str, created: int) -> AsyncIterator[str]:
         """The reply as chat.completion.chunk events: the role, content deltas, a tool call, the finish."""
 
         def chunk(delta: dict, finish: str | None = None, **extra) -> str:
-            body = {"id": reply_id, "object": "chat.completion.chunk", "created": created, "model": self.model_id,
-                    "system_fingerprint": None,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra}
+            body = {
+                "id": reply_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.model_id,
+                "system_fingerprint": None,
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+                **extra,
+            }
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
         try:
@@ -137,9 +167,20 @@ class Service:
                     yield chunk({"tool_calls": [payload["tool_call"].openai(index=0)]})
                 yield chunk({}, payload["finish_reason"])
                 if job.request.include_usage:
-                    yield ("data: " + json.dumps({"id": reply_id, "object": "chat.completion.chunk",
-                                                  "created": created, "model": self.model_id, "choices": [],
-                                                  "usage": usage(payload)}) + "\n\n")
+                    yield (
+                        "data: "
+                        + json.dumps(
+                            {
+                                "id": reply_id,
+                                "object": "chat.completion.chunk",
+                                "created": created,
+                                "model": self.model_id,
+                                "choices": [],
+                                "usage": usage(payload),
+                            }
+                        )
+                        + "\n\n"
+                    )
                 break
             yield "data: [DONE]\n\n"
         finally:
@@ -147,8 +188,11 @@ class Service:
 
 
 def usage(result: dict) -> dict:
-    return {"prompt_tokens": result["prompt_tokens"], "completion_tokens": result["completion_tokens"],
-            "total_tokens": result["prompt_tokens"] + result["completion_tokens"]}
+    return {
+        "prompt_tokens": result["prompt_tokens"],
+        "completion_tokens": result["completion_tokens"],
+        "total_tokens": result["prompt_tokens"] + result["completion_tokens"],
+    }
 
 
 async def read_body(request: Request, limit: int) -> bytearray:
@@ -168,8 +212,13 @@ async def read_body(request: Request, limit: int) -> bytearray:
     async for _ in chunks:
         if time.monotonic() > deadline:
             break
-    raise ApiError(413, f"the request body is over {limit / MIB:g} MiB (serve.max_body_mib) — send a smaller "
-                        "image (e.g. JPEG) or raise serve.max_body_mib", None, "request_too_large")
+    raise ApiError(
+        413,
+        f"the request body is over {limit / MIB:g} MiB (serve.max_body_mib) — send a smaller "
+        "image (e.g. JPEG) or raise serve.max_body_mib",
+        None,
+        "request_too_large",
+    )
 
 
 async def api_error(request: Request, err: ApiError) -> Response:
@@ -178,8 +227,10 @@ async def api_error(request: Request, err: ApiError) -> Response:
 
 async def http_error(request: Request, err: HTTPException) -> Response:
     """Starlette's own 404 / 405, in OpenAI's shape."""
-    what = {404: f"no route {request.url.path} (the API is under /v1: /v1/chat/completions, /v1/models)",
-            405: f"{request.method} is not allowed on {request.url.path}"}.get(err.status_code, str(err.detail))
+    what = {
+        404: f"no route {request.url.path} (the API is under /v1: /v1/chat/completions, /v1/models)",
+        405: f"{request.method} is not allowed on {request.url.path}",
+    }.get(err.status_code, str(err.detail))
     return error_response(ApiError(err.status_code, what, None, {404: "not_found"}.get(err.status_code)))
 
 
@@ -189,9 +240,12 @@ async def server_error(request: Request, err: Exception) -> Response:
 
 
 def make_app(service: Service, hosts: Hosts, allow_origins: list[str]):
-    routes = [Route("/v1/models", service.models, methods=["GET"]),
-              Route("/v1/chat/completions", service.chat, methods=["POST"]),
-              Route("/health", service.health, methods=["GET"])]
-    app = Starlette(routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error,
-                                                       Exception: server_error})
+    routes = [
+        Route("/v1/models", service.models, methods=["GET"]),
+        Route("/v1/chat/completions", service.chat, methods=["POST"]),
+        Route("/health", service.health, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: server_error}
+    )
     return Guard(app, hosts, allow_origins)

@@ -13,6 +13,7 @@ Greedy rows in a left-padded batch give the tokens they give alone (tests/infer/
 single), so a request's reply does not depend on what it was batched with. A sampled request with a `seed`
 runs alone: the random stream is then its own, and the same seed gives the same reply.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,10 +25,10 @@ import time
 import torch
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
+from ..config.units import GIB
+from ..infer.sampling import per_row_bytes
 from ..models.generation import generation_kwargs, prompt_batch
 from ..models.kvcache import preallocated_kv_cache
-from ..infer.sampling import per_row_bytes
-from ..config.units import GIB
 from ..plan.estimate import image_extra_tokens
 from .jobs import Job, RowsDone, RowStreamer, shutting_down
 from .protocol import ApiError, ChatRequest
@@ -62,19 +63,33 @@ class Engine:
         prompt = len(request.ids) + (self.image_tokens if request.image else 0)
         room = self.context - prompt
         if room < 1:
-            raise ApiError(400, f"This model's maximum context length is {self.context} tokens; the messages take "
-                           f"{prompt} — shorten them", "messages", "context_length_exceeded")
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.context} tokens; the messages take "
+                f"{prompt} — shorten them",
+                "messages",
+                "context_length_exceeded",
+            )
         asked = request.max_tokens
         if asked is not None and asked > room:
-            raise ApiError(400, f"max_tokens={asked} with the messages' {prompt} tokens exceeds this model's "
-                           f"context of {self.context} tokens — ask for at most {room}", "max_tokens",
-                           "context_length_exceeded")
+            raise ApiError(
+                400,
+                f"max_tokens={asked} with the messages' {prompt} tokens exceeds this model's "
+                f"context of {self.context} tokens — ask for at most {room}",
+                "max_tokens",
+                "context_length_exceeded",
+            )
         new = asked if asked is not None else min(self.default_max_tokens, room)
         if self.free_bytes is not None and self.row_bytes(prompt, new) > self.free_bytes:
-            raise ApiError(400, f"{prompt} prompt tokens + max_tokens={new} need "
-                           f"{self.row_bytes(prompt, new) / GIB:.2f} GiB of KV cache and activations; "
-                           f"{self.free_bytes / GIB:.2f} GiB are free beside the weights — lower max_tokens or "
-                           "shorten the messages", "max_tokens", "insufficient_memory")
+            raise ApiError(
+                400,
+                f"{prompt} prompt tokens + max_tokens={new} need "
+                f"{self.row_bytes(prompt, new) / GIB:.2f} GiB of KV cache and activations; "
+                f"{self.free_bytes / GIB:.2f} GiB are free beside the weights — lower max_tokens or "
+                "shorten the messages",
+                "max_tokens",
+                "insufficient_memory",
+            )
         return Job(request, new, prompt, loop)
 
     def submit(self, job: Job) -> None:
@@ -89,9 +104,12 @@ class Engine:
         tok = self.tokenizer
         ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
         with torch.no_grad():
-            self.model.generate(**prompt_batch([(ids, None)], tok.pad_token_id, None,
-                                                self.model.get_input_embeddings().weight.device),
-                                max_new_tokens=1, pad_token_id=tok.pad_token_id, do_sample=False)
+            self.model.generate(
+                **prompt_batch([(ids, None)], tok.pad_token_id, None, self.model.get_input_embeddings().weight.device),
+                max_new_tokens=1,
+                pad_token_id=tok.pad_token_id,
+                do_sample=False,
+            )
         self.thread.start()
 
     def halt(self) -> None:
@@ -113,8 +131,10 @@ class Engine:
             except Exception as err:  # noqa: BLE001 - a bug: the worker lives on, or every later request would hang
                 log.exception("taking a batch failed")
                 for job in self.pending:
-                    job.post("error", ApiError(500, f"batching failed: {type(err).__name__}: {err}", None, None,
-                                               "server_error"))
+                    job.post(
+                        "error",
+                        ApiError(500, f"batching failed: {type(err).__name__}: {err}", None, None, "server_error"),
+                    )
                 self.pending = []
                 continue
             if batch:
@@ -147,8 +167,9 @@ class Engine:
                 continue
             if batch and self.free_bytes is not None:
                 rows = batch + [job]
-                need = len(rows) * self.row_bytes(max(j.prompt_tokens for j in rows),
-                                                  max(j.max_new_tokens for j in rows))
+                need = len(rows) * self.row_bytes(
+                    max(j.prompt_tokens for j in rows), max(j.max_new_tokens for j in rows)
+                )
                 if need > self.free_bytes:
                     continue
             batch.append(job)
@@ -160,8 +181,13 @@ class Engine:
         try:
             self._generate(batch)
             self._finish(batch)
-            log.info("batch %d done in %.2f s: %d new tokens, %s", self.batches, time.perf_counter() - started,
-                     sum(len(job.ids) for job in batch), ", ".join(job.finish or "length" for job in batch))
+            log.info(
+                "batch %d done in %.2f s: %d new tokens, %s",
+                self.batches,
+                time.perf_counter() - started,
+                sum(len(job.ids) for job in batch),
+                ", ".join(job.finish or "length" for job in batch),
+            )
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
             if len(batch) > 1:  # the estimate was short: each row again in a batch of its own
@@ -171,14 +197,23 @@ class Engine:
                 self.pending[:0] = batch
                 return
             job = batch[0]
-            job.post("error", ApiError(400, f"out of GPU memory for {job.prompt_tokens} prompt tokens + max_tokens="
-                                       f"{job.max_new_tokens} — lower max_tokens or shorten the messages",
-                                       "max_tokens", "insufficient_memory"))
+            job.post(
+                "error",
+                ApiError(
+                    400,
+                    f"out of GPU memory for {job.prompt_tokens} prompt tokens + max_tokens="
+                    f"{job.max_new_tokens} — lower max_tokens or shorten the messages",
+                    "max_tokens",
+                    "insufficient_memory",
+                ),
+            )
         except Exception as err:  # noqa: BLE001 - a bug: the requests get a 500, the server goes on
             log.exception("generation failed")
             for job in batch:
-                job.post("error", ApiError(500, f"generation failed: {type(err).__name__}: {err}", None, None,
-                                           "server_error"))
+                job.post(
+                    "error",
+                    ApiError(500, f"generation failed: {type(err).__name__}: {err}", None, None, "server_error"),
+                )
 
     def _finish(self, batch: list[Job]) -> None:
         for job in batch:
@@ -189,28 +224,50 @@ class Engine:
             if delta:
                 job.post("delta", delta)
             finish = "tool_calls" if job.reply.tool_call else job.finish or "length"
-            job.post("done", {"content": None if job.reply.tool_call else job.reply.shown,
-                              "tool_call": job.reply.tool_call, "finish_reason": finish,
-                              "prompt_tokens": job.prompt_tokens, "completion_tokens": len(job.ids)})
+            job.post(
+                "done",
+                {
+                    "content": None if job.reply.tool_call else job.reply.shown,
+                    "tool_call": job.reply.tool_call,
+                    "finish_reason": finish,
+                    "prompt_tokens": job.prompt_tokens,
+                    "completion_tokens": len(job.ids),
+                },
+            )
         self.batches += 1
 
     def _generate(self, batch: list[Job]) -> None:
         model, tok = self.model, self.tokenizer
         vision = getattr(model.config, "vision_config", None)
         device = model.get_input_embeddings().weight.device
-        inputs = prompt_batch([(job.request.ids, job.request.image) for job in batch], tok.pad_token_id,
-                              vision["image_size"] if vision else None, device)
+        inputs = prompt_batch(
+            [(job.request.ids, job.request.image) for job in batch],
+            tok.pad_token_id,
+            vision["image_size"] if vision else None,
+            device,
+        )
         settings, seed = batch[0].request.settings, batch[0].request.seed
         new_tokens = max(job.max_new_tokens for job in batch)
-        log.info("batch %d: %d rows, prompts of %s tokens, up to %d new tokens", self.batches + 1, len(batch),
-                 "/".join(str(job.prompt_tokens) for job in batch), new_tokens)
+        log.info(
+            "batch %d: %d rows, prompts of %s tokens, up to %d new tokens",
+            self.batches + 1,
+            len(batch),
+            "/".join(str(job.prompt_tokens) for job in batch),
+            new_tokens,
+        )
         if seed is not None:
             import transformers
 
             transformers.set_seed(seed)  # as mode=infer seeds: the same seed gives the same sample
         stop_ids = list(tok.stop_token_ids)
         with torch.no_grad(), preallocated_kv_cache(model, new_tokens):
-            model.generate(**inputs, max_new_tokens=new_tokens, eos_token_id=stop_ids, pad_token_id=tok.pad_token_id,
-                           use_cache=True, streamer=RowStreamer(batch, tok, set(stop_ids)),
-                           stopping_criteria=StoppingCriteriaList([RowsDone(batch, self)]),
-                           **generation_kwargs(settings))
+            model.generate(
+                **inputs,
+                max_new_tokens=new_tokens,
+                eos_token_id=stop_ids,
+                pad_token_id=tok.pad_token_id,
+                use_cache=True,
+                streamer=RowStreamer(batch, tok, set(stop_ids)),
+                stopping_criteria=StoppingCriteriaList([RowsDone(batch, self)]),
+                **generation_kwargs(settings),
+            )

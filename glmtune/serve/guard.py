@@ -12,6 +12,7 @@ A page on any site can make the browser of someone running a local server send i
   * a form or `text/plain` body: a POST must be `Content-Type: application/json` (415), which a browser only
     sends cross-site after a preflight that this server answers for serve.allow_origins alone.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -39,7 +40,7 @@ def host_name(header: str) -> str:
     """`Host` without its port, lower case, without a trailing dot: `[::1]:8000` -> `::1`."""
     value = header.strip().lower()
     if value.startswith("["):
-        value = value[1:value.find("]")] if "]" in value else value
+        value = value[1 : value.find("]")] if "]" in value else value
     elif value.count(":") == 1:
         value = value.partition(":")[0]
     return value.rstrip(".")
@@ -89,8 +90,10 @@ class Guard:
 
         async def with_cors(message):  # a listed origin may read the reply
             if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []),
-                                      *((k.encode("latin-1"), v.encode("latin-1")) for k, v in self.cors(origin).items())]
+                message["headers"] = [
+                    *message.get("headers", []),
+                    *((k.encode("latin-1"), v.encode("latin-1")) for k, v in self.cors(origin).items()),
+                ]
             await send(message)
 
         await self.app(scope, receive, with_cors)
@@ -100,29 +103,45 @@ class Guard:
         headers = Headers(scope=scope)
         host = headers.get("host")
         if not self.hosts.allows(host):
-            return refusal(421, f"this server does not answer to the host {host!r}: use its address (or localhost), "
-                                "or add the name to serve.allow_hosts", "misdirected_request"), None
+            return refusal(
+                421,
+                f"this server does not answer to the host {host!r}: use its address (or localhost), "
+                "or add the name to serve.allow_hosts",
+                "misdirected_request",
+            ), None
         origin = headers.get("origin")
         foreign = origin is not None and origin.rstrip("/").lower() != f"{scope.get('scheme', 'http')}://{host}".lower()
         if foreign and origin.rstrip("/").lower() not in self.origins:
-            return refusal(403, f"requests from the web page origin {origin!r} are refused: start the server with "
-                                f"serve.allow_origins=[{origin}] to let that page call it", "origin_not_allowed"), None
+            return refusal(
+                403,
+                f"requests from the web page origin {origin!r} are refused: start the server with "
+                f"serve.allow_origins=[{origin}] to let that page call it",
+                "origin_not_allowed",
+            ), None
         if scope["method"] == "OPTIONS":  # a CORS preflight: only a listed origin gets here
             if not foreign:
-                return refusal(405, "OPTIONS is only answered to the origins in serve.allow_origins",
-                               "method_not_allowed"), None
+                return refusal(
+                    405, "OPTIONS is only answered to the origins in serve.allow_origins", "method_not_allowed"
+                ), None
             return Response(status_code=204, headers=self.cors(origin, preflight=True)), None
         media = headers.get("content-type", "").partition(";")[0].strip().lower()
         if scope["method"] == "POST" and media != "application/json":
-            return refusal(415, f"the body must be sent as Content-Type: application/json (got {media or 'none'!r})",
-                           "unsupported_media_type"), None
+            return refusal(
+                415,
+                f"the body must be sent as Content-Type: application/json (got {media or 'none'!r})",
+                "unsupported_media_type",
+            ), None
         return None, origin if foreign else None
 
     @staticmethod
     def cors(origin: str, preflight: bool = False) -> dict[str, str]:
         headers = {"access-control-allow-origin": origin, "vary": "Origin"}
         if preflight:
-            headers.update({"access-control-allow-methods": "GET, POST",
-                            "access-control-allow-headers": "authorization, content-type",
-                            "access-control-max-age": PREFLIGHT_MAX_AGE_S})
+            headers.update(
+                {
+                    "access-control-allow-methods": "GET, POST",
+                    "access-control-allow-headers": "authorization, content-type",
+                    "access-control-max-age": PREFLIGHT_MAX_AGE_S,
+                }
+            )
         return headers

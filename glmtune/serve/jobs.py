@@ -1,6 +1,7 @@
 """One request in flight (Job), and how a batch reaches each of its requests: every generated token routed to its
 row's job (RowStreamer), and each row stopped on its own (RowsDone). The engine (engine.py) runs the batches.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -49,8 +50,13 @@ class Job:
 
 
 def shutting_down() -> ApiError:
-    return ApiError(503, "the server is shutting down: the reply was not finished — send the request again once "
-                         "the server is back", None, "server_shutdown", "server_error")
+    return ApiError(
+        503,
+        "the server is shutting down: the reply was not finished — send the request again once the server is back",
+        None,
+        "server_shutdown",
+        "server_error",
+    )
 
 
 class RowStreamer(BaseStreamer):

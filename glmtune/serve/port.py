@@ -7,6 +7,7 @@ bind: SO_REUSEADDR lets a restart reuse a port with closing connections; only on
 with one line, before any weights load. While the weights load, `Loading` answers every connection with a 503
 (`model_loading`, Retry-After), so a load balancer or client waiting for the server sees why at once.
 """
+
 from __future__ import annotations
 
 import errno
@@ -20,10 +21,20 @@ from ..config import ConfigError, ServeConfig
 
 LOADING_POLL_S = 0.1  # how often the loading thread looks whether the server took over
 LOADING_READ_S = 0.5  # how long it waits for a request's headers before answering anyway
-LOADING_BODY = json.dumps({"error": {"message": "the model is loading: retry in a few seconds", "type": "server_error",
-                                     "param": None, "code": "model_loading"}}).encode()
-LOADING_REPLY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 5\r\n"
-                 b"Connection: close\r\nContent-Length: " + str(len(LOADING_BODY)).encode() + b"\r\n\r\n" + LOADING_BODY)
+LOADING_BODY = json.dumps(
+    {
+        "error": {
+            "message": "the model is loading: retry in a few seconds",
+            "type": "server_error",
+            "param": None,
+            "code": "model_loading",
+        }
+    }
+).encode()
+LOADING_REPLY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 5\r\n"
+    b"Connection: close\r\nContent-Length: " + str(len(LOADING_BODY)).encode() + b"\r\n\r\n" + LOADING_BODY
+)
 
 
 def exposed(address: str) -> bool:
@@ -38,12 +49,16 @@ def listen(cfg: ServeConfig) -> socket.socket:
     try:
         family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as err:
-        raise ConfigError(f"serve.host={host}: not an address of this machine ({err.strerror}) — use 127.0.0.1 "
-                          "(this machine only) or 0.0.0.0 (every network)") from None
+        raise ConfigError(
+            f"serve.host={host}: not an address of this machine ({err.strerror}) — use 127.0.0.1 "
+            "(this machine only) or 0.0.0.0 (every network)"
+        ) from None
     if exposed(address[0]) and cfg.api_key is None and not cfg.allow_unauthenticated:
-        raise ConfigError(f"serve.host={host} opens the server to the network without a key — set "
-                          "serve.api_key='${oc.env:GLMTUNE_API_KEY}' (clients then send it as their API key), or "
-                          "serve.allow_unauthenticated=true on a network you trust, or serve.host=127.0.0.1")
+        raise ConfigError(
+            f"serve.host={host} opens the server to the network without a key — set "
+            "serve.api_key='${oc.env:GLMTUNE_API_KEY}' (clients then send it as their API key), or "
+            "serve.allow_unauthenticated=true on a network you trust, or serve.host=127.0.0.1"
+        )
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart may bind while old sockets linger
     try:
@@ -52,12 +67,16 @@ def listen(cfg: ServeConfig) -> socket.socket:
     except OSError as err:
         sock.close()
         if err.errno == errno.EADDRNOTAVAIL:
-            raise ConfigError(f"serve.host={host} is not an address of this machine — use 127.0.0.1 (this machine "
-                              "only), 0.0.0.0 (every network) or one of its own addresses") from None
-        why = {errno.EADDRINUSE: "is in use by another process",
-               errno.EACCES: "needs privileges (ports < 1024)"}.get(err.errno, err.strerror)
-        raise ConfigError(f"serve.port={port} on serve.host={host} {why} — choose another serve.port "
-                          "(0 = any free port)") from None
+            raise ConfigError(
+                f"serve.host={host} is not an address of this machine — use 127.0.0.1 (this machine "
+                "only), 0.0.0.0 (every network) or one of its own addresses"
+            ) from None
+        why = {errno.EADDRINUSE: "is in use by another process", errno.EACCES: "needs privileges (ports < 1024)"}.get(
+            err.errno, err.strerror
+        )
+        raise ConfigError(
+            f"serve.port={port} on serve.host={host} {why} — choose another serve.port (0 = any free port)"
+        ) from None
     return sock
 
 

@@ -13,6 +13,7 @@ reply, which is `mode=infer`'s output (the decoded reply, stripped). Held back u
   * a tail that could be the start of a `stop` string (OpenAI's semantics: the stop string is not returned);
   * trailing whitespace (the final text is stripped) and a trailing U+FFFD (half of a multi-byte character).
 """
+
 from __future__ import annotations
 
 import json
@@ -103,7 +104,7 @@ class ReplyText:
         text = self._cut(text)
         if self.stopped or self._undecided(text):  # a stop string: finish() gives the rest
             return ""
-        text = text[:stop_prefix_start(text, self.stops)].rstrip(REPLACEMENT)
+        text = text[: stop_prefix_start(text, self.stops)].rstrip(REPLACEMENT)
         return self._delta(text.strip())
 
     def finish(self, text: str) -> str:
@@ -115,5 +116,5 @@ class ReplyText:
     def _delta(self, now: str) -> str:
         if not now.startswith(self.shown):  # cannot happen for text that only grows; never show text twice
             return ""
-        delta, self.shown = now[len(self.shown):], now
+        delta, self.shown = now[len(self.shown) :], now
         return delta

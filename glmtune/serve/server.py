@@ -11,6 +11,7 @@ name. Ctrl-C or SIGTERM stops it (exit 0): requests in flight get serve.stop_gra
 stops at the next token and every unfinished reply ends with a 503 error (a stream: an error event and
 [DONE]) before the connections close.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,16 +24,16 @@ import torch
 import uvicorn
 
 from ..config import RunConfig
+from ..config.units import MIB
 from ..infer.generate import RESERVE, inference_dtype, load_merged, load_quantized_adapter, place
 from ..infer.sampling import free_gpu_bytes
+from ..launch.console import console
 from ..models import load_config
 from ..models.identity import check_adapter_base
-from ..launch.console import console
 from .app import Service, make_app
 from .engine import Engine
 from .guard import Hosts
 from .port import Loading, listen
-from ..config.units import MIB
 
 # Seconds past serve.stop_grace_s that the replies cut by the stop get to reach their clients before uvicorn
 # cancels what is left (a generation step that is still running, a client that reads nothing).
@@ -54,9 +55,11 @@ def vllm_hint(installed: bool, weight_bytes: int, gpu_bytes: int | None, adapter
     adapter_arg = f" infer.adapter={adapter}" if adapter else ""
     # An export, not the base folder: the official folders' tokenizer needs their remote code, an export ships
     # tokenizer.json, the stop ids and the chat template, and SERVE.md holds the exact command (infer/serve_command.py).
-    return (f"vLLM is installed and the model fits one GPU: for more throughput under load, export it "
-            f"(mode=infer{adapter_arg} infer.merge_to=DIR) and run the `vllm serve` command it prints "
-            f"(DIR/SERVE.md), with --served-model-name {name}")
+    return (
+        f"vLLM is installed and the model fits one GPU: for more throughput under load, export it "
+        f"(mode=infer{adapter_arg} infer.merge_to=DIR) and run the `vllm serve` command it prints "
+        f"(DIR/SERVE.md), with --served-model-name {name}"
+    )
 
 
 def load(run: RunConfig, model_dir: Path):
@@ -66,8 +69,7 @@ def load(run: RunConfig, model_dir: Path):
         check_adapter_base(infer.adapter, model_dir, load_config(model_dir))
     if run.model.quantize != "none":
         return load_quantized_adapter(model_dir, infer.adapter, run.model, inference_dtype())[0]
-    return place(load_merged(model_dir, infer.adapter, run.model, inference_dtype()), infer.gpus,
-                 run.hw.memory_gib)[0]
+    return place(load_merged(model_dir, infer.adapter, run.model, inference_dtype()), infer.gpus, run.hw.memory_gib)[0]
 
 
 def free_bytes(memory_gib: float | None) -> int | None:
@@ -93,28 +95,40 @@ def run_serve(run: RunConfig, model_dir: Path, tokenizer, run_dir: Path) -> None
             engine = Engine(model, tokenizer, cfg.max_batch, free_bytes(run.hw.memory_gib), run.infer.max_new_tokens)
             engine.start()
         port = sock.getsockname()[1]
-        where = "this machine only" if cfg.host in ("127.0.0.1", "localhost", "::1") else \
-            "every interface" if cfg.host in ("0.0.0.0", "::") else cfg.host
+        where = (
+            "this machine only"
+            if cfg.host in ("127.0.0.1", "localhost", "::1")
+            else "every interface"
+            if cfg.host in ("0.0.0.0", "::")
+            else cfg.host
+        )
         host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host  # an IPv6 address in a URL
-        line = (f"glmtune serve: http://{host}:{port}/v1 ({where}) — model \"{name}\" = {model_dir}"
-                + (f" + adapter {run.infer.adapter}" if run.infer.adapter else "")
-                + ("; API key required" if cfg.api_key else "") + "; Ctrl-C stops")
+        line = (
+            f'glmtune serve: http://{host}:{port}/v1 ({where}) — model "{name}" = {model_dir}'
+            + (f" + adapter {run.infer.adapter}" if run.infer.adapter else "")
+            + ("; API key required" if cfg.api_key else "")
+            + "; Ctrl-C stops"
+        )
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         gpu = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
         hint = vllm_hint(importlib.util.find_spec("vllm") is not None, weights, gpu, run.infer.adapter, name)
         service = Service(engine, name, cfg.api_key, run.infer, int(cfg.max_body_mib * MIB))
         app = make_app(service, Hosts.for_bind(cfg.host, cfg.allow_hosts), cfg.allow_origins)
-        server = QuietServer(uvicorn.Config(app, log_config=None, lifespan="off", ws="none",
-                                           timeout_graceful_shutdown=cfg.stop_grace_s + CLOSE_S),
-                             [line] + ([hint] if hint else []), engine, cfg.stop_grace_s)
+        server = QuietServer(
+            uvicorn.Config(
+                app, log_config=None, lifespan="off", ws="none", timeout_graceful_shutdown=cfg.stop_grace_s + CLOSE_S
+            ),
+            [line] + ([hint] if hint else []),
+            engine,
+            cfg.stop_grace_s,
+        )
         server.run(sockets=[sock])
     finally:
         if engine is not None:
             engine.stop()
         sock.close()
     how = f" by {server.stopped_by}" if server.stopped_by else ""
-    console.print(f"glmtune serve: stopped{how} after {engine.batches} batches; the log is in {run_dir}",
-                  markup=False)
+    console.print(f"glmtune serve: stopped{how} after {engine.batches} batches; the log is in {run_dir}", markup=False)
 
 
 class QuietServer(uvicorn.Server):

@@ -12,6 +12,7 @@ The callback that writes the marker is in saving.py; this module stays light (no
 Rotation is glmtune's, not the Trainer's `save_total_limit`: the Trainer deletes old checkpoints before its
 caller knows the new one is whole, so a crash mid-save could leave no complete checkpoint at all.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -20,8 +21,8 @@ import re
 import shutil
 from pathlib import Path
 
-from ..rundir.atomic import fsync_tree, write_json
 from ..config.units import MIB
+from ..rundir.atomic import fsync_tree, write_json
 
 MARKER = "COMPLETE"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
@@ -89,8 +90,14 @@ def damage(folder: Path) -> str | None:
         return None
     now = _checksums(folder)
     changed = [name for name in recorded if now.get(name) != recorded[name]]
-    return (f"{', '.join(changed[:3])} {'is missing or differs' if len(changed) == 1 else 'are missing or differ'} "
-            "from what was saved") if changed else None
+    return (
+        (
+            f"{', '.join(changed[:3])} {'is missing or differs' if len(changed) == 1 else 'are missing or differ'} "
+            "from what was saved"
+        )
+        if changed
+        else None
+    )
 
 
 def rotate(output_dir: Path, keep: int) -> list[Path]:

@@ -16,6 +16,7 @@ seconds to minutes, more than a CPU run saves. Off under ZeRO-3: its per-module 
 hooks break the graphs, and DeepSpeed has its own compile path. `train.compile=on` works anywhere; the
 probe then runs the compiled blocks, and their memory is the probe's measurement, not the estimate's.
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,8 +29,10 @@ from ..models.kernels.attnpath import DENSE_MASK_MAX
 # packed rows with them. Add a name only with its row. Empty: nothing has been measured on a GPU yet.
 MEASURED_COMPILE: tuple[str, ...] = ()
 MEASURED_FLEX: tuple[str, ...] = ()
-BY_LENGTH = (f"a dense block-diagonal mask (sdpa) for rows up to {DENSE_MASK_MAX} positions, per-document SDPA "
-             f"(segments) above: no [S, S] tensor")
+BY_LENGTH = (
+    f"a dense block-diagonal mask (sdpa) for rows up to {DENSE_MASK_MAX} positions, per-document SDPA "
+    f"(segments) above: no [S, S] tensor"
+)
 UNMEASURED = "no GPU row in bench/RESULTS.md has measured it yet (bench/gpu_pending.py --part 3)"
 
 
@@ -43,8 +46,12 @@ def resolve_compile(cfg: TrainConfig, zero_stage: int) -> tuple[bool, str]:
     """(compile the blocks?, why)."""
     if cfg.compile != "auto":
         why = f"train.compile={cfg.compile}"
-        return cfg.compile == "on", why + ("; its memory is the probe's measurement, not the estimate's (the "
-                                           "estimator has no term for compiled blocks)" if cfg.compile == "on" else "")
+        return cfg.compile == "on", why + (
+            "; its memory is the probe's measurement, not the estimate's (the "
+            "estimator has no term for compiled blocks)"
+            if cfg.compile == "on"
+            else ""
+        )
     if not torch.cuda.is_available():
         return False, "auto: off on CPU (compile time exceeds what a CPU run saves)"
     if zero_stage == 3:
@@ -58,8 +65,10 @@ def resolve_compile(cfg: TrainConfig, zero_stage: int) -> tuple[bool, str]:
 def check_attention(cfg: TrainConfig) -> None:
     """Before any weights load: a forced FlexAttention needs CUDA (torch has no FlexAttention backward on CPU)."""
     if cfg.packed_attention == "flex" and not torch.cuda.is_available():
-        raise ConfigError("train.packed_attention=flex needs a CUDA device (FlexAttention has no backward on CPU) "
-                          "— use train.packed_attention=auto or sdpa")
+        raise ConfigError(
+            "train.packed_attention=flex needs a CUDA device (FlexAttention has no backward on CPU) "
+            "— use train.packed_attention=auto or sdpa"
+        )
 
 
 def resolve_packed_attention(cfg: TrainConfig, compiled: bool, attention_dropout: float) -> tuple[str, str]:

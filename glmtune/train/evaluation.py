@@ -12,6 +12,7 @@
   <run dir>/adapter_best at the end, and eval.early_stopping_patience evaluations without improvement end
   the run.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,8 @@ from pathlib import Path
 
 from ..config import EVAL_METRICS, EvalConfig, InferConfig
 from ..data.validate import read_conversations
-from ..models.generation import generate
 from ..models.chatglm.template import reference_text
+from ..models.generation import generate
 from .metrics import generation_metrics
 
 MAX_LOG_PERPLEXITY = 50.0  # exp(50) ~ 5e21: beyond this the number says only "untrained", and exp overflows later
@@ -32,16 +33,22 @@ def perplexity(eval_loss: float) -> float:
     return math.exp(min(eval_loss, MAX_LOG_PERPLEXITY))
 
 
-def eval_examples(val_file: str | list[tuple[str, list[int]]], limit: int = 0, fmt: str = "auto"
-                  ) -> list[tuple[int, list[dict], str]]:
+def eval_examples(
+    val_file: str | list[tuple[str, list[int]]], limit: int = 0, fmt: str = "auto"
+) -> list[tuple[int, list[dict], str]]:
     """(line, prompt messages, reference text) for every assistant turn of the val file, the first `limit`;
     fmt: data.format. val_file may also be (train file, line numbers) pairs: a val set held out by data.val_size
     (data/mixing.py Selection.sources)."""
     if isinstance(val_file, str):
         conversations = read_conversations(val_file, "data.val_file", fmt=fmt)
     else:
-        conversations = [c for path, lines in val_file for wanted in [set(lines)]
-                         for c in read_conversations(path, "data.train_file", fmt=fmt) if c.line in wanted]
+        conversations = [
+            c
+            for path, lines in val_file
+            for wanted in [set(lines)]
+            for c in read_conversations(path, "data.train_file", fmt=fmt)
+            if c.line in wanted
+        ]
     examples = []
     for conversation in conversations:
         for i, message in enumerate(conversation.messages):
@@ -53,8 +60,16 @@ def eval_examples(val_file: str | list[tuple[str, list[int]]], limit: int = 0, f
 class GenerationEval:
     """Generates for the validation examples and scores the replies; writes each evaluation's predictions."""
 
-    def __init__(self, cfg: EvalConfig, val_file: str | list[tuple[str, list[int]]], tokenizer, batch_size: int,
-                 out_dir: Path, synced_gpus: bool = False, fmt: str = "auto"):
+    def __init__(
+        self,
+        cfg: EvalConfig,
+        val_file: str | list[tuple[str, list[int]]],
+        tokenizer,
+        batch_size: int,
+        out_dir: Path,
+        synced_gpus: bool = False,
+        fmt: str = "auto",
+    ):
         self.examples = eval_examples(val_file, cfg.max_examples, fmt)
         self.tokenizer, self.out_dir, self.synced_gpus = tokenizer, Path(out_dir), synced_gpus
         self.decoding = InferConfig(max_new_tokens=cfg.max_new_tokens, batch_size=batch_size)  # greedy
@@ -63,8 +78,9 @@ class GenerationEval:
         was_training = model.training
         model.eval()
         try:
-            predictions = generate(model, self.tokenizer, [p for _, p, _ in self.examples], self.decoding,
-                                   synced_gpus=self.synced_gpus)
+            predictions = generate(
+                model, self.tokenizer, [p for _, p, _ in self.examples], self.decoding, synced_gpus=self.synced_gpus
+            )
         finally:
             model.train(was_training)
         references = [r for _, _, r in self.examples]
@@ -72,8 +88,13 @@ class GenerationEval:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             with (self.out_dir / f"eval_predictions_step{step}.jsonl").open("w", encoding="utf-8") as f:
                 for (line, prompt, reference), output in zip(self.examples, predictions):
-                    f.write(json.dumps({"line": line, "prompt": prompt, "reference": reference, "output": output},
-                                       ensure_ascii=False) + "\n")
+                    f.write(
+                        json.dumps(
+                            {"line": line, "prompt": prompt, "reference": reference, "output": output},
+                            ensure_ascii=False,
+                        )
+                        + "\n"
+                    )
         return {f"eval_{k}": v for k, v in generation_metrics(predictions, references).items()}
 
 
@@ -110,8 +131,9 @@ class BestTracker:
         return {"metric": self.metric, "value": self.best, "step": self.step, "stopped_early": self.stopped_early}
 
 
-def keep_best_adapter(tracker: BestTracker, checkpoints: Path, final_adapter: Path, final_step: int,
-                      out: Path) -> Path | None:
+def keep_best_adapter(
+    tracker: BestTracker, checkpoints: Path, final_adapter: Path, final_step: int, out: Path
+) -> Path | None:
     """Copy the best evaluation's adapter to `out` (from its checkpoint, or the final adapter)."""
     if tracker.step is None:
         return None

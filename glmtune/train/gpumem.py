@@ -6,6 +6,7 @@ allocator's reserve to the tensor peak), so the probe must measure the whole pro
 figure is the truth; where NVML cannot name this process (some containers hide pids), the device's used
 memory minus what was used before this process is the fallback.
 """
+
 from __future__ import annotations
 
 import os

@@ -11,6 +11,7 @@ Divergence is checked on the weights after the optimizer step, before any save a
 checkpoint with NaN weights is ever marked complete. Under fp16 an infinite gradient is normal (the loss
 scaler skips that step and lowers the scale) and leaves the weights finite, so it is not reported.
 """
+
 from __future__ import annotations
 
 import math
@@ -100,8 +101,10 @@ def divergence_advice(lr: float, dtype: str, weight_decay: float = 0.0) -> str:
     # A tenth of the rate that diverged, but never above 1e-4: from a rate far too high (0.5) a tenth diverges too.
     advice = f"lower train.learning_rate (now {lr:g}), e.g. train.learning_rate={min(lr / 10, 1e-4):g}"
     if lr * weight_decay > 0.01:  # AdamW's decay alone shrinks every weight by over 1 % per step
-        advice = (f"lower train.weight_decay (now {weight_decay:g}; usual values 0 to 0.1: it shrinks every weight "
-                  f"by lr x weight_decay = {lr * weight_decay:.2g} per step), or {advice}")
+        advice = (
+            f"lower train.weight_decay (now {weight_decay:g}; usual values 0 to 0.1: it shrinks every weight "
+            f"by lr x weight_decay = {lr * weight_decay:.2g} per step), or {advice}"
+        )
     if dtype == "fp16":
         advice += "; fp16 overflows easily: train.precision=bf16 on Ampere or newer cards, else fp32"
     return advice

@@ -15,6 +15,7 @@ baseline, the numbers are bytes allocated inside the block only.
 No allocator rounding: these are tensor bytes, what CUDA's `memory_allocated` would show before its
 512-byte rounding. CUDA context, workspaces and caching slack are the estimator's separate terms.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -69,6 +70,7 @@ class LiveTensorTracker(TorchDispatchMode):
             if self._refs.get(key) is ref:
                 self.current_bytes -= self._live.pop(key)
                 del self._refs[key]
+
         return freed
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -1,4 +1,5 @@
 """What a run logs besides TensorBoard: metrics.jsonl, and the run's mean loss across resumes."""
+
 from __future__ import annotations
 
 import json

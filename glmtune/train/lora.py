@@ -1,4 +1,5 @@
 """The `lora` config group: PEFT LoRA adapters on glmtune's GLM model."""
+
 from __future__ import annotations
 
 import re
@@ -12,17 +13,25 @@ from ..models.quantize import peft_without_bitsandbytes
 
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> peft.PeftModel:
     """Freeze the base model and add adapters whose weights (and so AdamW states) are fp32."""
-    lora = peft.LoraConfig(task_type=peft.TaskType.CAUSAL_LM, r=cfg.r, lora_alpha=cfg.alpha,
-                           lora_dropout=cfg.dropout, target_modules=_targets(model, cfg), use_dora=cfg.use_dora,
-                           use_rslora=cfg.use_rslora)
+    lora = peft.LoraConfig(
+        task_type=peft.TaskType.CAUSAL_LM,
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=_targets(model, cfg),
+        use_dora=cfg.use_dora,
+        use_rslora=cfg.use_rslora,
+    )
     try:
         with peft_without_bitsandbytes():
             model = peft.get_peft_model(model, lora)
     except ValueError as err:
         if "not found" not in str(err):
             raise
-        raise ConfigError(f"lora.target_modules={list(cfg.target_modules)} matches no layer of the model — "
-                          f"GLM models have {', '.join(LORA_TARGETS)}") from None
+        raise ConfigError(
+            f"lora.target_modules={list(cfg.target_modules)} matches no layer of the model — "
+            f"GLM models have {', '.join(LORA_TARGETS)}"
+        ) from None
     # peft 0.11 creates adapters in the base weights' dtype; bf16 adapters and bf16 Adam moments lose small
     # updates, so keep them fp32 (the estimator counts 4 B per adapter weight, 16 B with grad and moments).
     for param in trainable_parameters(model):

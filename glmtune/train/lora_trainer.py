@@ -1,5 +1,6 @@
 """The HF Trainer as glmtune runs it: one loss for every split of a step, portable checkpoints, an optimizer over
 the adapter only (train/steps.py, train/portable.py, train/optim.py say why)."""
+
 from __future__ import annotations
 
 from functools import partial
@@ -21,23 +22,43 @@ from .sequence import gather_groups, group_eval_loader, group_mean_loss, sequenc
 from .steps import ExampleLog, StepCollator, StepExamples, StepSampler, step_loss, target_counts
 
 
-def make_trainer(args: TrainingArguments, model, train_set, val_set, collator, callbacks=(),
-                 generation_eval: GenerationEval | None = None, best: BestTracker | None = None,
-                 normalization: str = "tokens", packer=None, sequence_parallel: int = 1) -> Trainer:
+def make_trainer(
+    args: TrainingArguments,
+    model,
+    train_set,
+    val_set,
+    collator,
+    callbacks=(),
+    generation_eval: GenerationEval | None = None,
+    best: BestTracker | None = None,
+    normalization: str = "tokens",
+    packer=None,
+    sequence_parallel: int = 1,
+) -> Trainer:
     """The Trainer for the run and for the probe; args carries train.learning_rate and train.weight_decay;
     `normalization` is train.loss_normalization; `packer` (data.packing.RowPacker) packs each training
     micro-batch's examples into rows (data.packing=on), the step's examples staying those of the unpacked run;
     `sequence_parallel` (dist.sequence_parallel) ranks share each micro-batch's rows (train/sequence.py)."""
     steps = None
     if train_set is not None:  # train/steps.py: each step's examples, whatever the split
-        steps = StepSampler(target_counts(train_set), args.per_device_train_batch_size *
-                            args.gradient_accumulation_steps * args.world_size // sequence_parallel, args.seed,
-                            args.per_device_train_batch_size, sequence_parallel)
+        steps = StepSampler(
+            target_counts(train_set),
+            args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size // sequence_parallel,
+            args.seed,
+            args.per_device_train_batch_size,
+            sequence_parallel,
+        )
         train_set, collator = StepExamples(train_set, steps), StepCollator(collator, packer)
     # The meter first, so each training step's peak is read before any other callback's own reset (timeline.py).
     meter = PhaseMeter(model)
-    trainer = LoraTrainer(model=model, args=args, train_dataset=train_set, eval_dataset=val_set or None,
-                          data_collator=collator, callbacks=[meter, *callbacks])
+    trainer = LoraTrainer(
+        model=model,
+        args=args,
+        train_dataset=train_set,
+        eval_dataset=val_set or None,
+        data_collator=collator,
+        callbacks=[meter, *callbacks],
+    )
     trainer.phases = meter
     trainer.step_sampler, trainer.example_log = steps, ExampleLog(args.process_index)
     trainer.normalization = normalization
@@ -100,8 +121,11 @@ class LoraTrainer(Trainer):
         if tokens is None or demo or not hasattr(self.glm, "loss_reduction"):
             return super().compute_loss(model, inputs, return_outputs)
         outputs = self._summed_forward(model, inputs)
-        loss = outputs.loss.float() if self.normalization == "micro_batch" else \
-            step_loss(outputs.loss, tokens, self.args.gradient_accumulation_steps, self.args.world_size)
+        loss = (
+            outputs.loss.float()
+            if self.normalization == "micro_batch"
+            else step_loss(outputs.loss, tokens, self.args.gradient_accumulation_steps, self.args.world_size)
+        )
         return (loss, outputs) if return_outputs else loss
 
     def _summed_forward(self, model, inputs):
@@ -171,8 +195,12 @@ class LoraTrainer(Trainer):
 
     def create_optimizer(self) -> torch.optim.Optimizer:
         if self.optimizer is None:
-            self.optimizer = make_optimizer(OPTIMIZERS[self.args.optim], trainable_parameters(self.model),
-                                            lr=self.args.learning_rate, weight_decay=self.args.weight_decay)
+            self.optimizer = make_optimizer(
+                OPTIMIZERS[self.args.optim],
+                trainable_parameters(self.model),
+                lr=self.args.learning_rate,
+                weight_decay=self.args.weight_decay,
+            )
         return self.optimizer
 
     generation_eval: GenerationEval | None = None
@@ -201,7 +229,11 @@ class LoraTrainer(Trainer):
         on the Hub and warns "Could not find a config file" at every save."""
         output_dir = output_dir or self.args.output_dir
         Path(output_dir).mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=self.args.save_safetensors,
-                                   save_embedding_layers=False)
+        self.model.save_pretrained(
+            output_dir,
+            state_dict=state_dict,
+            safe_serialization=self.args.save_safetensors,
+            save_embedding_layers=False,
+        )
         torch.save(self.args, Path(output_dir) / "training_args.bin")
         plain_file_modes(output_dir)  # safetensors' 0600 -> the umask's mode, as every other run file

@@ -10,6 +10,7 @@ marker): the logged sum, the step of that last log, and every rank's unlogged su
 the loop keeps it, so the next logged loss (the mean since the last log) and train_loss equal an uninterrupted
 run's.
 """
+
 from __future__ import annotations
 
 import json
@@ -65,10 +66,15 @@ class LossCarry:
             return
         tails = trainer._nested_gather(self.tr_loss.detach().clone()).reshape(-1).tolist()
         if trainer.is_world_process_zero():
-            write_json(folder / FILE, {"step": trainer.state.global_step,
-                                       "logged_loss_sum": trainer._total_loss_scalar,
-                                       "last_logged_step": trainer._globalstep_last_logged,
-                                       "unlogged_loss_sums": tails})
+            write_json(
+                folder / FILE,
+                {
+                    "step": trainer.state.global_step,
+                    "logged_loss_sum": trainer._total_loss_scalar,
+                    "last_logged_step": trainer._globalstep_last_logged,
+                    "unlogged_loss_sums": tails,
+                },
+            )
 
     def train_loss(self, launch_loss: float, steps: int) -> float | None:
         """The run's mean train loss given the Trainer's figure for this launch; None when a resume had no sums

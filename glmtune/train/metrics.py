@@ -15,6 +15,7 @@ needs neither package (nltk alone is ~10 MB) and an empty prediction scores 0 in
   [0, 1], as the demo does (it multiplies ROUGE by 100 but not BLEU);
 - BLEU uses the jieba words *with* whitespace tokens, exactly the lists the demo passes to nltk.
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,7 +38,7 @@ def _f1(p: float, r: float) -> float:
 
 
 def _ngrams(words: list[str], n: int) -> list[tuple[str, ...]]:
-    return [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+    return [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
 
 
 def rouge_n(hyp: list[str], ref: list[str], n: int) -> float:
@@ -75,7 +76,7 @@ def bleu4(hyp: list[str], ref: list[str]) -> float:
         if n == 1 and matched == 0:
             return 0.0
         if matched == 0:
-            precisions.append(1.0 / (2 ** k * total))
+            precisions.append(1.0 / (2**k * total))
             k += 1
         else:
             precisions.append(matched / total)
@@ -86,9 +87,13 @@ def bleu4(hyp: list[str], ref: list[str]) -> float:
 def score_one(prediction: str, reference: str) -> dict[str, float]:
     pred_words, ref_words = segment(prediction), segment(reference)
     hyp, ref = [w for w in pred_words if w.strip()], [w for w in ref_words if w.strip()]
-    return {"rouge-1": 100 * rouge_n(hyp, ref, 1), "rouge-2": 100 * rouge_n(hyp, ref, 2),
-            "rouge-l": 100 * rouge_l(hyp, ref), "bleu-4": bleu4(pred_words, ref_words),
-            "exact_match": float(prediction.strip() == reference.strip())}
+    return {
+        "rouge-1": 100 * rouge_n(hyp, ref, 1),
+        "rouge-2": 100 * rouge_n(hyp, ref, 2),
+        "rouge-l": 100 * rouge_l(hyp, ref),
+        "bleu-4": bleu4(pred_words, ref_words),
+        "exact_match": float(prediction.strip() == reference.strip()),
+    }
 
 
 def generation_metrics(predictions: list[str], references: list[str]) -> dict[str, float]:

@@ -2,6 +2,7 @@
 dtype, then loss chunking, checkpoint offload, MLP tiles, LoRA, checkpointing, compiled blocks and the packed-row
 attention path applied. The probe builds through here too, so what it measures is what trains.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -29,8 +30,9 @@ def build_model(model_dir: Path, run: RunConfig, choices: Choices) -> torch.nn.M
 
 def _build_model(model_dir: Path, run: RunConfig, choices: Choices) -> torch.nn.Module:
     if run.model.quantize != "none":  # bitsandbytes weights in the GLM blocks, loaded straight to this rank's GPU
-        model = load_quantized(model_dir, run.model.quantize, _TORCH_DTYPE[choices.dtype],
-                               double_quant=run.model.double_quant)
+        model = load_quantized(
+            model_dir, run.model.quantize, _TORCH_DTYPE[choices.dtype], double_quant=run.model.double_quant
+        )
     else:
         model = load_model(model_dir, dtype=_TORCH_DTYPE[choices.dtype], trust_remote_code=run.model.trust_remote_code)
     return prepare_model(model, run, choices)

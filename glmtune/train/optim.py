@@ -6,6 +6,7 @@ measurement of the estimator (probe/track.py) alike.
                   its states); runs on CPU too with bitsandbytes 0.50. Adapter states are megabytes next to
                   the frozen weights, so this matters for large r, many targets or ZeRO-3's fp32 master copy.
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,8 +16,9 @@ HF_NAMES = {"adamw_torch": "adamw_torch", "adamw_8bit": "adamw_bnb_8bit"}
 OPTIMIZERS = {hf: name for name, hf in HF_NAMES.items()}
 
 
-def make_optimizer(name: str, params: list[torch.nn.Parameter], lr: float, weight_decay: float
-                   ) -> torch.optim.Optimizer:
+def make_optimizer(
+    name: str, params: list[torch.nn.Parameter], lr: float, weight_decay: float
+) -> torch.optim.Optimizer:
     if name == "adamw_8bit":
         import bitsandbytes as bnb  # config validation has checked that it is installed
 

@@ -12,6 +12,7 @@ make_trainer installs in both, reads each phase's peak:
 - on CPU, live tensor bytes (train/livebytes.py), weights and optimizer states included: the estimator's
   tensor terms, never the resident set, which a CPU process's allocator and libraries blur.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -19,9 +20,9 @@ from contextlib import contextmanager
 import torch
 from transformers import TrainerCallback
 
+from ..config.units import GIB
 from .gpumem import outside_allocator_bytes
 from .livebytes import LiveTensorTracker
-from ..config.units import GIB
 
 PHASES = ("train", "eval", "save")
 
@@ -62,10 +63,12 @@ class PhaseMeter(TrainerCallback):
             peak = reserved + outside_allocator_bytes()
             if peak >= self.peaks().get(phase, 0):
                 stats = torch.cuda.memory_stats()
-                self.details[phase] = {"peak_reserved_bytes": reserved, "peak_allocated_bytes":
-                                       torch.cuda.max_memory_allocated(),
-                                       "peak_active_bytes": stats.get("active_bytes.all.peak", 0),
-                                       "alloc_retries": stats.get("num_alloc_retries", 0)}
+                self.details[phase] = {
+                    "peak_reserved_bytes": reserved,
+                    "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+                    "peak_active_bytes": stats.get("active_bytes.all.peak", 0),
+                    "alloc_retries": stats.get("num_alloc_retries", 0),
+                }
         else:
             peak = self.tracker.peak_bytes
             self.tracker.__exit__(None, None, None)

@@ -7,6 +7,7 @@ A ZeRO-3 checkpoint holds each rank's shard of the flattened fp32 states: here e
 trainable parameter's exp_avg / exp_avg_sq into `optimizer_portable.pt`, keyed by parameter name, so a
 ZeRO-3 run can resume as DDP (or on one process).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -46,13 +47,17 @@ def load_portable_into_torch(optimizer: torch.optim.Optimizer, model, folder: Pa
     named = named_trainable(model)
     missing = [name for name, _ in named if name not in saved["state"]]
     if missing:
-        raise ValueError(f"{folder / PORTABLE}: no optimizer state for {len(missing)} adapter parameters "
-                         f"(e.g. {missing[0]}) — the checkpoint is from another LoRA shape")
+        raise ValueError(
+            f"{folder / PORTABLE}: no optimizer state for {len(missing)} adapter parameters "
+            f"(e.g. {missing[0]}) — the checkpoint is from another LoRA shape"
+        )
     for name, param in named:
         moments = saved["state"][name]
-        optimizer.state[param] = {"step": torch.tensor(float(saved["step"])),
-                                  "exp_avg": moments["exp_avg"].to(param.device, param.dtype).view_as(param),
-                                  "exp_avg_sq": moments["exp_avg_sq"].to(param.device, param.dtype).view_as(param)}
+        optimizer.state[param] = {
+            "step": torch.tensor(float(saved["step"])),
+            "exp_avg": moments["exp_avg"].to(param.device, param.dtype).view_as(param),
+            "exp_avg_sq": moments["exp_avg_sq"].to(param.device, param.dtype).view_as(param),
+        }
 
 
 def load_states(trainer, folder: Path) -> None:

@@ -13,6 +13,7 @@ carriage returns; there the evaluation bar is not nested under the training bar 
 nothing in a file) and each of glmtune's lines starts a line of its own instead of following a bar's last update
 (`...| 2/2 [00:00<00:00]step 2: eval loss 7.5` in `cmd > log 2>&1`).
 """
+
 from __future__ import annotations
 
 import sys
@@ -29,16 +30,24 @@ _SHORT = {"learning_rate": "lr", "grad_norm": "grad norm"}
 _HIDDEN = ("total_flos", "num_input_tokens_seen")
 
 
-def step_line(step: int, logs: dict, tokens_per_s: float | None = None, peak_gib: float | None = None,
-              on_gpu: bool = False) -> str:
+def step_line(
+    step: int, logs: dict, tokens_per_s: float | None = None, peak_gib: float | None = None, on_gpu: bool = False
+) -> str:
     parts = []
     for key, value in logs.items():
         if "runtime" in key or key.endswith("per_second") or key in _HIDDEN or key.startswith("memory/"):
             continue  # timings of one evaluation: in metrics.jsonl
         name = _SHORT.get(key, key.replace("eval_", "eval "))
         if isinstance(value, float):
-            text = (f"{value:.2e}" if key == "learning_rate" else f"{value:.2f}" if key == "epoch" else
-                    f"{value:.4f}" if key.endswith("loss") else f"{value:.4g}")
+            text = (
+                f"{value:.2e}"
+                if key == "learning_rate"
+                else f"{value:.2f}"
+                if key == "epoch"
+                else f"{value:.4f}"
+                if key.endswith("loss")
+                else f"{value:.4g}"
+            )
         else:
             text = str(value)
         parts.append(f"{name} {text}")
@@ -92,12 +101,17 @@ class StepLines(ProgressCallback):
         self.busy_s, self.tokens = 0.0, state.num_input_tokens_seen  # a resume starts from the checkpoint's count
 
     def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
-        if (self.log is not None and state.is_world_process_zero and self.prediction_bar is None
-                and has_length(eval_dataloader)):
+        if (
+            self.log is not None
+            and state.is_world_process_zero
+            and self.prediction_bar is None
+            and has_length(eval_dataloader)
+        ):
             # In a log, not nested: on a line of its own after the training bar's, at position 0 (no cursor moves)
             self.log.end_line()
-            self.prediction_bar = tqdm(total=len(eval_dataloader), leave=False, position=0, dynamic_ncols=True,
-                                       file=self.log)
+            self.prediction_bar = tqdm(
+                total=len(eval_dataloader), leave=False, position=0, dynamic_ncols=True, file=self.log
+            )
         super().on_prediction_step(args, state, control, eval_dataloader=eval_dataloader, **kwargs)
 
     def on_evaluate(self, args, state, control, **kwargs):
@@ -135,7 +149,7 @@ class StepLines(ProgressCallback):
             self.busy_s, self.tokens = 0.0, seen
         line = step_line(state.global_step, logs, rate, logs.get("memory/step_peak_gib"), self.on_gpu)
         if self.log is not None:  # a log: the bars' open line ended, then the line (tqdm.write would clear the bars
-            self.log.end_line()   # with carriage returns on that same line, which a file keeps)
+            self.log.end_line()  # with carriage returns on that same line, which a file keeps)
             print(line, flush=True)
         elif self.training_bar is not None:
             self.training_bar.write(line)

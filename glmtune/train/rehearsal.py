@@ -17,6 +17,7 @@ whole before cutting it, so the rows models/kernels/ulysses.pad_and_shard cuts a
 (`remember`: integer rows only, by weak reference, so nothing stays alive for it), and an all-gather of this
 rank's shard of a remembered row returns that row's shards, as the real ranks would send them: exact, not a guess.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -33,8 +34,12 @@ BACKEND = "rehearsal"
 def _done(result) -> dist.Work:
     """A finished collective's work. A future holding CUDA tensors must name their devices (torch checks it when
     the value is set, and records an event on each device's stream for whoever waits on it: DDP's reducer)."""
-    tensors = [t for t in (result if isinstance(result, list) else [result]) for t in (t if isinstance(t, list) else [t])
-               if isinstance(t, torch.Tensor)]
+    tensors = [
+        t
+        for t in (result if isinstance(result, list) else [result])
+        for t in (t if isinstance(t, list) else [t])
+        if isinstance(t, torch.Tensor)
+    ]
     future = Future(devices=sorted({t.device for t in tensors if t.is_cuda}, key=str) or None)
     future.set_result(result)
     return _create_work_from_future(future)
@@ -63,8 +68,13 @@ class RehearsalGroup(dist.ProcessGroup):
         """What each rank of the group sends for this rank's `shard`: a remembered row's shards, else the shard."""
         for ref in reversed(self._rows):
             row = ref()
-            if (row is not None and shard.dim() == 2 and row.dtype == shard.dtype and row.shape[0] == shard.shape[0]
-                    and row.shape[1] == shard.shape[1] * self._size):
+            if (
+                row is not None
+                and shard.dim() == 2
+                and row.dtype == shard.dtype
+                and row.shape[0] == shard.shape[0]
+                and row.shape[1] == shard.shape[1] * self._size
+            ):
                 parts = row.to(shard.device).chunk(self._size, dim=1)
                 if torch.equal(parts[self._rank], shard):
                     return list(parts)

@@ -2,6 +2,7 @@
 
 See checkpoints.py for what "complete" means and why rotation is done here rather than by the Trainer.
 """
+
 from __future__ import annotations
 
 import logging

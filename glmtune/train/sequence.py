@@ -27,6 +27,7 @@ The Trainer then averages those batch means as it does without sequence parallel
 (a KV cache grows one token at a time on every rank; it cannot be cut along the sequence): every rank generates
 for the whole prompts, and the plan budgets that cache at the whole row length.
 """
+
 from __future__ import annotations
 
 import torch
@@ -58,8 +59,10 @@ def data_parallel_width(world: int, size: int) -> int:
     """The plan's width: each group of `size` ranks trains its own micro-batches, so the global batch is
     micro x accumulation x world / size (the planner's own check: plan/sequence.py)."""
     if world % size:
-        raise ConfigError(f"dist.sequence_parallel={size} must divide the {world} processes of the launch — use a "
-                          f"divisor of {world}, or launch a multiple of {size} processes")
+        raise ConfigError(
+            f"dist.sequence_parallel={size} must divide the {world} processes of the launch — use a "
+            f"divisor of {world}, or launch a multiple of {size} processes"
+        )
     return world // size
 
 
@@ -100,12 +103,23 @@ def group_mean_loss(summed: torch.Tensor, labels: torch.Tensor, sp: SequenceGrou
 def group_eval_loader(dataset, collator, args, accelerator, size: int) -> DataLoader:
     """The Trainer's evaluation loader (eval batch, in order), sharded over the W / size groups instead of the W
     ranks: group g's ranks all get the batches that rank g of W / size processes would."""
-    loader = DataLoader(dataset, batch_size=args.eval_batch_size, sampler=SequentialSampler(dataset),
-                        collate_fn=collator, num_workers=args.dataloader_num_workers,
-                        pin_memory=args.dataloader_pin_memory, drop_last=args.dataloader_drop_last)
-    return prepare_data_loader(loader, accelerator.device, num_processes=accelerator.num_processes // size,
-                               process_index=accelerator.process_index // size,
-                               put_on_device=accelerator.device_placement, even_batches=accelerator.even_batches)
+    loader = DataLoader(
+        dataset,
+        batch_size=args.eval_batch_size,
+        sampler=SequentialSampler(dataset),
+        collate_fn=collator,
+        num_workers=args.dataloader_num_workers,
+        pin_memory=args.dataloader_pin_memory,
+        drop_last=args.dataloader_drop_last,
+    )
+    return prepare_data_loader(
+        loader,
+        accelerator.device,
+        num_processes=accelerator.num_processes // size,
+        process_index=accelerator.process_index // size,
+        put_on_device=accelerator.device_placement,
+        even_batches=accelerator.even_batches,
+    )
 
 
 def gather_groups(accelerator, size: int, tensor: torch.Tensor) -> torch.Tensor:
@@ -116,5 +130,5 @@ def gather_groups(accelerator, size: int, tensor: torch.Tensor) -> torch.Tensor:
     data = data.view(accelerator.num_processes, -1, *tensor.shape[1:])[::size].flatten(0, 1)
     state = accelerator.gradient_state
     if state.end_of_dataloader and state.remainder > 0:
-        data = data[:state.remainder]
+        data = data[: state.remainder]
     return data

@@ -23,6 +23,7 @@ the ones listed above, into fewer rows, and the summed token loss of those rows 
 over accumulation steps and ranks) for reproducing its numbers, over the same step order (a micro-batch of null
 slots only adds 0); the two agree at 1 × 1 × 1.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,9 @@ def target_counts(dataset) -> np.ndarray:
     """Target tokens per example as the loss counts them (labels[1:] not masked)."""
     if hasattr(dataset, "target_counts"):
         return np.asarray(dataset.target_counts(), dtype=np.int64)
-    return np.array([sum(label != IGNORE_INDEX for label in dataset[i]["labels"][1:]) for i in range(len(dataset))],
-                    dtype=np.int64)
+    return np.array(
+        [sum(label != IGNORE_INDEX for label in dataset[i]["labels"][1:]) for i in range(len(dataset))], dtype=np.int64
+    )
 
 
 class StepSampler(torch.utils.data.Sampler):
@@ -53,8 +55,7 @@ class StepSampler(torch.utils.data.Sampler):
     repeat (dist.sequence_parallel = N): each micro-batch of `micro_batch` examples is yielded N times in a row,
     so the N ranks of a sequence-parallel group receive the same one (train/sequence.py)."""
 
-    def __init__(self, counts: np.ndarray, global_batch: int, seed: int, micro_batch: int = 1,
-                 repeat: int = 1) -> None:
+    def __init__(self, counts: np.ndarray, global_batch: int, seed: int, micro_batch: int = 1, repeat: int = 1) -> None:
         self.counts, self.global_batch, self.seed, self.epoch = counts, global_batch, seed, 0
         self.micro_batch, self.repeat = micro_batch, repeat
 
@@ -77,11 +78,11 @@ class StepSampler(torch.utils.data.Sampler):
     def __iter__(self):
         order = self.order(self.epoch)
         for start in range(0, len(order), self.global_batch):
-            block = order[start:start + self.global_batch]
+            block = order[start : start + self.global_batch]
             tokens = int(self.counts[block[block != NULL]].sum())
             for first in range(0, len(block), self.micro_batch):
                 for _ in range(self.repeat):
-                    for index in block[first:first + self.micro_batch]:
+                    for index in block[first : first + self.micro_batch]:
                         yield int(index), tokens
 
 

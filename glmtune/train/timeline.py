@@ -6,6 +6,7 @@ predicts; the plot draws the planned peak and the card's budget beside it, so th
 On CPU there is no caching allocator to read, so the process's resident set size stands in; the plot says
 which it shows.
 """
+
 from __future__ import annotations
 
 import io
@@ -16,17 +17,19 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from ..config.units import GIB
 from ..rundir.atomic import write_bytes, write_text
 from .gpumem import outside_allocator_bytes
-from ..config.units import GIB
-
 
 
 def _sample() -> dict[str, float]:
     if torch.cuda.is_available():
-        sample = {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
-                  "peak_allocated": torch.cuda.max_memory_allocated(),
-                  "peak_reserved": torch.cuda.max_memory_reserved()}
+        sample = {
+            "allocated": torch.cuda.memory_allocated(),
+            "reserved": torch.cuda.memory_reserved(),
+            "peak_allocated": torch.cuda.max_memory_allocated(),
+            "peak_reserved": torch.cuda.max_memory_reserved(),
+        }
         sample["peak_process"] = sample["peak_reserved"] + outside_allocator_bytes()
         torch.cuda.reset_peak_memory_stats()  # so each step's peak is its own
         return sample
@@ -39,8 +42,13 @@ def _peak_key(sample: dict) -> str:
 
 
 class MemoryTimeline(TrainerCallback):
-    def __init__(self, run_dir: Path, planned_bytes: int | None = None, budget_bytes: int | None = None,
-                 probe_bytes: int | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        planned_bytes: int | None = None,
+        budget_bytes: int | None = None,
+        probe_bytes: int | None = None,
+    ):
         self.run_dir = run_dir
         self.planned_bytes, self.budget_bytes, self.probe_bytes = planned_bytes, budget_bytes, probe_bytes
         self.steps: list[dict] = []
@@ -51,13 +59,16 @@ class MemoryTimeline(TrainerCallback):
         the steps since the previous line (what `peak_kind` says: the whole GPU process, or the CPU resident set),
         beside the plan's predicted peak, the probe's measured peak and the card's budget, so every tracker
         draws the margin the console only states once."""
-        recent, self.logged = self.steps[self.logged:], len(self.steps)
+        recent, self.logged = self.steps[self.logged :], len(self.steps)
         figures = {}
         if recent:
             key = _peak_key(recent[0])
             figures["memory/step_peak_gib"] = max(s[key] for s in recent) / GIB
-        for key, value in (("memory/planned_peak_gib", self.planned_bytes), ("memory/probe_peak_gib", self.probe_bytes),
-                           ("memory/budget_gib", self.budget_bytes)):
+        for key, value in (
+            ("memory/planned_peak_gib", self.planned_bytes),
+            ("memory/probe_peak_gib", self.probe_bytes),
+            ("memory/budget_gib", self.budget_bytes),
+        ):
             if value:
                 figures[key] = value / GIB
         return figures
@@ -72,25 +83,29 @@ class MemoryTimeline(TrainerCallback):
         if not self.steps:
             return {}
         key = _peak_key(self.steps[0])
-        return {"measured_peak_bytes": max(s[key] for s in self.steps),
-                "peak_kind": "GPU, whole process, as planned" if key == "peak_process"
-                else "process RSS, not planned"}  # the plan counts tensors only
+        return {
+            "measured_peak_bytes": max(s[key] for s in self.steps),
+            "peak_kind": "GPU, whole process, as planned" if key == "peak_process" else "process RSS, not planned",
+        }  # the plan counts tensors only
 
     def on_train_end(self, args, state, control, **kwargs):
         if state.is_world_process_zero and self.steps:
             save_timeline(self.steps, self.run_dir, self.planned_bytes, self.budget_bytes)
 
 
-def save_timeline(steps: list[dict], run_dir: Path, planned_bytes: int | None = None,
-                  budget_bytes: int | None = None) -> Path:
+def save_timeline(
+    steps: list[dict], run_dir: Path, planned_bytes: int | None = None, budget_bytes: int | None = None
+) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")  # no display on training nodes
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    write_text(run_dir / "memory_timeline.json",
-               json.dumps({"planned_bytes": planned_bytes, "budget_bytes": budget_bytes, "steps": steps}) + "\n")
+    write_text(
+        run_dir / "memory_timeline.json",
+        json.dumps({"planned_bytes": planned_bytes, "budget_bytes": budget_bytes, "steps": steps}) + "\n",
+    )
     fig, ax = plt.subplots(figsize=(8, 4))
     x = [s["step"] for s in steps]
     for key in (k for k in steps[0] if k != "step"):

@@ -11,6 +11,7 @@ Parameters: the validated config flattened (`lora.r`, `lora.target_modules`, `mo
 and the probe's measured peak (`probe.peak_gib`). TensorBoard's run is its folder (<run dir>/tensorboard); the
 same parameters go to its HParams tab.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,13 +53,17 @@ def flatten(value, prefix: str = "") -> dict[str, object]:
     return {key: value if isinstance(value, (int, float, bool)) else str(value)}
 
 
-def launch_params(run, choices, planned_bytes: int | None, budget_bytes: int | None,
-                  probe_bytes: int | None, run_dir: Path) -> dict[str, object]:
+def launch_params(
+    run, choices, planned_bytes: int | None, budget_bytes: int | None, probe_bytes: int | None, run_dir: Path
+) -> dict[str, object]:
     """Everything one launch decided: the config, the plan's choices and estimate, the probe's measurement."""
     params = flatten(run)
     params.update(flatten(choices.to_dict(), "plan."))
-    for key, value in (("plan.peak_gib", planned_bytes), ("plan.budget_gib", budget_bytes),
-                       ("probe.peak_gib", probe_bytes)):
+    for key, value in (
+        ("plan.peak_gib", planned_bytes),
+        ("plan.budget_gib", budget_bytes),
+        ("probe.peak_gib", probe_bytes),
+    ):
         if value:  # GiB, 4 decimals: a 9B plan reads 17.5123, a tiny one 0.0123
             params[key] = round(value / GIB, 4)
     params["run_dir"] = str(Path(os.path.abspath(run_dir)))
@@ -108,8 +113,12 @@ class TrackerRuns:
     def _open_wandb(self) -> None:
         import wandb
 
-        wandb.init(project=os.environ.get("WANDB_PROJECT", "glmtune"), name=self.name, config=self.params,
-                   reinit="finish_previous")
+        wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "glmtune"),
+            name=self.name,
+            config=self.params,
+            reinit="finish_previous",
+        )
 
     def _close_wandb(self, outcome: str) -> None:
         import wandb
@@ -127,7 +136,7 @@ class TrackerRuns:
         # MLflow refuses a longer value (6,000 characters in MLflow 3, fewer before): a long path is cut, not fatal
         items = [(k, v[:MAX_PARAM_VAL_LENGTH] if isinstance(v, str) else v) for k, v in self.params.items()]
         for start in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
-            mlflow.log_params(dict(items[start:start + MAX_PARAMS_TAGS_PER_BATCH]))
+            mlflow.log_params(dict(items[start : start + MAX_PARAMS_TAGS_PER_BATCH]))
 
     def _close_mlflow(self, outcome: str) -> None:
         import mlflow

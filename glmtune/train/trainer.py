@@ -7,6 +7,7 @@ The Trainer runs the loop; glmtune only decides what it is given: the plan's dty
 micro-batch and accumulation, an optimizer over the trainable (LoRA) parameters only, and where the
 adapter, metrics and TensorBoard logs go in the run dir.
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,31 +17,36 @@ from pathlib import Path
 import torch
 from transformers import TrainingArguments
 
-from ..rundir.atomic import write_json
-from ..config import EVAL_METRICS, RunConfig, TrainConfig
-from ..models.identity import write_base_identity
+from ..config import EVAL_METRICS, RunConfig, TrainConfig, userds
+from ..config.units import GIB
 from ..launch import single_process_env
 from ..launch.trainjob_status import status_callbacks  # Kubeflow Trainer progress, inside a TrainJob only
+from ..models.identity import write_base_identity
+from ..plan.planner import Choices
+from ..rundir.atomic import write_json
 from .checkpoints import allow_numpy_rng_state, checkpoint_step, last_complete, remove_incomplete
 from .evaluation import BestTracker, GenerationEval, keep_best_adapter
 from .guard import Guard
-from .saving import CompleteMarker, save_adapter
-from .zero3 import adapter_fingerprint, deepspeed_config
 from .logs import MetricsFile, whole_run_loss
-from .phases import format_peaks, gathered_peaks
 from .lora import trainable_parameters
 from .lora_trainer import make_trainer  # noqa: F401  (the probe and bench/ build theirs here too)
 from .model import build_model
 from .optim import HF_NAMES
+from .phases import format_peaks, gathered_peaks
+from .saving import CompleteMarker, save_adapter
 from .timeline import MemoryTimeline
 from .tracking import TrackerRuns, launch_params, run_label
-from ..config import userds
-from ..plan.planner import Choices
-from ..config.units import GIB
+from .zero3 import adapter_fingerprint, deepspeed_config
 
 
-def training_args(cfg: TrainConfig, choices: Choices, run_dir: Path, has_eval: bool,
-                  probe_steps: int = 0, user_ds: userds.UserDeepSpeed | None = None) -> TrainingArguments:
+def training_args(
+    cfg: TrainConfig,
+    choices: Choices,
+    run_dir: Path,
+    has_eval: bool,
+    probe_steps: int = 0,
+    user_ds: userds.UserDeepSpeed | None = None,
+) -> TrainingArguments:
     """Built before the model loads: under ZeRO-3 these arguments switch on deepspeed.zero.Init.
 
     probe_steps > 0 gives the probe's arguments: the same engine, dtype and batch, but that many steps, an
@@ -114,10 +120,22 @@ def swanlab_callback(report_to: list[str]) -> list:
     return [SwanLabCallback()]
 
 
-def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, train_set, val_set,
-          collator, tokenizer=None, planned_bytes: int | None = None, budget_bytes: int | None = None,
-          resume_from: Path | None = None, probe_bytes: int | None = None, packer=None,
-          user_ds: userds.UserDeepSpeed | None = None) -> tuple[dict, torch.nn.Module]:
+def train(
+    run: RunConfig,
+    choices: Choices,
+    run_dir: Path,
+    model_dir: Path,
+    train_set,
+    val_set,
+    collator,
+    tokenizer=None,
+    planned_bytes: int | None = None,
+    budget_bytes: int | None = None,
+    resume_from: Path | None = None,
+    probe_bytes: int | None = None,
+    packer=None,
+    user_ds: userds.UserDeepSpeed | None = None,
+) -> tuple[dict, torch.nn.Module]:
     """Fine-tune (from `resume_from`, a complete checkpoint, when given), save the adapter (rank 0) and
     return (metrics, the trained PEFT model). Raises guard.Diverged / guard.StoppedBySignal instead of
     returning when the run stopped early; the last complete checkpoint is then in run_dir/checkpoints.
@@ -138,21 +156,45 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
     if val_set and run.eval.generate and tokenizer is not None:
         # data.val_size: the held-out examples' lines in the train files (data/mixing.py Selection)
         val_source = run.data.val_file or val_set.sources()
-        generation_eval = GenerationEval(run.eval, val_source, tokenizer, choices.eval_batch_size,
-                                         run_dir / "eval", synced_gpus=choices.zero_stage == 3, fmt=run.data.format)
+        generation_eval = GenerationEval(
+            run.eval,
+            val_source,
+            tokenizer,
+            choices.eval_batch_size,
+            run_dir / "eval",
+            synced_gpus=choices.zero_stage == 3,
+            fmt=run.data.format,
+        )
     best = BestTracker(run.eval) if val_set else None
     timeline = MemoryTimeline(run_dir, planned_bytes, budget_bytes, probe_bytes)
     guard = Guard(run.train.save_minutes, trainable_parameters(model))
-    trainer = make_trainer(args, model, train_set, val_set, collator,
-                           callbacks=[MetricsFile(run_dir / "metrics.jsonl", guard), timeline,
-                                      CompleteMarker(output_dir, run.train.keep_checkpoints, run_dir), guard,
-                                      *swanlab_callback(run.train.report_to), *status_callbacks()],
-                           generation_eval=generation_eval, best=best,
-                           normalization=run.train.loss_normalization, packer=packer,
-                           sequence_parallel=choices.sequence_parallel)  # the plan's degree
+    trainer = make_trainer(
+        args,
+        model,
+        train_set,
+        val_set,
+        collator,
+        callbacks=[
+            MetricsFile(run_dir / "metrics.jsonl", guard),
+            timeline,
+            CompleteMarker(output_dir, run.train.keep_checkpoints, run_dir),
+            guard,
+            *swanlab_callback(run.train.report_to),
+            *status_callbacks(),
+        ],
+        generation_eval=generation_eval,
+        best=best,
+        normalization=run.train.loss_normalization,
+        packer=packer,
+        sequence_parallel=choices.sequence_parallel,
+    )  # the plan's degree
     trainer.guard, trainer.memory = guard, timeline
-    trackers = TrackerRuns(run.train.report_to, run_dir, launch_params(run, choices, planned_bytes, budget_bytes,
-                                                                      probe_bytes, run_dir), args.process_index == 0)
+    trackers = TrackerRuns(
+        run.train.report_to,
+        run_dir,
+        launch_params(run, choices, planned_bytes, budget_bytes, probe_bytes, run_dir),
+        args.process_index == 0,
+    )
     # On CPU the meter's tracker is a dispatch mode on torch's stack: it must come off however train() ends (a
     # stop signal, a crash), or every later op of this process runs through it (an in-process sweep's next trial).
     # The tracker runs span training and the final evaluation: one run per launch, closed with its outcome.
@@ -165,28 +207,40 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
             trainer.glm.set_sequence_group(None)  # what uses the model next sees whole rows
         except Exception as err:  # where it failed, for the one line modes.train_mode prints
             meter = trainer.phases
-            err.glmtune_where = (f"step {meter.step}" if meter.current in (None, "train") else
-                                 f"the {'evaluation' if meter.current == 'eval' else 'checkpoint save'} after step {meter.step}")
+            err.glmtune_where = (
+                f"step {meter.step}"
+                if meter.current in (None, "train")
+                else f"the {'evaluation' if meter.current == 'eval' else 'checkpoint save'} after step {meter.step}"
+            )
             raise
         guard.raise_if_stopped()
         runtime = result.metrics.get("train_runtime")
         train_loss = trainer.loss_carry.train_loss(result.training_loss, result.global_step)
         if train_loss is None:  # a checkpoint of an older glmtune, without the loss sums: rebuilt from the logs
             train_loss = whole_run_loss(trainer.state.log_history, result.training_loss, result.global_step, resumed_at)
-        metrics = {"train_loss": train_loss, "steps": result.global_step, "epochs": trainer.state.epoch,
-                   # ds_numel: under ZeRO-3 a parameter's local tensor is an empty placeholder
-                   "trainable_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in trainable_parameters(model)),
-                   "runtime_s": runtime,
-                   "tokens_per_s": trainer.state.num_input_tokens_seen / runtime if runtime else None,
-                   "resumed_from": str(resume_from) if resume_from else None,
-                   **timeline.peak()}
+        metrics = {
+            "train_loss": train_loss,
+            "steps": result.global_step,
+            "epochs": trainer.state.epoch,
+            # ds_numel: under ZeRO-3 a parameter's local tensor is an empty placeholder
+            "trainable_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in trainable_parameters(model)),
+            "runtime_s": runtime,
+            "tokens_per_s": trainer.state.num_input_tokens_seen / runtime if runtime else None,
+            "resumed_from": str(resume_from) if resume_from else None,
+            **timeline.peak(),
+        }
         if val_set:
             # The last step's evaluation, when the loop just ran it (eval_steps divides the steps), is not repeated.
-            last = trainer.last_eval if trainer.last_eval and trainer.last_eval["step"] == result.global_step \
+            last = (
+                trainer.last_eval
+                if trainer.last_eval and trainer.last_eval["step"] == result.global_step
                 else trainer.evaluate()
+            )
             metrics.update({k: v for k, v in last.items() if k in EVAL_METRICS})
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        metrics["first_logged_loss"], metrics["last_logged_loss"] = (losses[0], losses[-1]) if losses else (math.nan,) * 2
+        metrics["first_logged_loss"], metrics["last_logged_loss"] = (
+            (losses[0], losses[-1]) if losses else (math.nan,) * 2
+        )
         adapter_dir = run_dir / "adapter"
         # Every rank calls it: under ZeRO-3 the adapter is gathered from all shards, then rank 0 writes it,
         # weights and adapter_config.json together, into a temporary folder renamed into place whole.
@@ -197,13 +251,18 @@ def train(run: RunConfig, choices: Choices, run_dir: Path, model_dir: Path, trai
         # Each rank hashes its own view of the adapter (gathered under ZeRO-3) into its rank log: ranks that
         # drifted apart, or a saved adapter that is not the trained one, show up as different fingerprints.
         metrics["adapter_sha256"] = adapter_fingerprint(model)
-        logging.getLogger(__name__).info("adapter fingerprint %s (rank %d of %d)", metrics["adapter_sha256"],
-                                         trainer.args.process_index, trainer.args.world_size)
+        logging.getLogger(__name__).info(
+            "adapter fingerprint %s (rank %d of %d)",
+            metrics["adapter_sha256"],
+            trainer.args.process_index,
+            trainer.args.world_size,
+        )
         if trainer.is_world_process_zero():
             write_base_identity(adapter_dir, model_dir)  # mode=infer/chat refuse this adapter on another base
             if best is not None and best.step is not None:
-                kept = keep_best_adapter(best, Path(args.output_dir), adapter_dir, result.global_step,
-                                         run_dir / "adapter_best")
+                kept = keep_best_adapter(
+                    best, Path(args.output_dir), adapter_dir, result.global_step, run_dir / "adapter_best"
+                )
                 metrics["best"] = {**best.summary(), "adapter_dir": str(kept) if kept else None}
             write_json(run_dir / "metrics.json", metrics)
         metrics["adapter_dir"] = str(adapter_dir)
@@ -216,14 +275,19 @@ def phase_metrics(peaks: dict[str, int], probe_bytes: int | None) -> dict:
     when the run needed more than 1 % over what its probe certified."""
     if not peaks:
         return {}
-    out = {"phase_peak_bytes": peaks, "phase_peak_kind": "GPU, whole process" if torch.cuda.is_available()
-           else "CPU, live tensors as probed"}
+    out = {
+        "phase_peak_bytes": peaks,
+        "phase_peak_kind": "GPU, whole process" if torch.cuda.is_available() else "CPU, live tensors as probed",
+    }
     run_peak = max(peaks.values())
     if probe_bytes and run_peak > probe_bytes * 1.01:
         out["over_probe"] = run_peak / probe_bytes - 1
         logging.getLogger("glmtune").warning(
             "the run's peak %.2f GiB (%s) is %.1f %% over its probe's %.2f GiB: the probe did not see this run's "
-            "worst phase; lower hw.margin or report it", run_peak / GIB, format_peaks(peaks),
-            100 * out["over_probe"], probe_bytes / GIB)
+            "worst phase; lower hw.margin or report it",
+            run_peak / GIB,
+            format_peaks(peaks),
+            100 * out["over_probe"],
+            probe_bytes / GIB,
+        )
     return out
-

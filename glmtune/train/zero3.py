@@ -10,6 +10,7 @@ the full, un-partitioned one. For LoRA, ZeRO-1 and ZeRO-2 would shard only the a
 states and gradients (megabytes), not the frozen weights that fill the card, so glmtune offers stage 0
 or 3 only.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,15 +19,23 @@ import hashlib
 
 import torch
 
-from ..plan.estimate import (MAX_LIVE_PARAMETERS, MAX_REUSE_DISTANCE, PERSISTENCE_THRESHOLD, PREFETCH_BUCKET,
-                             REDUCE_BUCKET)
+from ..plan.estimate import (
+    MAX_LIVE_PARAMETERS,
+    MAX_REUSE_DISTANCE,
+    PERSISTENCE_THRESHOLD,
+    PREFETCH_BUCKET,
+    REDUCE_BUCKET,
+)
 from ..plan.planner import Choices
 
-
 # The buckets the estimator counts (plan/estimate.py): also what an "auto" in the user's file becomes.
-BUCKETS = {"reduce_bucket_size": REDUCE_BUCKET, "stage3_prefetch_bucket_size": PREFETCH_BUCKET,
-           "stage3_param_persistence_threshold": PERSISTENCE_THRESHOLD,
-           "stage3_max_live_parameters": MAX_LIVE_PARAMETERS, "stage3_max_reuse_distance": MAX_REUSE_DISTANCE}
+BUCKETS = {
+    "reduce_bucket_size": REDUCE_BUCKET,
+    "stage3_prefetch_bucket_size": PREFETCH_BUCKET,
+    "stage3_param_persistence_threshold": PERSISTENCE_THRESHOLD,
+    "stage3_max_live_parameters": MAX_LIVE_PARAMETERS,
+    "stage3_max_reuse_distance": MAX_REUSE_DISTANCE,
+}
 
 
 def deepspeed_config(choices: Choices, user: dict | None = None) -> dict | None:
@@ -36,8 +45,13 @@ def deepspeed_config(choices: Choices, user: dict | None = None) -> dict | None:
         return merged(user, choices)
     if choices.zero_stage != 3:
         return None
-    zero: dict = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, **BUCKETS,
-                  "stage3_gather_16bit_weights_on_model_save": True}
+    zero: dict = {
+        "stage": 3,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        **BUCKETS,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    }
     if choices.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     if choices.offload_optimizer:
@@ -45,8 +59,14 @@ def deepspeed_config(choices: Choices, user: dict | None = None) -> dict | None:
     return {
         "zero_optimization": zero,
         "bf16": {"enabled": choices.dtype == "bf16"},
-        "fp16": {"enabled": choices.dtype == "fp16", "loss_scale": 0, "initial_scale_power": 16,
-                 "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+        "fp16": {
+            "enabled": choices.dtype == "fp16",
+            "loss_scale": 0,
+            "initial_scale_power": 16,
+            "loss_scale_window": 1000,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+        },
         # "auto" values are filled by the HF integration from TrainingArguments. No train_batch_size key:
         # its "auto" was filled with world size 1 on CPU and failed DeepSpeed's batch-size check.
         "train_micro_batch_size_per_gpu": "auto",

@@ -1,4 +1,5 @@
 """bench/throughput.py runs end to end through the Trainer (CPU, tiny model): one table row per configuration."""
+
 import subprocess
 import sys
 
@@ -7,9 +8,25 @@ import pytest
 
 @pytest.mark.slow  # ~40 s on 2 CPU cores: model build and 4 short Trainer runs
 def test_throughput_bench_runs_tiny(repo):
-    out = subprocess.run([sys.executable, "bench/throughput.py", "--tiny", "--steps", "1", "--warmup", "1",
-                          "--compile", "off", "--cases", "demo,2k"], cwd=repo, capture_output=True, text=True,
-                         timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "bench/throughput.py",
+            "--tiny",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--compile",
+            "off",
+            "--cases",
+            "demo,2k",
+        ],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| demo") or line.startswith("| 2k")]
     assert [r.split("|")[1:3] for r in rows] == [[" demo ", " off "], [" demo ", " on "], [" 2k ", " off "]]

@@ -1,5 +1,6 @@
 """bench/gpu_pending.py, the one command for the next GPU, runs every part on CPU with the tiny model, so it is
 never found broken on the day a GPU is there."""
+
 import subprocess
 import sys
 
@@ -7,23 +8,31 @@ import pytest
 
 
 def _part(repo, tmp_path, part) -> str:
-    out = subprocess.run([sys.executable, "bench/gpu_pending.py", "--tiny", "--part", str(part), "--work",
-                          str(tmp_path)], cwd=repo, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "bench/gpu_pending.py", "--tiny", "--part", str(part), "--work", str(tmp_path)],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.startswith(f"## gpu_pending part {part} (tiny, CPU): ")
     return out.stdout
 
 
 def test_part_1_prints_the_memory_table_of_the_recorded_rows(repo, tmp_path):
-    rows = [line for line in _part(repo, tmp_path, 1).splitlines() if line.startswith("| glm") or line.startswith("| chat")]
+    rows = [
+        line for line in _part(repo, tmp_path, 1).splitlines() if line.startswith("| glm") or line.startswith("| chat")
+    ]
     assert len(rows) == 21 and sum("default alloc" in r for r in rows) == 3
 
 
 @pytest.mark.slow  # ~45 s on 2 cores: three quantized loads and a probe + 2 training steps
 def test_part_2_quantized_rows_and_a_probed_run(repo, tmp_path):
     out = _part(repo, tmp_path, 2)
-    assert [line.split("|")[1].strip() for line in out.splitlines() if line.startswith(("| bf16", "| int8", "| nf4"))] \
-        == ["bf16", "int8", "nf4"]
+    assert [
+        line.split("|")[1].strip() for line in out.splitlines() if line.startswith(("| bf16", "| int8", "| nf4"))
+    ] == ["bf16", "int8", "nf4"]
     assert "done in " in out and "adapter saved" in out and '"outcome": "fits"' in out
 
 
@@ -36,11 +45,18 @@ def test_part_3_throughput_and_generation_rows(repo, tmp_path):
 
 @pytest.mark.slow  # ~60 s on 2 cores: six glmtune commands (plan, probe, a few steps) on the tiny models
 def test_part_cli_runs_the_six_commands_each_within_its_probe(repo, tmp_path):
-    out = subprocess.run([sys.executable, "bench/gpu_pending.py", "--tiny", "--part", "cli", "--work", str(tmp_path)],
-                         cwd=repo, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "bench/gpu_pending.py", "--tiny", "--part", "cli", "--work", str(tmp_path)],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    table = out.stdout[out.stdout.index("## gpu_pending --part cli (tiny, CPU): "):]
-    rows = [line.split("|") for line in table.splitlines() if line.startswith("| ") and not line.startswith("| command")]
+    table = out.stdout[out.stdout.index("## gpu_pending --part cli (tiny, CPU): ") :]
+    rows = [
+        line.split("|") for line in table.splitlines() if line.startswith("| ") and not line.startswith("| command")
+    ]
     assert len(rows) == 6 and all(r[2].strip() == "0" and r[-2].strip() == "ok" for r in rows), table
     trained = [float(r[7]) for r in rows if r[7].strip() != "-"]  # run peak / probe peak, measured alike
     assert len(trained) == 5 and max(trained) <= 1.01, table
@@ -56,8 +72,13 @@ def test_part_4_long_rows_with_the_tiled_mlp(repo, tmp_path):
 
 @pytest.mark.slow  # ~40 s on 2 cores: two plans of GLM-4-32B-0414 and a probed run of the tiny GLM-4-0414
 def test_part_0414_plans_32b_and_trains_the_0414_model(repo, tmp_path):
-    out = subprocess.run([sys.executable, "bench/gpu_pending.py", "--tiny", "--part", "0414", "--work", str(tmp_path)],
-                         cwd=repo, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "bench/gpu_pending.py", "--tiny", "--part", "0414", "--work", str(tmp_path)],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.startswith("## gpu_pending part 0414 (tiny, CPU): ")
     assert out.stdout.count("exit 0)") == 3, out.stdout
@@ -80,8 +101,12 @@ def test_part_rehearse_prints_planned_vs_rehearsed_phases(repo, tmp_path):
 @pytest.mark.slow  # ~60 s: four quantized probes (nf4, int8 x GLM-4, GLM-4V tiny)
 def test_part_qlora_prints_planned_vs_measured_phases(repo, tmp_path):
     rows = _phase_rows(_part(repo, tmp_path, "qlora"), "qlora-")
-    assert sorted(r[0] for r in rows) == ["qlora-glm4_9b_chat-int8", "qlora-glm4_9b_chat-nf4", "qlora-glm4v_9b-int8",
-                                          "qlora-glm4v_9b-nf4"]
+    assert sorted(r[0] for r in rows) == [
+        "qlora-glm4_9b_chat-int8",
+        "qlora-glm4_9b_chat-nf4",
+        "qlora-glm4v_9b-int8",
+        "qlora-glm4v_9b-nf4",
+    ]
     assert all(r[-1] == "fits" and abs(float(r[7].rstrip("%"))) < 5 for r in rows), rows
 
 
@@ -97,9 +122,15 @@ def test_part_docattn_times_both_paths_and_suggests_a_limit(repo, tmp_path):
 def test_session_runs_rows_by_priority_and_a_second_call_goes_on(repo, tmp_path):
     """bench/gpu_session.py: a call starts rows while 30 s are left of its deadline and leaves the rest; a second call
     on the same machine runs only what the first did not (done.json), so a 15-minute device budget loses nothing."""
+
     def call(deadline):
-        out = subprocess.run([sys.executable, "bench/gpu_session.py", "--tiny", "--deadline-s", str(deadline),
-                              "--work", str(tmp_path)], cwd=repo, capture_output=True, text=True, timeout=600)
+        out = subprocess.run(
+            [sys.executable, "bench/gpu_session.py", "--tiny", "--deadline-s", str(deadline), "--work", str(tmp_path)],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         return [line.split(":")[0] for line in out.stdout.splitlines() if ": exit " in line and "###" not in line]
 

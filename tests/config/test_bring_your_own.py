@@ -1,31 +1,49 @@
 """Bring your own: a DeepSpeed JSON merged with the plan (dist.deepspeed_config), and presets added with Hydra's
 --config-dir that the command-line checks know."""
+
 import json
 
 import pytest
 import torch
+from helpers.cli import glmtune
 
-from glmtune.config import ConfigError, RunConfig
-from glmtune.config import userds
-from glmtune.plan.estimate import PREFETCH_BUCKET, REDUCE_BUCKET
+from glmtune.config import ConfigError, RunConfig, userds
 from glmtune.models import GLMConfig
 from glmtune.models.loading import TINY_ARCH
+from glmtune.plan.estimate import PREFETCH_BUCKET, REDUCE_BUCKET
 from glmtune.plan.planner import Choices, make_plan
 from glmtune.train.zero3 import merged
 
-from helpers.cli import glmtune
-
-USER = {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
-                              "offload_optimizer": {"device": "cpu"}, "overlap_comm": False},
-        "bf16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-        "train_batch_size": "auto", "wall_clock_breakdown": False}
+USER = {
+    "zero_optimization": {
+        "stage": 3,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "offload_optimizer": {"device": "cpu"},
+        "overlap_comm": False,
+    },
+    "bf16": {"enabled": "auto"},
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "train_batch_size": "auto",
+    "wall_clock_breakdown": False,
+}
 TINY = GLMConfig(**TINY_ARCH, padded_vocab_size=1024)
 
 
 def choices(**kw) -> Choices:
-    base = dict(dtype="bf16", gradient_checkpointing=False, zero_stage=3, offload_params=False,
-                offload_optimizer=True, micro_batch_size=2, grad_accum=4, max_length=500, world_size=2,
-                eval_batch_size=4)
+    base = dict(
+        dtype="bf16",
+        gradient_checkpointing=False,
+        zero_stage=3,
+        offload_params=False,
+        offload_optimizer=True,
+        micro_batch_size=2,
+        grad_accum=4,
+        max_length=500,
+        world_size=2,
+        eval_batch_size=4,
+    )
     return Choices(**{**base, **kw})
 
 
@@ -58,15 +76,28 @@ def test_the_file_s_zero_settings_reach_the_plan(tmp_path):
 
 def test_conflicts_are_one_line_naming_each(tmp_path):
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupLR"},
-                                "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3},
-                                "fp16": {"enabled": True}}))
+    path.write_text(
+        json.dumps(
+            {
+                "optimizer": {"type": "AdamW"},
+                "scheduler": {"type": "WarmupLR"},
+                "train_micro_batch_size_per_gpu": 4,
+                "zero_optimization": {"stage": 3},
+                "fp16": {"enabled": True},
+            }
+        )
+    )
     run = RunConfig()
     run.dist.deepspeed_config, run.dist.strategy, run.train.precision = str(path), "ddp", "bf16"
     message = str(pytest.raises(ConfigError, userds.load, run).value)
     assert "\n" not in message and message.startswith(f"{path}: ")
-    for fragment in ('"optimizer" block', '"scheduler" block', "train_micro_batch_size_per_gpu=4",
-                     "dist.strategy=ddp", "fp16.enabled=true but train.precision=bf16"):
+    for fragment in (
+        '"optimizer" block',
+        '"scheduler" block',
+        "train_micro_batch_size_per_gpu=4",
+        "dist.strategy=ddp",
+        "fp16.enabled=true but train.precision=bf16",
+    ):
         assert fragment in message
     path.write_text('{"zero_optimization": {"stage": 3,}}')
     assert f"{path}:1: invalid JSON" in str(pytest.raises(ConfigError, userds.load, run).value)
@@ -77,10 +108,19 @@ def test_cli_trains_with_the_user_s_deepspeed_json(tmp_path):
     """Real DeepSpeed (one process, gloo on CPU) with the user's stage-3 file: it trains, and the config it ran
     with is the file with the plan's values where it said auto."""
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({**USER, "zero_optimization": {**USER["zero_optimization"], "offload_optimizer": {"device": "none"}}}))
+    path.write_text(
+        json.dumps(
+            {**USER, "zero_optimization": {**USER["zero_optimization"], "offload_optimizer": {"device": "none"}}}
+        )
+    )
     run = tmp_path / "run"
-    proc = glmtune(f"dist.deepspeed_config={path}", "train.max_steps=2", "data.val_file=null", "probe.enabled=false",
-                   f"hydra.run.dir={run}")
+    proc = glmtune(
+        f"dist.deepspeed_config={path}",
+        "train.max_steps=2",
+        "data.val_file=null",
+        "probe.enabled=false",
+        f"hydra.run.dir={run}",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     args = torch.load(run / "adapter" / "training_args.bin", weights_only=False)
     ran = args.deepspeed
@@ -104,10 +144,18 @@ def test_config_dir_adds_a_preset_the_checks_know(tmp_path):
     (tmp_path / "mine" / "hw").mkdir(parents=True)
     (tmp_path / "mine" / "hw" / "a800_80g.yaml").write_text(PRESET)
     (tmp_path / "mine" / "lora").mkdir()
-    (tmp_path / "mine" / "lora" / "wide.yaml").write_text("r: 32\nalpha: 64\ndropout: 0.05\n"
-                                                          "target_modules: [query_key_value, dense]\n")
-    proc = glmtune("--config-dir", str(tmp_path / "mine"), "mode=plan", "model=glm4_9b_chat", "+hw=a800_80g",
-                   "lora=wide", cwd=tmp_path)
+    (tmp_path / "mine" / "lora" / "wide.yaml").write_text(
+        "r: 32\nalpha: 64\ndropout: 0.05\ntarget_modules: [query_key_value, dense]\n"
+    )
+    proc = glmtune(
+        "--config-dir",
+        str(tmp_path / "mine"),
+        "mode=plan",
+        "model=glm4_9b_chat",
+        "+hw=a800_80g",
+        "lora=wide",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "a800_80g: 79.3 GiB" in proc.stdout
     typo = glmtune("--config-dir", str(tmp_path / "mine"), "mode=plan", "+hw=a800_80", cwd=tmp_path)

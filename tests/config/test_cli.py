@@ -1,15 +1,14 @@
 """The command: --help and --version, one-line exit-2 errors for bad group choices and missing extras,
 no run dir for mode=plan or for a run that stops on bad input, readable launch ids, the wheel's contents."""
+
 from __future__ import annotations
 
-import re
-
 import os
+import re
 import shutil
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 
 import pytest
 
@@ -34,8 +33,9 @@ def cli(argv, monkeypatch, capsys):
 
 def glmtune(*args, cwd, repo):
     env = {**os.environ, "PYTHONPATH": str(repo)}  # this checkout's glmtune, launched from another folder
-    return subprocess.run([sys.executable, "-m", "glmtune", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "glmtune", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_help_lists_modes_groups_the_hw_rule_examples_and_exit_codes(monkeypatch, capsys, tmp_path):
@@ -61,15 +61,18 @@ def test_version_names_glmtune_and_its_stack(monkeypatch, capsys):
     assert "transformers 4.40.2" in out and "peft" in out
 
 
-@pytest.mark.parametrize("argv,needles", [
-    (["model=nonexistent"], ["unknown model 'nonexistent'", "glm4_9b_chat", "glm4_tiny"]),
-    (["model=glm4_9b"], ["unknown model 'glm4_9b'", "glm4_9b_chat"]),
-    (["hw=a100_40g"], ["needs a '+'", "+hw=a100_40g"]),
-    (["+hw=nonexistent"], ["unknown hw 'nonexistent'", "a100_40g", "t4_16g"]),
-    (["-m", "+hw=a100_40g,b200"], ["unknown hw 'b200'"]),
-    (["+model=glm4_9b_chat"], ["write model=glm4_9b_chat"]),
-    (["lora.target_modules=[a,b"], ["cannot parse 'lora.target_modules=[a,b'"]),
-])
+@pytest.mark.parametrize(
+    "argv,needles",
+    [
+        (["model=nonexistent"], ["unknown model 'nonexistent'", "glm4_9b_chat", "glm4_tiny"]),
+        (["model=glm4_9b"], ["unknown model 'glm4_9b'", "glm4_9b_chat"]),
+        (["hw=a100_40g"], ["needs a '+'", "+hw=a100_40g"]),
+        (["+hw=nonexistent"], ["unknown hw 'nonexistent'", "a100_40g", "t4_16g"]),
+        (["-m", "+hw=a100_40g,b200"], ["unknown hw 'b200'"]),
+        (["+model=glm4_9b_chat"], ["write model=glm4_9b_chat"]),
+        (["lora.target_modules=[a,b"], ["cannot parse 'lora.target_modules=[a,b'"]),
+    ],
+)
 def test_composition_errors_exit_2_with_one_line_and_the_valid_options(argv, needles, monkeypatch, capsys, tmp_path):
     monkeypatch.chdir(tmp_path)
     code, out, err = cli(argv, monkeypatch, capsys)
@@ -79,10 +82,17 @@ def test_composition_errors_exit_2_with_one_line_and_the_valid_options(argv, nee
     assert not list(tmp_path.iterdir())  # stopped before Hydra made a run dir
 
 
-@pytest.mark.parametrize("argv,module,package", [
-    (["+hparams_search=lora_optuna"], "hydra_plugins.hydra_optuna_sweeper", "hydra-optuna-sweeper"),
-    (["-m", "hydra/launcher=slurm", "lora.r=8,16"], "hydra_plugins.hydra_submitit_launcher", "hydra-submitit-launcher"),
-])
+@pytest.mark.parametrize(
+    "argv,module,package",
+    [
+        (["+hparams_search=lora_optuna"], "hydra_plugins.hydra_optuna_sweeper", "hydra-optuna-sweeper"),
+        (
+            ["-m", "hydra/launcher=slurm", "lora.r=8,16"],
+            "hydra_plugins.hydra_submitit_launcher",
+            "hydra-submitit-launcher",
+        ),
+    ],
+)
 def test_a_missing_extra_names_the_pip_command(argv, module, package, monkeypatch, capsys, tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(sys.modules, module, None)  # what Python sees when the plugin is not installed
@@ -135,32 +145,77 @@ def test_the_wheel_ships_configs_samples_and_the_command_and_runs_from_anywhere(
         if (repo / name).is_file():
             (src / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(repo / name, src / name)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w",
-                    str(tmp_path / "dist"), str(src)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "dist"),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     wheel = next((tmp_path / "dist").glob("glmtune-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"glmtune/conf/config.yaml", "glmtune/conf/hw/a100_40g.yaml", "glmtune/conf/model/glm4_9b_chat.yaml",
-            "glmtune/conf/hydra/launcher/slurm.yaml", "glmtune/data/samples/train.jsonl",
-            "glmtune/data/samples_vision/images/red_square.png"} <= names
+    assert {
+        "glmtune/conf/config.yaml",
+        "glmtune/conf/hw/a100_40g.yaml",
+        "glmtune/conf/model/glm4_9b_chat.yaml",
+        "glmtune/conf/hydra/launcher/slurm.yaml",
+        "glmtune/data/samples/train.jsonl",
+        "glmtune/data/samples_vision/images/red_square.png",
+    } <= names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "glmtune = glmtune.__main__:cli" in zipfile.ZipFile(wheel).read(entry_points).decode()
     site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(site), str(wheel)],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(site), str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {**os.environ, "PYTHONPATH": str(site)}
-    proc = subprocess.run([str(site / "bin" / "glmtune"), "mode=plan", "model=glm4_9b_chat", "+hw=a100_40g"],
-                          cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [str(site / "bin" / "glmtune"), "mode=plan", "model=glm4_9b_chat", "+hw=a100_40g"],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "memory plan: fits" in proc.stdout and not list(elsewhere.iterdir())
-    where = subprocess.run([sys.executable, "-c", "import glmtune; print(glmtune.__file__)"], cwd=elsewhere, env=env,
-                           capture_output=True, text=True, check=True).stdout
+    where = subprocess.run(
+        [sys.executable, "-c", "import glmtune; print(glmtune.__file__)"],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert where.startswith(str(site))  # the installed copy, not this checkout
     # The demo from there too (two steps of it): the bundled samples and the tiny model come from the wheel.
-    demo = subprocess.run([str(site / "bin" / "glmtune"), "train.max_steps=2", "probe.enabled=false",
-                           f"hydra.run.dir={tmp_path / 'demo'}"], cwd=elsewhere, env=env, capture_output=True,
-                          text=True, timeout=600)
+    demo = subprocess.run(
+        [
+            str(site / "bin" / "glmtune"),
+            "train.max_steps=2",
+            "probe.enabled=false",
+            f"hydra.run.dir={tmp_path / 'demo'}",
+        ],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert demo.returncode == 0, demo.stderr[-2000:]
     assert (tmp_path / "demo" / "adapter" / "adapter_config.json").exists()
 
@@ -181,13 +236,22 @@ cli()
 """
 
 
-@pytest.mark.parametrize("argv,package", [
-    (["+hparams_search=lora_optuna"], "hydra-optuna-sweeper"),
-    (["-m", "hydra/launcher=slurm", "lora.r=8,16"], "hydra-submitit-launcher"),
-])
+@pytest.mark.parametrize(
+    "argv,package",
+    [
+        (["+hparams_search=lora_optuna"], "hydra-optuna-sweeper"),
+        (["-m", "hydra/launcher=slurm", "lora.r=8,16"], "hydra-submitit-launcher"),
+    ],
+)
 def test_without_any_hydra_plugin_an_extra_is_one_line_and_exit_2(argv, package, tmp_path, repo):
-    proc = subprocess.run([sys.executable, "-c", _WITHOUT_PLUGINS, *argv], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(repo)})
+    proc = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_PLUGINS, *argv],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "pip install" in proc.stderr and package in proc.stderr
@@ -198,6 +262,7 @@ def test_help_lists_every_exit_code_the_code_uses(capsys):
     from glmtune.config.cli import help_text
     from glmtune.launch.exits import EXIT_DIVERGED, EXIT_INTERRUPTED
 
-    listed = {int(line.split()[0]) for line in help_text().split("exit codes:")[1].splitlines()
-              if line[:3].strip().isdigit()}
+    listed = {
+        int(line.split()[0]) for line in help_text().split("exit codes:")[1].splitlines() if line[:3].strip().isdigit()
+    }
     assert {0, 2, 3, 4, 5, 6, EXIT_INTERRUPTED, EXIT_DIVERGED, 9} <= listed

@@ -1,14 +1,10 @@
 """Every file in conf/ composes and validates; `+hw=` precedence; unknown keys and wrong types are named."""
-from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
-
-from glmtune.config import ConfigError, RunConfig, parse_config
-
 from helpers import REPO
 from helpers.cli import composed
+
+from glmtune.config import ConfigError, RunConfig, parse_config
 
 CONF = REPO / "conf"
 GROUPS = ["model", "data", "lora", "dist", "train"]
@@ -76,8 +72,9 @@ def test_unknown_lora_target_is_a_config_error_naming_the_valid_layers():
 def test_command_line_typo_exits_2_naming_the_valid_keys(tmp_path, repo):
     from helpers.cli import glmtune_in_process
 
-    proc = glmtune_in_process("train.lrr=1", "+lora.rank=4", "+hw=a100_40g", "hw.memory_gib=30",
-                              f"hydra.run.dir={tmp_path / 'r'}", cwd=repo)
+    proc = glmtune_in_process(
+        "train.lrr=1", "+lora.rank=4", "+hw=a100_40g", "hw.memory_gib=30", f"hydra.run.dir={tmp_path / 'r'}", cwd=repo
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     line = proc.stderr.strip()
     assert "\n" not in line
@@ -94,19 +91,22 @@ def test_a_negative_max_steps_is_said_once_and_absurd_memory_sizes_are_refused()
     assert "hw.host_memory_gib must be <= 1048576" in message and "hw.memory_gib must be <= 16384" in message
 
 
-@pytest.mark.parametrize("overrides,val_file", [
-    ([], "data/samples/val.jsonl"),  # the demo evaluates on the bundled val set
-    (["data=samples_vision", "model=glm4v_tiny"], "data/samples_vision/val.jsonl"),
-    (["data.train_file=my/train.jsonl"], None),  # a user's own train file: their val set or none
-    (["data.train_file=[a.jsonl,b.jsonl]", "data.mix=[3,1]"], None),
-    (["data=samples_vision", "data.train_file=my/images.jsonl"], None),
-    (["data.train_file=my/train.jsonl", "data.val_file=my/dev.jsonl"], "my/dev.jsonl"),
-    (["data.train_file=my/train.jsonl", "data.val_size=0.1"], None),  # held out of their file, no conflict
-    (["data.val_size=5"], None),  # the demo's own held-out split, without data.val_file=null
-    (["data.val_file=null"], None),
-    # named explicitly, the bundled file is the user's choice
-    (["data.train_file=my/train.jsonl", "data.val_file=data/samples/val.jsonl"], "data/samples/val.jsonl"),
-])
+@pytest.mark.parametrize(
+    "overrides,val_file",
+    [
+        ([], "data/samples/val.jsonl"),  # the demo evaluates on the bundled val set
+        (["data=samples_vision", "model=glm4v_tiny"], "data/samples_vision/val.jsonl"),
+        (["data.train_file=my/train.jsonl"], None),  # a user's own train file: their val set or none
+        (["data.train_file=[a.jsonl,b.jsonl]", "data.mix=[3,1]"], None),
+        (["data=samples_vision", "data.train_file=my/images.jsonl"], None),
+        (["data.train_file=my/train.jsonl", "data.val_file=my/dev.jsonl"], "my/dev.jsonl"),
+        (["data.train_file=my/train.jsonl", "data.val_size=0.1"], None),  # held out of their file, no conflict
+        (["data.val_size=5"], None),  # the demo's own held-out split, without data.val_file=null
+        (["data.val_file=null"], None),
+        # named explicitly, the bundled file is the user's choice
+        (["data.train_file=my/train.jsonl", "data.val_file=data/samples/val.jsonl"], "data/samples/val.jsonl"),
+    ],
+)
 def test_the_bundled_val_set_pairs_only_with_the_bundled_train_set(overrides, val_file):
     run = parse_config(composed(overrides))
     assert run.data.val_file == val_file

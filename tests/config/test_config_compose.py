@@ -4,6 +4,7 @@ Both paths run in this process on the real conf/ folders: hydra.main (as before 
 task function records the composed config and the whole Hydra config (task name, search path, overrides,
 choices, run dir); a wrapper around Hydra's config loader counts compositions.
 """
+
 from __future__ import annotations
 
 import sys
@@ -78,8 +79,9 @@ def test_config_dir_joins_the_search_path(tmp_path, monkeypatch):
     assert any(s["path"] == str(extra) for s in hydra_once["runtime"]["config_sources"])
 
 
-@pytest.mark.parametrize("argv", [["-m", "train.learning_rate=1e-4,2e-4"], ["--cfg", "job"], ["--info"],
-                                  ["--config-name", "config"]])
+@pytest.mark.parametrize(
+    "argv", [["-m", "train.learning_rate=1e-4,2e-4"], ["--cfg", "job"], ["--info"], ["--config-name", "config"]]
+)
 def test_everything_but_a_plain_run_is_left_to_hydra_main(argv, compositions):
     assert run_once(capture, argv, str(CONF_DIR)) is False
     assert compositions[0] == 0
@@ -90,8 +92,9 @@ def test_a_config_that_asks_for_a_sweep_is_left_to_hydra_main(tmp_path, monkeypa
     """+hparams_search=lora_optuna sets hydra.mode: MULTIRUN in its YAML: without `-m` it is still a sweep."""
     monkeypatch.chdir(tmp_path)
     SEEN.clear()
-    assert run_once(capture, ["+hparams_search=lora_optuna", f"hydra.sweep.dir={tmp_path / 's'}"],
-                    str(CONF_DIR)) is False
+    assert (
+        run_once(capture, ["+hparams_search=lora_optuna", f"hydra.sweep.dir={tmp_path / 's'}"], str(CONF_DIR)) is False
+    )
     assert SEEN == [] and compositions[0] == 1
 
 
@@ -100,8 +103,12 @@ def test_the_command_composes_once(tmp_path):
     import subprocess
 
     run = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "glmtune", "mode=plan", "model=glm4_9b_chat", "+hw=a100_40g",
-                          f"hydra.run.dir={run}"], capture_output=True, text=True, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "glmtune", "mode=plan", "model=glm4_9b_chat", "+hw=a100_40g", f"hydra.run.dir={run}"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr
     overrides = OmegaConf.load(run / ".hydra" / "overrides.yaml")
     assert list(overrides) == ["mode=plan", "model=glm4_9b_chat", "+hw=a100_40g"]  # hydra.* are not the task's

@@ -3,19 +3,26 @@
 Expected ids and labels are written out by hand from `encode_message` pieces and literal -100s, not by
 re-running the encoder's loop, so a wrong shift or terminator shows up as a mismatch.
 """
+
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import REPO
 
 from glmtune.config import DataConfig
-from glmtune.data.pipeline import (DataCollator, DataError, build_datasets, encode_conversation, format_stats,
-                          longest_length, process_message)
+from glmtune.data.pipeline import (
+    DataCollator,
+    DataError,
+    build_datasets,
+    encode_conversation,
+    format_stats,
+    longest_length,
+    process_message,
+)
 from glmtune.data.validate import read_conversations
 from glmtune.models.tokenizer_files import load_tokenizer, write_tiny_tokenizer
-
-from helpers import REPO
 
 X = -100  # no loss at this position
 
@@ -43,14 +50,20 @@ def O(text):
     return {"role": "observation", "content": text}
 
 
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 
 
 def write_jsonl(path: Path, conversations) -> Path:
-    path.write_text("".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in conversations),
-                    encoding="utf-8")
+    path.write_text(
+        "".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in conversations), encoding="utf-8"
+    )
     return path
 
 
@@ -72,10 +85,20 @@ def test_multi_turn_supervises_every_reply_and_the_token_after_it(tok):
     ids, labels = encode_conversation(conv, tok)
     user = tok.get_command("<|user|>")
     assert ids == tok.prefix_ids() + u1 + a1 + u2 + a2 + [user]
-    assert labels == ([X, X] + [X] * len(u1)
-                      + [X] + a1[1:] + [u2[0]]  # the <|user|> that ends reply 1 is a target
-                      + [X] * (len(u2) - 1)
-                      + [X] + a2[1:] + [user])
+    assert (
+        labels
+        == (
+            [X, X]
+            + [X] * len(u1)
+            + [X]
+            + a1[1:]
+            + [u2[0]]  # the <|user|> that ends reply 1 is a target
+            + [X] * (len(u2) - 1)
+            + [X]
+            + a2[1:]
+            + [user]
+        )
+    )
 
 
 def test_system_prompt_is_never_a_target(tok):
@@ -94,10 +117,21 @@ def test_tool_call_observation_and_final_answer(tok):
     assert s[0] == tok.get_command("<|system|>") and o[0] == tok.get_command("<|observation|>")
     ids, labels = encode_conversation(conv, tok)
     assert ids == tok.prefix_ids() + s + u + c + o + a + [tok.get_command("<|user|>")]
-    assert labels == ([X, X] + [X] * len(s) + [X] * len(u)
-                      + [X] + c[1:] + [o[0]]  # the model must learn to stop its call with <|observation|>
-                      + [X] * (len(o) - 1)
-                      + [X] + a[1:] + [tok.get_command("<|user|>")])
+    assert (
+        labels
+        == (
+            [X, X]
+            + [X] * len(s)
+            + [X] * len(u)
+            + [X]
+            + c[1:]
+            + [o[0]]  # the model must learn to stop its call with <|observation|>
+            + [X] * (len(o) - 1)
+            + [X]
+            + a[1:]
+            + [tok.get_command("<|user|>")]
+        )
+    )
 
 
 def test_chatglm3_terminator_is_eos(tok3):
@@ -109,8 +143,19 @@ def test_chatglm3_terminator_is_eos(tok3):
 
 
 def test_process_message_drops_none_properties_and_tools_off_system():
-    system = {"role": "system", "content": "", "tools": [{"type": "function", "function": {
-        "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "string"}, "b": None}}}}]}
+    system = {
+        "role": "system",
+        "content": "",
+        "tools": [
+            {
+                "type": "function",
+                "function": {
+                    "name": "f",
+                    "parameters": {"type": "object", "properties": {"a": {"type": "string"}, "b": None}},
+                },
+            }
+        ],
+    }
     cleaned = process_message(system)
     assert cleaned["tools"][0]["function"]["parameters"]["properties"] == {"a": {"type": "string"}}
     assert system["tools"][0]["function"]["parameters"]["properties"]["b"] is None  # input left untouched
@@ -123,11 +168,16 @@ def test_truncation_cuts_from_the_right_and_keeps_the_example(tok, tmp_path):
     full_ids = tok.prefix_ids() + u + a + [tok.get_command("<|user|>")]
     full_labels = [X, X] + [X] * len(u) + [X] + a[1:] + [tok.get_command("<|user|>")]
     cut = 2 + len(u) + 10  # inside the reply
-    train, _, stats = build_datasets(DataConfig(train_file=str(write_jsonl(tmp_path / "t.jsonl", [conv])),
-                                                max_length=cut), tok)
+    train, _, stats = build_datasets(
+        DataConfig(train_file=str(write_jsonl(tmp_path / "t.jsonl", [conv])), max_length=cut), tok
+    )
     assert list(train) == [{"input_ids": full_ids[:cut], "labels": full_labels[:cut]}]
-    assert (stats.train.truncated, stats.train.dropped, stats.train.max, stats.train.max_untruncated) == \
-        (1, 0, cut, len(full_ids))
+    assert (stats.train.truncated, stats.train.dropped, stats.train.max, stats.train.max_untruncated) == (
+        1,
+        0,
+        cut,
+        len(full_ids),
+    )
 
 
 def test_example_without_targets_after_truncation_is_dropped_and_counted(tok, tmp_path):
@@ -150,8 +200,12 @@ def test_all_examples_dropped_is_a_data_error(tok, tmp_path):
 
 
 def test_stats_on_a_handmade_file(tok, tmp_path):
-    convs = [[U("a"), A("b")], [U("Hi there"), A("Hello, how can I help?")],
-             [S("Be brief."), U("What is 2 + 2?"), A("4.")], [U("Tell me a story."), A("Once upon a time " * 20)]]
+    convs = [
+        [U("a"), A("b")],
+        [U("Hi there"), A("Hello, how can I help?")],
+        [S("Be brief."), U("What is 2 + 2?"), A("4.")],
+        [U("Tell me a story."), A("Once upon a time " * 20)],
+    ]
     lengths = [2 + sum(len(tok.encode_message(m)) for m in c) + 1 for c in convs]
     max_length = sorted(lengths)[2] + 1  # the longest one is truncated, the other three fit
     train_path = write_jsonl(tmp_path / "train.jsonl", convs)
@@ -177,8 +231,7 @@ def test_validation_file_is_optional(tok, tmp_path):
 
 
 def test_collator_right_pads_with_pad_id_and_minus_100():
-    batch = DataCollator(pad_id=7)([{"input_ids": [1, 2, 3], "labels": [X, 2, 3]},
-                                    {"input_ids": [4], "labels": [4]}])
+    batch = DataCollator(pad_id=7)([{"input_ids": [1, 2, 3], "labels": [X, 2, 3]}, {"input_ids": [4], "labels": [4]}])
     assert all(t.dtype == torch.long for t in batch.values())
     assert batch["input_ids"].tolist() == [[1, 2, 3], [4, 7, 7]]
     assert batch["labels"].tolist() == [[X, 2, 3], [4, X, X]]

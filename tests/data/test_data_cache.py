@@ -1,5 +1,6 @@
 """The tokenized-data cache: what changes the key rebuilds, what does not reuses, errors keep file and line through
 the workers, two builders at once leave one valid entry, and GLM-4V images are checked once and decoded late."""
+
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from helpers import REPO
 
 from glmtune.config import DataConfig
 from glmtune.data.pipeline import DataCollator, DataError, build_datasets, encode_conversation
@@ -16,13 +18,12 @@ from glmtune.data.validate import read_conversations
 from glmtune.models.chatglm.configuration import released_config
 from glmtune.models.tokenizer_files import load_tokenizer, write_tiny_tokenizer
 
-from helpers import REPO
-
-
 
 def conv(i: int) -> list:
-    return [{"role": "user", "content": f"Question number {i}: what is {i} + {i}?"},
-            {"role": "assistant", "content": f"The answer is {2 * i}. " * (1 + i % 5)}]
+    return [
+        {"role": "user", "content": f"Question number {i}: what is {i} + {i}?"},
+        {"role": "assistant", "content": f"The answer is {2 * i}. " * (1 + i % 5)},
+    ]
 
 
 def write(path: Path, conversations, blank_every: int = 0) -> Path:
@@ -45,8 +46,10 @@ def test_unchanged_input_reuses_the_entry_and_each_key_part_rebuilds(tok, tmp_pa
     cfg = DataConfig(train_file=str(data), max_length=64, cache_dir=str(cache))
     first = build_datasets(cfg, tok)
     assert first.train.built and len(entries(cache)) == 1
-    expected = [dict(zip(("input_ids", "labels"), (ids[:64], labels[:64])))
-                for ids, labels in (encode_conversation(c, tok) for c in (conv(i) for i in range(30)))]
+    expected = [
+        dict(zip(("input_ids", "labels"), (ids[:64], labels[:64])))
+        for ids, labels in (encode_conversation(c, tok) for c in (conv(i) for i in range(30)))
+    ]
     assert list(first.train) == expected  # the cache holds exactly what the encoder produces
 
     before = pa.total_allocated_bytes()
@@ -119,9 +122,25 @@ def test_two_simultaneous_builders_leave_one_valid_entry(tok, tmp_path):
     write_tiny_tokenizer(tok_dir, "glm4")
     cache = tmp_path / "cache"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    procs = [subprocess.Popen([sys.executable, "-c", BUILDER, str(data), str(cache), str(tok_dir),
-                               str(tmp_path / f"ready{i}"), str(tmp_path / f"ready{1 - i}")],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                BUILDER,
+                str(data),
+                str(cache),
+                str(tok_dir),
+                str(tmp_path / f"ready{i}"),
+                str(tmp_path / f"ready{1 - i}"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in (0, 1)
+    ]
     results = [p.communicate(timeout=600) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in results]
     outs = [json.loads(out.strip().splitlines()[-1]) for out, _ in results]
@@ -139,8 +158,10 @@ def test_images_are_checked_once_and_decoded_in_the_collator(tok, tmp_path):
     from PIL import Image
 
     Image.new("RGB", (16, 16), (200, 30, 30)).save(tmp_path / "red.png")
-    rows = [[{"role": "user", "content": "What colour?", "image": "red.png"}, {"role": "assistant", "content": "Red."}],
-            conv(1)]
+    rows = [
+        [{"role": "user", "content": "What colour?", "image": "red.png"}, {"role": "assistant", "content": "Red."}],
+        conv(1),
+    ]
     data = write(tmp_path / "vision.jsonl", rows)
     vision = released_config("glm4v_9b").vision_config
     cfg = DataConfig(train_file=str(data), cache_dir=str(tmp_path / "cache"))

@@ -6,18 +6,18 @@ bytes, JSON, conversation structure, the validation file) also run through the c
 (`glmtune data.train_file=...`, in this process: conftest.glmtune_in_process): exit 2, the same `file:line` on
 stderr, no traceback, and an existing run dir left alone.
 """
+
 import importlib.util
 import json
 from pathlib import Path
 from typing import NamedTuple, Optional
 
 import pytest
+from helpers import REPO
+from helpers.cli import glmtune_in_process
 
 from glmtune.config import ConfigError, DataConfig
 from glmtune.data.validate import DataError, read_conversations, validate_files
-
-from helpers import REPO
-from helpers.cli import glmtune_in_process
 
 GOOD = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
 
@@ -53,8 +53,12 @@ CASES = [
     Case("missing_file", None, None, ("file not found", "data.train_file")),
     Case("empty_file", b"", 1, ("no conversations",)),
     Case("blank_lines_only", b"\n   \n\n", 1, ("no conversations",)),
-    Case("not_utf8", (GOOD + "\n").encode() + GBK_LINE + b"\n", 2,
-         ("not valid UTF-8", f"byte offset {GBK_OFFSET}", "0xc4", "re-save")),
+    Case(
+        "not_utf8",
+        (GOOD + "\n").encode() + GBK_LINE + b"\n",
+        2,
+        ("not valid UTF-8", f"byte offset {GBK_OFFSET}", "0xc4", "re-save"),
+    ),
     Case("invalid_json", after_good('{"messages": [}'), 2, ("invalid JSON", "column 15")),
     Case("truncated_json", after_good('{"messages": [{"role": "user"'), 2, ("invalid JSON",)),
     Case("line_not_object", after_good("[1, 2]"), 2, ("line is a list, not an object",)),
@@ -62,25 +66,53 @@ CASES = [
     Case("empty_messages", after_good('{"messages": []}'), 2, ('"messages" is empty',)),
     Case("messages_not_list", after_good('{"messages": "hi"}'), 2, ('"messages" is a string',)),
     Case("message_not_object", after_good('{"messages": ["hi"]}'), 2, ("messages[0] is a string, not an object",)),
-    Case("unknown_role", after_good(line(user(), {"role": "bot", "content": "x"})), 2,
-         ("messages[1] has unknown role 'bot'", "system, user, assistant, observation")),
+    Case(
+        "unknown_role",
+        after_good(line(user(), {"role": "bot", "content": "x"})),
+        2,
+        ("messages[1] has unknown role 'bot'", "system, user, assistant, observation"),
+    ),
     Case("missing_role", after_good(line({"content": "x"}, reply())), 2, ("messages[0] has no role",)),
     Case("non_string_content", after_good(line(user(42), reply())), 2, ("content is a number, not a string",)),
     Case("missing_content", after_good(line({"role": "user"}, reply())), 2, ('has no "content"',)),
-    Case("non_string_metadata", after_good(line(user(), reply(metadata={"a": 1}))), 2,
-         ("metadata is an object, not a string",)),
-    Case("tools_not_list", after_good(line({"role": "system", "content": "", "tools": {"type": "function"}},
-                                           user(), reply())), 2, ("tools is an object, not a list",)),
-    Case("tools_on_user", after_good(line(user(tools=[]), reply())), 2,
-         ('messages[0] (user) has "tools"', "system message")),
-    Case("tool_without_name", after_good(line({"role": "system", "content": "", "tools": [
-        {"type": "function", "function": {"description": "x"}}]}, user(), reply())), 2,
-         ("tools[0] has no function name",)),
+    Case(
+        "non_string_metadata",
+        after_good(line(user(), reply(metadata={"a": 1}))),
+        2,
+        ("metadata is an object, not a string",),
+    ),
+    Case(
+        "tools_not_list",
+        after_good(line({"role": "system", "content": "", "tools": {"type": "function"}}, user(), reply())),
+        2,
+        ("tools is an object, not a list",),
+    ),
+    Case(
+        "tools_on_user",
+        after_good(line(user(tools=[]), reply())),
+        2,
+        ('messages[0] (user) has "tools"', "system message"),
+    ),
+    Case(
+        "tool_without_name",
+        after_good(
+            line(
+                {"role": "system", "content": "", "tools": [{"type": "function", "function": {"description": "x"}}]},
+                user(),
+                reply(),
+            )
+        ),
+        2,
+        ("tools[0] has no function name",),
+    ),
     Case("no_assistant", after_good(line(user())), 2, ("no assistant message",)),
     Case("empty_assistant", after_good(line(user(), reply(""))), 2, ("no assistant message with non-empty content",)),
-    Case("conversations_alias_bad_role", after_good(line({"role": "tool", "content": "x"}, reply(),
-                                                         key="conversations")), 2,
-         ("conversations[0] has unknown role 'tool'",)),
+    Case(
+        "conversations_alias_bad_role",
+        after_good(line({"role": "tool", "content": "x"}, reply(), key="conversations")),
+        2,
+        ("conversations[0] has unknown role 'tool'",),
+    ),
     Case("top_level_tools", after_good(line(user(), reply(), tools=[])), 2, ('top-level "tools"',)),
 ]
 
@@ -144,9 +176,18 @@ def test_many_bad_lines_list_only_the_first_few(tmp_path):
 
 def test_blank_lines_bom_crlf_metadata_and_alias_are_accepted(tmp_path):
     path = tmp_path / "ok.jsonl"
-    rows = [GOOD, "", "   ", line(user(), reply("call", metadata="get_weather")),
-            line({"role": "system", "content": "", "tools": [{"type": "function", "function": {"name": "f"}}]},
-                 user(), reply(), key="conversations")]
+    rows = [
+        GOOD,
+        "",
+        "   ",
+        line(user(), reply("call", metadata="get_weather")),
+        line(
+            {"role": "system", "content": "", "tools": [{"type": "function", "function": {"name": "f"}}]},
+            user(),
+            reply(),
+            key="conversations",
+        ),
+    ]
     path.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(rows).encode("utf-8") + b"\r\n")
     conversations = read_conversations(path)
     assert [c.line for c in conversations] == [1, 4, 5]
@@ -161,8 +202,10 @@ def test_shipped_sample_files_validate():
 # --- the same cases through `python -m glmtune` -------------------------------------------------------
 
 HAS_CLI = importlib.util.find_spec("glmtune.__main__") is not None
-CLI_CASES = [*(c for c in CASES if c.name in ("missing_file", "not_utf8", "invalid_json", "no_assistant")),
-             Case("missing_val_file", None, None, ("validation file not found", "data.val_file"))]
+CLI_CASES = [
+    *(c for c in CASES if c.name in ("missing_file", "not_utf8", "invalid_json", "no_assistant")),
+    Case("missing_val_file", None, None, ("validation file not found", "data.val_file")),
+]
 
 
 class CliResult(NamedTuple):

@@ -1,20 +1,24 @@
 """Several train files mixed by examples (data.mix), a val set held out of them (data.val_size), .json files of JSON
 lines, and OpenAI records after a tool-less first record under data.format=auto (issue 35 item 3)."""
+
 import json
 from collections import Counter
 
 import pytest
+from helpers.cli import glmtune_in_process
 
 from glmtune.config import DataConfig
 from glmtune.data.mixing import mix_counts
 from glmtune.data.pipeline import DataError, build_datasets, format_stats
 
-from helpers.cli import glmtune_in_process
-
 
 def chat(word: str, i: int) -> dict:
-    return {"messages": [{"role": "user", "content": f"{word} question {i}"},
-                         {"role": "assistant", "content": f"{word} answer {i}"}]}
+    return {
+        "messages": [
+            {"role": "user", "content": f"{word} question {i}"},
+            {"role": "assistant", "content": f"{word} answer {i}"},
+        ]
+    }
 
 
 def write_jsonl(path, records) -> str:
@@ -24,8 +28,10 @@ def write_jsonl(path, records) -> str:
 
 @pytest.fixture
 def two_files(tmp_path):
-    return (write_jsonl(tmp_path / "a.jsonl", [chat("alpha", i) for i in range(12)]),
-            write_jsonl(tmp_path / "b.jsonl", [chat("beta", i) for i in range(8)]))
+    return (
+        write_jsonl(tmp_path / "a.jsonl", [chat("alpha", i) for i in range(12)]),
+        write_jsonl(tmp_path / "b.jsonl", [chat("beta", i) for i in range(8)]),
+    )
 
 
 def origins(split, tok) -> Counter:
@@ -51,7 +57,12 @@ def test_two_files_mixed_3_to_1_give_15_and_5_examples(two_files, tok, tmp_path)
     assert any(origins(build_datasets(cfg, tok, seed=s).train, tok) != found for s in (8, 9, 10))
     table = format_stats(data.stats)
     rows = {line.split()[0]: line.split() for line in table.splitlines()}
-    assert rows[two_files[0]][1:] == ["glm+openai", "12", "3", "15"] and rows[two_files[1]][1:] == ["glm+openai", "8", "1", "5"]
+    assert rows[two_files[0]][1:] == ["glm+openai", "12", "3", "15"] and rows[two_files[1]][1:] == [
+        "glm+openai",
+        "8",
+        "1",
+        "5",
+    ]
     # without data.mix, every example of every file once
     plain = build_datasets(DataConfig(train_file=list(two_files), cache_dir=str(tmp_path / "cache")), tok)
     assert len(plain.train) == 20 and set(origins(plain.train, tok).values()) == {1}
@@ -103,16 +114,42 @@ def test_json_lines_in_a_json_file_and_errors_name_the_file_and_line(two_files, 
     assert message.startswith(f"{array}:row 1: ")
 
 
-OPENAI = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                        {"role": "assistant", "content": "Hello."}]},
-          {"messages": [{"role": "user", "content": "Weather in Paris?"},
-                        {"role": "assistant", "content": None, "tool_calls": [
-                            {"id": "c1", "type": "function",
-                             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
-                        {"role": "tool", "tool_call_id": "c1", "content": "{\"t\": 21}"},
-                        {"role": "assistant", "content": "21 degrees."}],
-           "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {
-               "type": "object", "properties": {"city": {"type": "string"}}}}}]}]
+OPENAI = [
+    {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."},
+        ]
+    },
+    {
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": '{"t": 21}'},
+            {"role": "assistant", "content": "21 degrees."},
+        ],
+        "tools": [
+            {
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+                },
+            }
+        ],
+    },
+]
 
 
 def test_cli_trains_on_a_json_lines_file_and_a_tool_less_openai_file_mixed_3_to_1(tmp_path):
@@ -123,10 +160,20 @@ def test_cli_trains_on_a_json_lines_file_and_a_tool_less_openai_file_mixed_3_to_
     lines.write_text("".join(json.dumps(chat("alpha", i)) + "\n" for i in range(12)))
     openai = write_jsonl(tmp_path / "openai.jsonl", OPENAI * 2)
     run = tmp_path / "run"
-    proc = glmtune_in_process(f"data.train_file=[{lines},{openai}]", "data.mix=[3,1]", "data.val_file=null",
-                              "data.val_size=2", "data.format=auto", "train.num_epochs=1", "probe.enabled=false",
-                              "train.per_device_batch_size=1", "data.packing=off", "eval.generate=true",
-                              "eval.max_new_tokens=4", f"hydra.run.dir={run}")
+    proc = glmtune_in_process(
+        f"data.train_file=[{lines},{openai}]",
+        "data.mix=[3,1]",
+        "data.val_file=null",
+        "data.val_size=2",
+        "data.format=auto",
+        "train.num_epochs=1",
+        "probe.enabled=false",
+        "train.per_device_batch_size=1",
+        "data.packing=off",
+        "eval.generate=true",
+        "eval.max_new_tokens=4",
+        f"hydra.run.dir={run}",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["steps"] == 14 and "eval_loss" in metrics
@@ -136,24 +183,36 @@ def test_cli_trains_on_a_json_lines_file_and_a_tool_less_openai_file_mixed_3_to_
     assert rows[openai][1:4] == ["glm+openai", "4", "1"] and int(rows[str(lines)][5]) + int(rows[openai][5]) == 2
     assert int(rows[str(lines)][4]) + int(rows[openai][4]) == 14
     # eval.generate re-reads the 2 held-out conversations from the train files: one reply per assistant turn
-    predictions = [json.loads(line) for path in (run / "eval").glob("eval_predictions_step*.jsonl")
-                   for line in path.read_text().splitlines()]
-    references = {chat("alpha", i)["messages"][1]["content"] for i in range(12)} | {"Hello.", "21 degrees.",
-                                                                                    'get_weather\n{"city": "Paris"}'}
+    predictions = [
+        json.loads(line)
+        for path in (run / "eval").glob("eval_predictions_step*.jsonl")
+        for line in path.read_text().splitlines()
+    ]
+    references = {chat("alpha", i)["messages"][1]["content"] for i in range(12)} | {
+        "Hello.",
+        "21 degrees.",
+        'get_weather\n{"city": "Paris"}',
+    }
     assert len(predictions) >= 2 and {p["reference"] for p in predictions} <= references
 
 
 def test_bad_mix_and_val_settings_exit_2_in_one_line(two_files, tmp_path):
-    cases = [(["data.mix=[3,1]"], "needs one weight per data.train_file entry"),
-             ([f"data.train_file=[{two_files[0]},{two_files[1]}]", "data.mix=[3,0]"], "must be > 0"),
-             # a val file given and a val set held out (the bundled val file steps aside by itself: test_config.py)
-             (["data.val_file=data/samples/val.jsonl", "data.val_size=0.1"], "not both"),
-             (["data.val_file=null", "data.val_size=1.5"], "a whole number of examples"),
-             ([f"data.train_file=[{two_files[0]},{two_files[0]}]"], "lists a file twice"),
-             ([f"data.train_file=[{two_files[0]},{two_files[1]}]", "data.mix=[inf,1]"],
-              "data.mix[0] must be a finite number, got inf"),
-             ([f"data.train_file=[{two_files[0]},{two_files[1]}]", "data.mix=[1,nan]"],
-              "data.mix[1] must be a finite number, got nan")]
+    cases = [
+        (["data.mix=[3,1]"], "needs one weight per data.train_file entry"),
+        ([f"data.train_file=[{two_files[0]},{two_files[1]}]", "data.mix=[3,0]"], "must be > 0"),
+        # a val file given and a val set held out (the bundled val file steps aside by itself: test_config.py)
+        (["data.val_file=data/samples/val.jsonl", "data.val_size=0.1"], "not both"),
+        (["data.val_file=null", "data.val_size=1.5"], "a whole number of examples"),
+        ([f"data.train_file=[{two_files[0]},{two_files[0]}]"], "lists a file twice"),
+        (
+            [f"data.train_file=[{two_files[0]},{two_files[1]}]", "data.mix=[inf,1]"],
+            "data.mix[0] must be a finite number, got inf",
+        ),
+        (
+            [f"data.train_file=[{two_files[0]},{two_files[1]}]", "data.mix=[1,nan]"],
+            "data.mix[1] must be a finite number, got nan",
+        ),
+    ]
     for args, expected in cases:
         proc = glmtune_in_process("mode=plan", *args)
         assert proc.returncode == 2 and expected in proc.stderr and "Traceback" not in proc.stderr, (args, proc.stderr)

@@ -1,65 +1,120 @@
 """Other tools' data formats and file types: alpaca, ShareGPT, OpenAI chat (with a tool call) from .jsonl, .json,
 Parquet and a saved `datasets` folder encode to exactly what the same conversation in GLM messages encodes to; a
 bad record in each gives one `file:line` / `file:row N` line; the CLI trains from each and exits 2 on a bad one."""
+
 import json
 from pathlib import Path
 
 import datasets
 import pytest
+from helpers.cli import glmtune
 
 from glmtune.config import DataConfig
 from glmtune.data.formats import detect
 from glmtune.data.pipeline import DataError, build_datasets, encode_conversation
 from glmtune.data.validate import read_conversations
 
-from helpers.cli import glmtune
-
-TOOL = {"name": "get_weather", "description": "Weather of a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+TOOL = {
+    "name": "get_weather",
+    "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
 
 # The same two conversations in every format; GLM is the reference each must encode to.
 GLM = [
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Add\n2 and 3"},
-     {"role": "assistant", "content": "5"}],
-    [{"role": "system", "content": "", "tools": [{"type": "function", "function": TOOL}]},
-     {"role": "user", "content": "Weather in Paris?"},
-     {"role": "assistant", "metadata": "get_weather", "content": '{"city": "Paris"}'},
-     {"role": "observation", "content": '{"temp": 20}'}, {"role": "assistant", "content": "20 °C."}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Add\n2 and 3"},
+        {"role": "assistant", "content": "5"},
+    ],
+    [
+        {"role": "system", "content": "", "tools": [{"type": "function", "function": TOOL}]},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "metadata": "get_weather", "content": '{"city": "Paris"}'},
+        {"role": "observation", "content": '{"temp": 20}'},
+        {"role": "assistant", "content": "20 °C."},
+    ],
 ]
-ALPACA = [{"instruction": "Add", "input": "2 and 3", "output": "5", "system": "Be brief.", "history": []},
-          {"instruction": "Say hi", "input": "", "output": "hi", "system": "",
-           "history": [["Hello?", "Hello."]]}]
-ALPACA_GLM = [GLM[0], [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hello."},
-                       {"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "hi"}]]
+ALPACA = [
+    {"instruction": "Add", "input": "2 and 3", "output": "5", "system": "Be brief.", "history": []},
+    {"instruction": "Say hi", "input": "", "output": "hi", "system": "", "history": [["Hello?", "Hello."]]},
+]
+ALPACA_GLM = [
+    GLM[0],
+    [
+        {"role": "user", "content": "Hello?"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Say hi"},
+        {"role": "assistant", "content": "hi"},
+    ],
+]
 SHAREGPT = [
-    {"system": "Be brief.", "tools": "",
-     "conversations": [{"from": "human", "value": "Add\n2 and 3"}, {"from": "gpt", "value": "5"}]},
-    {"system": "", "tools": json.dumps([TOOL]),
-     "conversations": [{"from": "human", "value": "Weather in Paris?"},
-                       {"from": "function_call", "value": json.dumps({"name": "get_weather",
-                                                                      "arguments": {"city": "Paris"}})},
-                       {"from": "observation", "value": '{"temp": 20}'}, {"from": "gpt", "value": "20 °C."}]},
+    {
+        "system": "Be brief.",
+        "tools": "",
+        "conversations": [{"from": "human", "value": "Add\n2 and 3"}, {"from": "gpt", "value": "5"}],
+    },
+    {
+        "system": "",
+        "tools": json.dumps([TOOL]),
+        "conversations": [
+            {"from": "human", "value": "Weather in Paris?"},
+            {"from": "function_call", "value": json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})},
+            {"from": "observation", "value": '{"temp": 20}'},
+            {"from": "gpt", "value": "20 °C."},
+        ],
+    },
 ]
 OPENAI = [
-    {"tools": [], "messages": [{"role": "system", "content": "Be brief."},
-                               {"role": "user", "content": "Add\n2 and 3"}, {"role": "assistant", "content": "5"}]},
-    {"tools": [{"type": "function", "function": TOOL}],
-     "messages": [{"role": "user", "content": "Weather in Paris?"},
-                  {"role": "assistant", "content": None, "tool_calls": [
-                      {"id": "c1", "type": "function",
-                       "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-                  {"role": "tool", "tool_call_id": "c1", "content": '{"temp": 20}'},
-                  {"role": "assistant", "content": "20 °C."}]},
+    {
+        "tools": [],
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Add\n2 and 3"},
+            {"role": "assistant", "content": "5"},
+        ],
+    },
+    {
+        "tools": [{"type": "function", "function": TOOL}],
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": '{"temp": 20}'},
+            {"role": "assistant", "content": "20 °C."},
+        ],
+    },
 ]
-BAD = {"alpaca": {"instruction": "no output here"},
-       "sharegpt": {"conversations": [{"from": "bot", "value": "x"}]},
-       "openai": {"messages": [{"role": "user", "content": "x"},
-                               {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]}}
+BAD = {
+    "alpaca": {"instruction": "no output here"},
+    "sharegpt": {"conversations": [{"from": "bot", "value": "x"}]},
+    "openai": {
+        "messages": [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]},
+        ]
+    },
+}
 BAD_WHAT = {"alpaca": 'no "output"', "sharegpt": "unknown \"from\" 'bot'", "openai": "arguments are not JSON"}
 RECORDS = {"alpaca": (ALPACA, ALPACA_GLM), "sharegpt": (SHAREGPT, GLM), "openai": (OPENAI, GLM)}
 # (format, file type): every format in JSONL, and every file type at least once.
-CASES = [("alpaca", "jsonl"), ("sharegpt", "jsonl"), ("openai", "jsonl"), ("sharegpt", "json"),
-         ("openai", "parquet"), ("alpaca", "saved")]
+CASES = [
+    ("alpaca", "jsonl"),
+    ("sharegpt", "jsonl"),
+    ("openai", "jsonl"),
+    ("sharegpt", "json"),
+    ("openai", "parquet"),
+    ("alpaca", "saved"),
+]
 
 
 def write(records: list, folder: Path, kind: str, name: str = "train") -> Path:
@@ -87,13 +142,22 @@ def test_each_format_and_file_type_encodes_as_its_glm_equivalent(fmt, kind, tok,
 
 
 def test_detect_reads_each_format_from_one_record():
-    assert [detect(r) for r in (ALPACA[0], SHAREGPT[0], OPENAI[1], {"messages": GLM[0]})] == \
-        ["alpaca", "sharegpt", "openai", "glm"]
-    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]},
-                          {"role": "assistant", "content": "Hello."}]}
+    assert [detect(r) for r in (ALPACA[0], SHAREGPT[0], OPENAI[1], {"messages": GLM[0]})] == [
+        "alpaca",
+        "sharegpt",
+        "openai",
+        "glm",
+    ]
+    parts = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+            {"role": "assistant", "content": "Hello."},
+        ]
+    }
     assert detect(parts) == "openai"
     assert read_conversations.__module__  # text parts are joined: checked through the mapping below
     from glmtune.data.formats import to_glm
+
     assert to_glm(parts, "openai")["messages"][0] == {"role": "user", "content": "Hi"}
     assert detect({"conversations": [{"role": "user", "content": "x"}]}) == "glm"  # ChatGLM3
 
@@ -130,8 +194,13 @@ def test_a_dataset_dict_folder_names_its_splits(tmp_path):
 def test_cli_trains_from_each_file_type_and_refuses_a_bad_row(fmt, kind, tmp_path):
     records = RECORDS[fmt][0] * 3
     path = write(records, tmp_path, kind)
-    args = [f"data.train_file={path}", "data.val_file=null", f"data.cache_dir={tmp_path / 'cache'}",
-            "train.max_steps=2", "probe.enabled=false"]
+    args = [
+        f"data.train_file={path}",
+        "data.val_file=null",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "train.max_steps=2",
+        "probe.enabled=false",
+    ]
     proc = glmtune(*args, f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()

@@ -1,6 +1,7 @@
 """Packing: a packed row trains exactly like its examples run one by one (losses and LoRA gradients, fp32),
 with and without images; the packer, the collator's positions and the stats. That a packed step trains the same
 examples with the same gradient as unpacked, however it is split: tests/train/test_pack_step.py."""
+
 from __future__ import annotations
 
 import json
@@ -9,6 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import REPO
+from helpers.lora import lora_model as _lora_model
+from helpers.lora import loss_and_grads as _loss_and_grads
 
 from glmtune.config import DataConfig
 from glmtune.data.packing import decide_packing, format_packing, pack, positions
@@ -16,10 +20,6 @@ from glmtune.data.pipeline import IGNORE_INDEX, DataCollator, build_datasets
 from glmtune.models import load_config, load_model, load_tokenizer
 from glmtune.models.presets import ensure_tiny
 from glmtune.plan.estimate import image_extra_tokens
-
-from helpers import REPO
-from helpers.lora import lora_model as _lora_model, loss_and_grads as _loss_and_grads
-
 
 
 def _only(batch: dict, row: int, start: int, end: int) -> dict:
@@ -29,8 +29,9 @@ def _only(batch: dict, row: int, start: int, end: int) -> dict:
     return {**batch, "labels": labels}
 
 
-def _check_equivalence(model_dir: Path, examples: list[dict], pack_length: int, image_extra: int,
-                       image_size: int | None) -> None:
+def _check_equivalence(
+    model_dir: Path, examples: list[dict], pack_length: int, image_extra: int, image_size: int | None
+) -> None:
     model = _lora_model(model_dir)
     collator = DataCollator(load_tokenizer(model_dir).pad_token_id, image_size=image_size)
     rows = pack(examples, pack_length, image_extra)
@@ -67,8 +68,9 @@ def _check_equivalence(model_dir: Path, examples: list[dict], pack_length: int, 
 def test_packed_text_rows_match_examples_run_one_by_one():
     model_dir = ensure_tiny("glm4")
     tok = load_tokenizer(model_dir)
-    train, _, _ = build_datasets(DataConfig(train_file=str(REPO / "data/samples/train.jsonl"), val_file=None,
-                                            max_length=120), tok)
+    train, _, _ = build_datasets(
+        DataConfig(train_file=str(REPO / "data/samples/train.jsonl"), val_file=None, max_length=120), tok
+    )
     examples = train[:9]
     _check_equivalence(model_dir, examples, pack_length=260, image_extra=0, image_size=None)
 
@@ -76,8 +78,9 @@ def test_packed_text_rows_match_examples_run_one_by_one():
 def test_packed_image_rows_match_examples_run_one_by_one():
     model_dir = ensure_tiny("glm4v")
     config, tok = load_config(model_dir), load_tokenizer(model_dir)
-    train, _, _ = build_datasets(DataConfig(train_file=str(REPO / "data/samples_vision/train.jsonl"), val_file=None),
-                                 tok, config.vision_config)
+    train, _, _ = build_datasets(
+        DataConfig(train_file=str(REPO / "data/samples_vision/train.jsonl"), val_file=None), tok, config.vision_config
+    )
     extra = image_extra_tokens(config)
     assert sum(bool(e.get("image")) for e in train) >= 3
     # Rows of ~half the data: some rows carry several images, and the batch's rows grow by different amounts.
@@ -88,13 +91,18 @@ def test_packed_image_rows_match_examples_run_one_by_one():
 
 
 def test_packer_keeps_every_example_once_within_the_length():
-    examples = [{"input_ids": [i] * n, "labels": [IGNORE_INDEX] + [i] * (n - 1)}
-                for i, n in enumerate([50, 30, 200, 120, 80, 70, 10, 300, 5, 60])]
+    examples = [
+        {"input_ids": [i] * n, "labels": [IGNORE_INDEX] + [i] * (n - 1)}
+        for i, n in enumerate([50, 30, 200, 120, 80, 70, 10, 300, 5, 60])
+    ]
     rows = pack(examples, 300)
     assert sum(len(r["lengths"]) for r in rows) == len(examples)
     assert all(len(r["input_ids"]) == sum(r["lengths"]) <= 300 for r in rows)
-    seen = sorted(tuple(r["input_ids"][s:s + n]) for r in rows
-                  for s, n in zip([sum(r["lengths"][:k]) for k in range(len(r["lengths"]))], r["lengths"]))
+    seen = sorted(
+        tuple(r["input_ids"][s : s + n])
+        for r in rows
+        for s, n in zip([sum(r["lengths"][:k]) for k in range(len(r["lengths"]))], r["lengths"])
+    )
     assert seen == sorted(tuple(e["input_ids"]) for e in examples)
     assert len(rows) == 4  # 925 tokens: best-fit decreasing reaches the lower bound ceil(925 / 300)
     # An example's first label is never a target (it would be predicted from the previous example).
@@ -107,8 +115,10 @@ def test_packer_keeps_every_example_once_within_the_length():
 
 
 def test_collator_positions_seq_ids_and_images_of_packed_rows():
-    rows = [{"input_ids": [1, 2, 3, 4, 5], "labels": [-100, 2, 3, -100, 5], "lengths": [3, 2], "images": ["a", "b"]},
-            {"input_ids": [6, 7], "labels": [-100, 7], "lengths": [2]}]
+    rows = [
+        {"input_ids": [1, 2, 3, 4, 5], "labels": [-100, 2, 3, -100, 5], "lengths": [3, 2], "images": ["a", "b"]},
+        {"input_ids": [6, 7], "labels": [-100, 7], "lengths": [2]},
+    ]
     collator = DataCollator(pad_id=0, image_size=8)
     collator._load = lambda path: torch.full((3, 8, 8), float(ord(path)))
     batch = collator(rows)
@@ -118,12 +128,17 @@ def test_collator_positions_seq_ids_and_images_of_packed_rows():
     assert "position_ids" not in DataCollator(pad_id=0)([{"input_ids": [1], "labels": [1]}])
 
 
-@pytest.mark.parametrize("packing, on_gpu, packs", [("on", False, True), ("off", True, False),
-                                                     ("auto", False, False), ("auto", True, True)])
+@pytest.mark.parametrize(
+    "packing, on_gpu, packs", [("on", False, True), ("off", True, False), ("auto", False, False), ("auto", True, True)]
+)
 def test_decide_packing_decides_and_reports(packing, on_gpu, packs):
     tok = load_tokenizer(ensure_tiny("glm4"))
-    cfg = DataConfig(train_file=str(REPO / "data/samples/train.jsonl"),
-                     val_file=str(REPO / "data/samples/val.jsonl"), packing=packing, pack_length=1024)
+    cfg = DataConfig(
+        train_file=str(REPO / "data/samples/train.jsonl"),
+        val_file=str(REPO / "data/samples/val.jsonl"),
+        packing=packing,
+        pack_length=1024,
+    )
     data = build_datasets(cfg, tok)
     info = decide_packing(cfg, data.train, image_extra=0, micro_batch=4, on_gpu=on_gpu)
     assert info.enabled is packs and info.shape() == ((1024, 0) if packs else None)
@@ -147,8 +162,12 @@ def test_packing_plans_from_the_length_column_without_reading_tokens(packing, mo
     from glmtune.data import tokenized
 
     tok = load_tokenizer(ensure_tiny("glm4"))
-    cfg = DataConfig(train_file=str(REPO / "data/samples/train.jsonl"), val_file=str(REPO / "data/samples/val.jsonl"),
-                     packing=packing, pack_length=1024)
+    cfg = DataConfig(
+        train_file=str(REPO / "data/samples/train.jsonl"),
+        val_file=str(REPO / "data/samples/val.jsonl"),
+        packing=packing,
+        pack_length=1024,
+    )
     data = build_datasets(cfg, tok)
     reads = []
     real = tokenized._ListColumn.__getitem__
@@ -163,8 +182,9 @@ def test_flex_attention_block_mask_matches_the_dense_mask_forward():
     FlexAttention backward on CPU (training with it is measured by bench/throughput.py on a GPU)."""
     model_dir = ensure_tiny("glm4")
     tok = load_tokenizer(model_dir)
-    train, _, _ = build_datasets(DataConfig(train_file=str(REPO / "data/samples/train.jsonl"), val_file=None,
-                                            max_length=150), tok)
+    train, _, _ = build_datasets(
+        DataConfig(train_file=str(REPO / "data/samples/train.jsonl"), val_file=None, max_length=150), tok
+    )
     batch = DataCollator(tok.pad_token_id)(pack(train[:12], 400))
     model = load_model(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -188,30 +208,49 @@ def test_planner_and_config_know_the_packed_row():
     packed = make_plan(run, arch, 1, user_set_max_length=False, packed=(4096, 0))
     eight = replace(packed.choices, micro_batch_size=8)
     # The fullest micro-step: 8 examples of <= 300 tokens fit one row; of <= 500, rows of 8 x 512 = 4,096.
-    assert (run_shape(run, arch, eight, 300, packed=(4096, 0)).micro_batch,
-            run_shape(run, arch, eight, 300, packed=(4096, 0)).seq_len) == (1, 2400)
+    assert (
+        run_shape(run, arch, eight, 300, packed=(4096, 0)).micro_batch,
+        run_shape(run, arch, eight, 300, packed=(4096, 0)).seq_len,
+    ) == (1, 2400)
     # Rows up to DENSE_MASK_MAX run the dense mask: the same positions plus the mask; longer rows, per document, none.
     dense = make_plan(run, arch, 1, user_set_max_length=False, packed=(2048, 0))
     assert dense.packing["attention"] == "sdpa" and packed.packing["attention"] == "segments"
     assert dense.peak_bytes >= plain.peak_bytes
-    assert packed.packing["probed_rows_per_micro_step"] * packed.packing["probed_row_positions"] >= \
-        packed.choices.micro_batch_size * packed.choices.max_length
+    assert (
+        packed.packing["probed_rows_per_micro_step"] * packed.packing["probed_row_positions"]
+        >= packed.choices.micro_batch_size * packed.choices.max_length
+    )
     vision = released_config("glm4v_9b")
     shape = run_shape(run, vision, replace(eight, micro_batch_size=4), 300, packed=(8192, 3))
     assert (shape.micro_batch, shape.seq_len, shape.images_per_sample) == (1, 4 * (300 + 1599), 4)  # one row
     with pytest.raises(ConfigError) as err:
-        parse_config({"data": {"packing": "yes", "pack_length": 100, "max_length": 500},
-                      "train": {"compile": "maybe", "packed_attention": "fast"}})
-    for part in ("data.packing='yes'", "data.pack_length=100 is shorter than data.max_length=500",
-                 "train.compile='maybe'", "train.packed_attention='fast'"):
+        parse_config(
+            {
+                "data": {"packing": "yes", "pack_length": 100, "max_length": 500},
+                "train": {"compile": "maybe", "packed_attention": "fast"},
+            }
+        )
+    for part in (
+        "data.packing='yes'",
+        "data.pack_length=100 is shorter than data.max_length=500",
+        "train.compile='maybe'",
+        "train.packed_attention='fast'",
+    ):
         assert part in str(err.value)
 
 
 def test_cli_trains_on_packed_rows_with_the_probe(tmp_path, repo):
     from helpers.cli import glmtune_in_process
 
-    out = glmtune_in_process("data.packing=on", "data.pack_length=600", "train.max_steps=2", "train.eval_steps=0",
-                             "train.per_device_batch_size=4", f"hydra.run.dir={tmp_path / 'run'}", cwd=repo)
+    out = glmtune_in_process(
+        "data.packing=on",
+        "data.pack_length=600",
+        "train.max_steps=2",
+        "train.eval_steps=0",
+        "train.per_device_batch_size=4",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        cwd=repo,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "packing: on (data.packing=on); each micro-batch's examples in rows of up to 600 positions" in out.stdout
     assert "train: micro-batches of 4 examples -> " in out.stdout and (tmp_path / "run" / "adapter").is_dir()

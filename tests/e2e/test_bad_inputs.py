@@ -5,6 +5,7 @@ One row per case, each through glmtune's entry point in this process (helpers/cl
 argument checks, Hydra, modes and exit paths, without a torch import per row); test_cli checks a bad input's one
 line from a real process.
 """
+
 import os
 import shutil
 import struct
@@ -14,11 +15,10 @@ from typing import Callable, NamedTuple
 
 import pytest
 import torch
-
-from glmtune.models.presets import ensure_tiny
-
 from helpers import REPO
 from helpers.cli import glmtune_in_process
+
+from glmtune.models.presets import ensure_tiny
 
 GOOD = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}'
 
@@ -38,8 +38,10 @@ def data_file(folder: Path, *lines: str) -> Path:
 
 
 def image_line(image: Path) -> str:
-    return ('{"messages": [{"role": "user", "content": "what is it?", "image": "%s"}, '
-            '{"role": "assistant", "content": "a square"}]}' % image)
+    return (
+        '{"messages": [{"role": "user", "content": "what is it?", "image": "%s"}, '
+        '{"role": "assistant", "content": "a square"}]}' % image
+    )
 
 
 def png_chunk(kind: bytes, body: bytes) -> bytes:
@@ -51,8 +53,12 @@ def huge_png(folder: Path) -> Path:
     (decoding it would take 1.2 GB)."""
     path = folder / "huge.png"
     header = struct.pack(">IIBBBBB", 20000, 20000, 8, 2, 0, 0, 0)
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", header)
-                     + png_chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + png_chunk(b"IEND", b""))
+    path.write_bytes(
+        b"\x89PNG\r\n\x1a\n"
+        + png_chunk(b"IHDR", header)
+        + png_chunk(b"IDAT", zlib.compress(b"\x00" * 64))
+        + png_chunk(b"IEND", b"")
+    )
     return path
 
 
@@ -68,7 +74,12 @@ def truncated_png(folder: Path) -> Path:
 def vision(image_maker):
     def setup(folder: Path) -> list[str]:
         image = image_maker(folder)
-        return ["model=glm4v_tiny", f"data.train_file={data_file(folder, GOOD, image_line(image))}", "data.val_file=null"]
+        return [
+            "model=glm4v_tiny",
+            f"data.train_file={data_file(folder, GOOD, image_line(image))}",
+            "data.val_file=null",
+        ]
+
     return setup
 
 
@@ -134,8 +145,10 @@ def bad_config_json(folder: Path) -> list[str]:
 def pickled_adapter(folder: Path) -> list[str]:
     adapter = folder / "adapter"
     adapter.mkdir()
-    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8, "lora_alpha": 32, '
-                                                 '"target_modules": ["query_key_value"], "task_type": "CAUSAL_LM"}')
+    (adapter / "adapter_config.json").write_text(
+        '{"peft_type": "LORA", "r": 8, "lora_alpha": 32, '
+        '"target_modules": ["query_key_value"], "task_type": "CAUSAL_LM"}'
+    )
     torch.save({"payload": Payload(folder / "PAYLOAD_RAN")}, adapter / "adapter_model.bin")
     prompts = folder / "prompts.jsonl"
     prompts.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
@@ -160,8 +173,11 @@ def output_is_prompts(folder: Path) -> list[str]:
 
 def output_exists(folder: Path) -> list[str]:
     (folder / "old_predictions.jsonl").write_text("earlier results\n")
-    return ["mode=infer", f"infer.prompts_file={prompts_file(folder)}",
-            f"infer.output_file={folder / 'old_predictions.jsonl'}"]
+    return [
+        "mode=infer",
+        f"infer.prompts_file={prompts_file(folder)}",
+        f"infer.output_file={folder / 'old_predictions.jsonl'}",
+    ]
 
 
 def merge_into_existing(folder: Path) -> list[str]:
@@ -191,8 +207,12 @@ def merge_onto_adapter_parent(folder: Path) -> list[str]:
 
 def merge_onto_prompts_parent(folder: Path) -> list[str]:
     (folder / "prompts").mkdir()
-    return ["mode=infer", f"infer.prompts_file={prompts_file(folder / 'prompts')}",
-            f"infer.merge_to={folder / 'prompts'}", "infer.overwrite=true"]
+    return [
+        "mode=infer",
+        f"infer.prompts_file={prompts_file(folder / 'prompts')}",
+        f"infer.merge_to={folder / 'prompts'}",
+        "infer.overwrite=true",
+    ]
 
 
 def merge_onto_run_dir_parent(folder: Path) -> list[str]:
@@ -222,44 +242,100 @@ ROWS = [
     Row("fifo_train_file", fifo_train_file, 2, ("pipe.jsonl", "not a regular file")),
     Row("deeply_nested_json", nested_json, 2, ("train.jsonl:2:", "nested too deeply")),
     # parse_config names every bad value in one line, so one launch covers a whole family of keys.
-    Row("negative_counts_and_values", args("train.weight_decay=-1", "train.seed=-1", "train.save_steps=-5",
-                                           "train.eval_steps=-1", "train.warmup_steps=-1", "train.max_steps=-1",
-                                           "train.keep_checkpoints=0", "train.resume=maybe"), 2,
-        ("train.weight_decay must be >= 0", "train.seed must be >= 0", "train.save_steps must be >= 0",
-         "train.eval_steps must be >= 0", "train.warmup_steps must be >= 0", "train.max_steps must be >= 0",
-         "train.keep_checkpoints must be > 0", "train.resume='maybe' is not one of auto, always, restart")),
-    Row("not_finite", args("train.learning_rate=nan", "hw.memory_gib=nan"), 2,
-        ("train.learning_rate must be a finite number", "hw.memory_gib must be a finite number")),
-    Row("unknown_group_options", args("model=nonexistent", "+hw=nonexistent", "hw=a100_40g"), 2,
-        ("unknown model 'nonexistent'", "glm4_tiny", "unknown hw 'nonexistent'", "a100_40g",
-         "write +hw=a100_40g")),
+    Row(
+        "negative_counts_and_values",
+        args(
+            "train.weight_decay=-1",
+            "train.seed=-1",
+            "train.save_steps=-5",
+            "train.eval_steps=-1",
+            "train.warmup_steps=-1",
+            "train.max_steps=-1",
+            "train.keep_checkpoints=0",
+            "train.resume=maybe",
+        ),
+        2,
+        (
+            "train.weight_decay must be >= 0",
+            "train.seed must be >= 0",
+            "train.save_steps must be >= 0",
+            "train.eval_steps must be >= 0",
+            "train.warmup_steps must be >= 0",
+            "train.max_steps must be >= 0",
+            "train.keep_checkpoints must be > 0",
+            "train.resume='maybe' is not one of auto, always, restart",
+        ),
+    ),
+    Row(
+        "not_finite",
+        args("train.learning_rate=nan", "hw.memory_gib=nan"),
+        2,
+        ("train.learning_rate must be a finite number", "hw.memory_gib must be a finite number"),
+    ),
+    Row(
+        "unknown_group_options",
+        args("model=nonexistent", "+hw=nonexistent", "hw=a100_40g"),
+        2,
+        ("unknown model 'nonexistent'", "glm4_tiny", "unknown hw 'nonexistent'", "a100_40g", "write +hw=a100_40g"),
+    ),
     Row("weights_missing", without_weights, 2, ("no weights", "complete checkpoint")),
     Row("weights_truncated", truncated_weights, 2, ("model.safetensors: truncated", "re-download")),
     Row("weights_pickle_refused", pickled_weights, 2, ("weights_only=True", "safetensors")),
     Row("config_json_invalid", bad_config_json, 2, ("config.json:2: invalid JSON",)),
-    Row("batch_too_big_for_ram", args("train.per_device_batch_size=100000", "probe.enabled=false"), 3,
-        ("GiB available", "lower train.per_device_batch_size")),
-    Row("adapter_pickle_forced_unsafe_env", pickled_adapter, 2, ("adapter_model.bin: refused", "safetensors"),
-        {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}),
+    Row(
+        "batch_too_big_for_ram",
+        args("train.per_device_batch_size=100000", "probe.enabled=false"),
+        3,
+        ("GiB available", "lower train.per_device_batch_size"),
+    ),
+    Row(
+        "adapter_pickle_forced_unsafe_env",
+        pickled_adapter,
+        2,
+        ("adapter_model.bin: refused", "safetensors"),
+        {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"},
+    ),
     Row("merge_into_model_path", merge_into_model, 2, ("is the model.path folder",)),
     Row("output_is_prompts_file", output_is_prompts, 2, ("is the prompts file",)),
     Row("output_exists", output_exists, 2, ("already exists", "infer.overwrite=true")),
     Row("merge_into_existing_folder", merge_into_existing, 2, ("already holds files", "infer.overwrite=true")),
-    Row("merge_onto_model_parent", merge_onto_model_parent, 2, ("contains the model.path folder", "whatever infer.overwrite")),
+    Row(
+        "merge_onto_model_parent",
+        merge_onto_model_parent,
+        2,
+        ("contains the model.path folder", "whatever infer.overwrite"),
+    ),
     Row("merge_inside_model", merge_inside_model, 2, ("lies inside the model.path folder",)),
     Row("merge_onto_adapter_parent", merge_onto_adapter_parent, 2, ("contains the infer.adapter folder",)),
     Row("merge_onto_prompts_parent", merge_onto_prompts_parent, 2, ("contains infer.prompts_file",)),
     Row("merge_onto_run_dir_parent", merge_onto_run_dir_parent, 2, ("contains the run dir folder",)),
     Row("merge_onto_a_file", merge_onto_a_file, 2, ("weights.bin is a file, not a folder",)),
-    Row("merge_onto_a_device", args("mode=infer", "infer.merge_to=/dev/null", "infer.overwrite=true"), 2,
-        ("infer.merge_to=/dev/null is a device",)),
+    Row(
+        "merge_onto_a_device",
+        args("mode=infer", "infer.merge_to=/dev/null", "infer.overwrite=true"),
+        2,
+        ("infer.merge_to=/dev/null is a device",),
+    ),
     Row("merge_onto_proc", args("mode=infer", "infer.merge_to=/proc/glmtune-merged"), 2, ("cannot write in /proc",)),
-    Row("merge_with_missing_parent", lambda folder: ["mode=infer", f"infer.merge_to={folder / 'no/such/merged'}"], 2,
-        ("parent folder", "does not exist", "create it first")),
-    Row("merge_onto_a_users_folder", merge_onto_a_users_folder, 2, ("no glmtune export wrote", "empty this one yourself")),
+    Row(
+        "merge_with_missing_parent",
+        lambda folder: ["mode=infer", f"infer.merge_to={folder / 'no/such/merged'}"],
+        2,
+        ("parent folder", "does not exist", "create it first"),
+    ),
+    Row(
+        "merge_onto_a_users_folder",
+        merge_onto_a_users_folder,
+        2,
+        ("no glmtune export wrote", "empty this one yourself"),
+    ),
     # config values that used to change silently or crash (issue 39, list 8)
-    Row("host_memory_absurd", args("mode=plan", "hw.host_memory_gib=1e300"), 2,
-        ("hw.host_memory_gib must be <= 1048576",)),
+    Row(
+        "host_memory_absurd",
+        args("mode=plan", "hw.host_memory_gib=1e300"),
+        2,
+        ("hw.host_memory_gib must be <= 1048576",),
+    ),
     Row("host_memory_too_small", args("mode=plan", "hw.host_memory_gib=0.001"), 3, ("does not fit", "0.0 GiB budget")),
 ]
 if not torch.cuda.is_available():
@@ -268,8 +344,11 @@ if not torch.cuda.is_available():
 
 def snapshot(folder: Path) -> dict[str, bytes]:
     """Every regular file under the folder (the run dir aside), to show nothing was touched."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file() and "run" not in p.relative_to(folder).parts}
+    return {
+        str(p.relative_to(folder)): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and "run" not in p.relative_to(folder).parts
+    }
 
 
 def launch(row: Row, folder: Path):

@@ -4,21 +4,20 @@ and leaves nothing behind, an edited weight file is never resumed on, and a run'
 Through glmtune's entry point in this process (helpers/cli.py glmtune_in_process) where no process boundary matters;
 full disks in a private mount namespace on a tmpfs of a few MB (skipped where namespaces cannot be made).
 """
+
 import json
 import os
 import shutil
 import stat
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-from glmtune.models.presets import ensure_tiny
-
-from helpers.files import run_in_tmpfs
 from helpers import REPO
 from helpers.cli import glmtune_in_process
+from helpers.files import run_in_tmpfs
+
+from glmtune.models.presets import ensure_tiny
 
 SAMPLES = REPO / "data/samples/train.jsonl"
 FILE_MODE = 0o666 & ~(lambda m: (os.umask(m), m)[1])(os.umask(0))  # what open() gives under this umask
@@ -37,13 +36,21 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("damage")
     model = root / "model"
     shutil.copytree(ensure_tiny("glm4"), model)
-    proc = glmtune_in_process(f"model.path={model}", "train.max_steps=2", "train.save_steps=1", "probe.enabled=false",
-                              f"data.train_file={SAMPLES}", "data.val_file=null", f"hydra.run.dir={root / 'run'}")
+    proc = glmtune_in_process(
+        f"model.path={model}",
+        "train.max_steps=2",
+        "train.save_steps=1",
+        "probe.enabled=false",
+        f"data.train_file={SAMPLES}",
+        "data.val_file=null",
+        f"hydra.run.dir={root / 'run'}",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return root
 
 
 # ---- row 5: tracebacks ------------------------------------------------------------------------------------------
+
 
 def test_a_negative_inference_seed_is_one_line(tmp_path):
     proc = glmtune_in_process("mode=infer", "infer.prompt=hi", "infer.seed=-1", f"hydra.run.dir={tmp_path / 'run'}")
@@ -56,8 +63,13 @@ def test_a_truncated_adapter_is_one_line_naming_the_file(trained, tmp_path):
     shutil.copytree(trained / "run/adapter", adapter)
     weights = adapter / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    proc = glmtune_in_process(f"model.path={trained / 'model'}", "mode=infer", f"infer.adapter={adapter}",
-                              "infer.prompt=hi", f"hydra.run.dir={tmp_path / 'run'}")
+    proc = glmtune_in_process(
+        f"model.path={trained / 'model'}",
+        "mode=infer",
+        f"infer.adapter={adapter}",
+        "infer.prompt=hi",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
     assert proc.returncode == 2
     assert f"{weights}: unreadable" in error_line(proc)
 
@@ -76,6 +88,7 @@ def test_a_file_as_run_dir_is_one_line(tmp_path):
 
 # ---- row 6: a cache entry without meta.json ---------------------------------------------------------------------
 
+
 def test_a_cache_entry_without_meta_json_is_built_again(tok, tmp_path):
     from glmtune.config import DataConfig
     from glmtune.data.pipeline import build_datasets
@@ -93,6 +106,7 @@ def test_a_cache_entry_without_meta_json_is_built_again(tok, tmp_path):
 
 # ---- row 7: misleading lines ------------------------------------------------------------------------------------
 
+
 def test_the_divergence_advice_names_weight_decay_and_a_sane_learning_rate():
     from glmtune.train.guard import divergence_advice
 
@@ -106,8 +120,13 @@ def test_the_divergence_advice_names_weight_decay_and_a_sane_learning_rate():
 def test_values_no_run_can_use_are_one_line(tmp_path):
     """train.weight_decay=1e30 (each step would scale every weight by 1 - 5e26) and train.num_epochs=1e30 (a run
     that never ends; row 9) are refused before anything loads, each named."""
-    proc = glmtune_in_process("mode=plan", "train.weight_decay=1e30", "train.num_epochs=1e30", "probe.steps=1000000",
-                              f"hydra.run.dir={tmp_path / 'run'}")
+    proc = glmtune_in_process(
+        "mode=plan",
+        "train.weight_decay=1e30",
+        "train.num_epochs=1e30",
+        "probe.steps=1000000",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
     line = error_line(proc)
     assert proc.returncode == 2
     assert "train.weight_decay=1e+30 times train.learning_rate=0.0005 must be < 1" in line
@@ -119,12 +138,25 @@ def test_values_no_run_can_use_are_one_line(tmp_path):
 def test_a_full_cache_disk_names_the_cache_and_leaves_no_run_dir(tmp_path):
     ensure_tiny("glm4")
     big = tmp_path / "big.jsonl"  # ~4 MB of conversations: more than the 3 MB disk holds once tokenized
-    big.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i} " * 40},
-                                                    {"role": "assistant", "content": f"answer {i} " * 60}]}) + "\n"
-                           for i in range(3000)))
+    big.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"question {i} " * 40},
+                        {"role": "assistant", "content": f"answer {i} " * 60},
+                    ]
+                }
+            )
+            + "\n"
+            for i in range(3000)
+        )
+    )
     run_dir = tmp_path / "run"
-    proc = run_in_tmpfs(f"{sys.executable} -m glmtune data.train_file={big} data.val_file=null "
-                        f"data.cache_dir=$DISK/cache train.max_steps=2 hydra.run.dir={run_dir}")
+    proc = run_in_tmpfs(
+        f"{sys.executable} -m glmtune data.train_file={big} data.val_file=null "
+        f"data.cache_dir=$DISK/cache train.max_steps=2 hydra.run.dir={run_dir}"
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     line = error_line(proc)
     assert "disk full" in line and "/cache: " in line and "data.cache_dir" in line, line
@@ -160,6 +192,7 @@ def test_run_state_says_failed_when_the_disk_is_full(tmp_path):
 
 # ---- row 8: weights edited in place -----------------------------------------------------------------------------
 
+
 def edit_in_place(weights: Path, offset: int, data: bytes) -> None:
     """Overwrite bytes without changing the size, and put the mtime back."""
     before = weights.stat()
@@ -178,10 +211,17 @@ def test_a_same_size_weight_edit_with_its_mtime_restored_is_refused_on_resume(tr
     header = 8 + int.from_bytes(original[:8], "little")
     try:
         # a LoRA merge's kind of edit: one tensor's values rewritten, everything else as it was
-        edit_in_place(weights, header + 100, bytes(b ^ 0x55 for b in original[header + 100: header + 4196]))
-        proc = glmtune_in_process(f"model.path={trained / 'model'}", "train.max_steps=3", "train.save_steps=1",
-                                  "probe.enabled=false", "train.resume=always", f"data.train_file={SAMPLES}",
-                                  "data.val_file=null", f"hydra.run.dir={run_dir}")
+        edit_in_place(weights, header + 100, bytes(b ^ 0x55 for b in original[header + 100 : header + 4196]))
+        proc = glmtune_in_process(
+            f"model.path={trained / 'model'}",
+            "train.max_steps=3",
+            "train.save_steps=1",
+            "probe.enabled=false",
+            "train.resume=always",
+            f"data.train_file={SAMPLES}",
+            "data.val_file=null",
+            f"hydra.run.dir={run_dir}",
+        )
         line = error_line(proc)
         assert proc.returncode == 2 and "cannot resume" in line and f"weight file {weights}" in line
     finally:
@@ -189,8 +229,8 @@ def test_a_same_size_weight_edit_with_its_mtime_restored_is_refused_on_resume(tr
 
 
 def test_the_fingerprint_sees_rewritten_large_tensors_and_keeps_old_runs_resumable(tmp_path):
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     from glmtune.rundir.fingerprint import block_offsets, legacy_fingerprint, weight_fingerprint
     from glmtune.rundir.resume import check_inputs
@@ -204,14 +244,14 @@ def test_the_fingerprint_sees_rewritten_large_tensors_and_keeps_old_runs_resumab
     header = 8 + int.from_bytes(raw[:8], "little")
     # any run of changed bytes longer than the gap between sampled blocks is seen, wherever it lies
     for start in (header, header + size // 3 + 7, size - gap - 1):
-        edit_in_place(weights, start, bytes(b ^ 1 for b in raw[start: start + gap + 1]))
+        edit_in_place(weights, start, bytes(b ^ 1 for b in raw[start : start + gap + 1]))
         assert weight_fingerprint(weights) != before, start
-        edit_in_place(weights, start, raw[start: start + gap + 1])
+        edit_in_place(weights, start, raw[start : start + gap + 1])
         assert weight_fingerprint(weights) == before
-    norm = next(offset for offset in range(header, size, 4) if raw[offset: offset + 256] == b"\x00\x00\x80\x3f" * 64)
+    norm = next(offset for offset in range(header, size, 4) if raw[offset : offset + 256] == b"\x00\x00\x80\x3f" * 64)
     edit_in_place(weights, norm, b"\x00\x00\x00\x40")  # one float of a small tensor: hashed whole
     assert weight_fingerprint(weights) != before
-    edit_in_place(weights, norm, raw[norm: norm + 4])
+    edit_in_place(weights, norm, raw[norm : norm + 4])
 
     # a run recorded with the size-and-mtime form (before this check) still resumes on unchanged weights
     run_dir = tmp_path / "run"
@@ -223,32 +263,47 @@ def test_the_fingerprint_sees_rewritten_large_tensors_and_keeps_old_runs_resumab
 
 # ---- row 9: minor -------------------------------------------------------------------------------------------------
 
+
 def test_adapters_checkpoints_and_merged_weights_have_the_usual_file_mode(trained, tmp_path):
     files = [p for p in (trained / "run").rglob("*") if p.is_file() and not p.name.startswith(".lock")]
     assert any(p.suffix == ".safetensors" for p in files)
-    assert {str(p.relative_to(trained)): oct(stat.S_IMODE(p.stat().st_mode)) for p in files
-            if stat.S_IMODE(p.stat().st_mode) != FILE_MODE} == {}
+    assert {
+        str(p.relative_to(trained)): oct(stat.S_IMODE(p.stat().st_mode))
+        for p in files
+        if stat.S_IMODE(p.stat().st_mode) != FILE_MODE
+    } == {}
     merged = tmp_path / "merged"
-    proc = glmtune_in_process(f"model.path={trained / 'model'}", "mode=infer",
-                              f"infer.adapter={trained / 'run/adapter'}", f"infer.merge_to={merged}",
-                              f"hydra.run.dir={tmp_path / 'run'}")
+    proc = glmtune_in_process(
+        f"model.path={trained / 'model'}",
+        "mode=infer",
+        f"infer.adapter={trained / 'run/adapter'}",
+        f"infer.merge_to={merged}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in merged.iterdir()
-            if stat.S_IMODE(p.stat().st_mode) != FILE_MODE} == {}
+    assert {
+        p.name: oct(stat.S_IMODE(p.stat().st_mode))
+        for p in merged.iterdir()
+        if stat.S_IMODE(p.stat().st_mode) != FILE_MODE
+    } == {}
 
 
 def test_the_tiny_checkpoint_glmtune_builds_has_the_usual_file_mode(tmp_path, monkeypatch):
     monkeypatch.setenv("GLMTUNE_CACHE", str(tmp_path))  # a fresh cache: built here, not found
     folder = ensure_tiny("glm4")
     assert folder.parent == tmp_path and (folder / "model.safetensors").is_file()
-    assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in folder.iterdir()
-            if stat.S_IMODE(p.stat().st_mode) != FILE_MODE} == {}
+    assert {
+        p.name: oct(stat.S_IMODE(p.stat().st_mode))
+        for p in folder.iterdir()
+        if stat.S_IMODE(p.stat().st_mode) != FILE_MODE
+    } == {}
 
 
 def test_bad_data_leaves_no_run_dir_and_an_earlier_runs_log_stays(tmp_path):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
-                   '{"messages": 5}\n')
+    bad.write_text(
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n{"messages": 5}\n'
+    )
     proc = glmtune_in_process(f"data.train_file={bad}", "data.val_file=null", f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 2 and f"{bad}:2:" in error_line(proc)
     assert not (tmp_path / "run").exists()
@@ -263,14 +318,22 @@ def test_bad_data_leaves_no_run_dir_and_an_earlier_runs_log_stays(tmp_path):
 
 # ---- the hostile pass's findings --------------------------------------------------------------------------------
 
+
 def test_a_damaged_file_in_the_checkpoint_to_resume_from_is_named(trained, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(trained / "run", run_dir)
     optimizer = run_dir / "checkpoints/checkpoint-2/optimizer.pt"
     optimizer.write_bytes(optimizer.read_bytes()[:100])  # cut short by a copy
-    proc = glmtune_in_process(f"model.path={trained / 'model'}", "train.max_steps=3", "train.save_steps=1",
-                              "probe.enabled=false", "train.resume=always", f"data.train_file={SAMPLES}",
-                              "data.val_file=null", f"hydra.run.dir={run_dir}")
+    proc = glmtune_in_process(
+        f"model.path={trained / 'model'}",
+        "train.max_steps=3",
+        "train.save_steps=1",
+        "probe.enabled=false",
+        "train.resume=always",
+        f"data.train_file={SAMPLES}",
+        "data.val_file=null",
+        f"hydra.run.dir={run_dir}",
+    )
     line = error_line(proc)
     assert proc.returncode == 2 and "checkpoint-2: cannot resume" in line and "optimizer.pt" in line
     assert "delete that folder" in line
@@ -287,18 +350,30 @@ def test_a_cut_tokenizer_and_a_damaged_run_state_are_one_line_each(trained, tmp_
     run_dir = tmp_path / "run"
     shutil.copytree(trained / "run", run_dir)
     (run_dir / "run_state.json").write_text('{"status": "runn')  # torn
-    proc = glmtune_in_process(f"model.path={trained / 'model'}", "train.max_steps=3", "probe.enabled=false",
-                              f"data.train_file={SAMPLES}", "data.val_file=null", f"hydra.run.dir={run_dir}")
+    proc = glmtune_in_process(
+        f"model.path={trained / 'model'}",
+        "train.max_steps=3",
+        "probe.enabled=false",
+        f"data.train_file={SAMPLES}",
+        "data.val_file=null",
+        f"hydra.run.dir={run_dir}",
+    )
     line = error_line(proc)
     assert proc.returncode == 2 and "run_state.json: unreadable" in line and "train.resume=restart" in line
 
 
 def test_more_new_tokens_than_the_context_is_one_line(tmp_path):
-    proc = glmtune_in_process("mode=infer", "infer.prompt=hi", "infer.max_new_tokens=1000000",
-                              f"hydra.run.dir={tmp_path / 'run'}")
+    proc = glmtune_in_process(
+        "mode=infer", "infer.prompt=hi", "infer.max_new_tokens=1000000", f"hydra.run.dir={tmp_path / 'run'}"
+    )
     assert proc.returncode == 2 and "longer than the model's context (seq_length" in error_line(proc)
-    proc = glmtune_in_process("mode=plan", "infer.max_new_tokens=1000000000000", "train.grad_accum=1000000000000",
-                              "lora.r=1000000000", f"hydra.run.dir={tmp_path / 'run'}")
+    proc = glmtune_in_process(
+        "mode=plan",
+        "infer.max_new_tokens=1000000000000",
+        "train.grad_accum=1000000000000",
+        "lora.r=1000000000",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
     line = error_line(proc)
     assert proc.returncode == 2
     for key in ("infer.max_new_tokens must be <=", "train.grad_accum must be <=", "lora.r must be <="):
@@ -309,8 +384,13 @@ def test_a_run_that_did_not_fit_names_its_lever_and_the_fixed_command_reuses_its
     run_dir = tmp_path / "run"
     # An evaluation batch no host holds (data.pack_length no longer is such a lever: the plan budgets the
     # fullest packed micro-step of the data, whatever the row limit).
-    common = [f"data.train_file={SAMPLES}", f"data.val_file={SAMPLES.with_name('val.jsonl')}", "probe.enabled=false",
-              "train.max_steps=1", f"hydra.run.dir={run_dir}"]
+    common = [
+        f"data.train_file={SAMPLES}",
+        f"data.val_file={SAMPLES.with_name('val.jsonl')}",
+        "probe.enabled=false",
+        "train.max_steps=1",
+        f"hydra.run.dir={run_dir}",
+    ]
     proc = glmtune_in_process(*common, "train.eval_batch_size=100000000")
     assert proc.returncode == 3 and "lower train.eval_batch_size (now 100000000)" in error_line(proc)
     assert (run_dir / "plan.json").is_file()  # the plan that did not fit, kept to read

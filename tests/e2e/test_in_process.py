@@ -1,12 +1,12 @@
 """helpers/cli.py's glmtune_in_process, which most command-line tests use, against the real command: the same exit code,
 stdout and stderr for the same arguments, and nothing of the run left behind in the test process."""
+
 import os
 import re
 import sys
 
-from hydra.core.global_hydra import GlobalHydra
-
 from helpers.cli import glmtune, glmtune_in_process
+from hydra.core.global_hydra import GlobalHydra
 
 
 def output(proc) -> tuple:
@@ -37,8 +37,13 @@ def test_in_process_runs_read_like_the_real_command(tmp_path):
 def test_an_in_process_run_leaves_the_test_process_as_it_was(tmp_path, monkeypatch):
     monkeypatch.setenv("GLMTUNE_TEST_MARK", "kept")
     env, argv, cwd = dict(os.environ), list(sys.argv), os.getcwd()
-    proc = glmtune_in_process("mode=plan", "model=glm4_9b_chat", "+hw=a100_40g", f"hydra.run.dir={tmp_path / 'p'}",
-                              env={"GLMTUNE_RUN_ID": "set-for-this-run"})
+    proc = glmtune_in_process(
+        "mode=plan",
+        "model=glm4_9b_chat",
+        "+hw=a100_40g",
+        f"hydra.run.dir={tmp_path / 'p'}",
+        env={"GLMTUNE_RUN_ID": "set-for-this-run"},
+    )
     assert proc.returncode == 0 and "memory plan: fits" in proc.stdout, proc.stderr[-2000:]
     assert dict(os.environ) == env and sys.argv == argv and os.getcwd() == cwd
     assert not GlobalHydra.instance().is_initialized()

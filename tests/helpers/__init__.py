@@ -2,6 +2,7 @@
 command as tests run it (`cli.py`), launches of several ranks (`launch.py`), the small files tests write
 (`files.py`), the serving engines' venv (`engines.py`) and the transformers-5 reference of GLM-4-0414
 (`reference.py`). Fixtures that every folder uses are conftest.py's."""
+
 import sys
 from pathlib import Path
 

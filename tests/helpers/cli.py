@@ -2,6 +2,7 @@
 what it imported or opened (`glmtune_inspected`), or through the same entry point in this process
 (`glmtune_in_process`: no interpreter start, no torch import); the config composed as Hydra composes it
 (`composed`); and the options of the shared CLI training (TRAINED, conftest's `trained`)."""
+
 import contextlib
 import gc
 import json
@@ -18,8 +19,9 @@ from . import REPO
 
 def glmtune(*args, cwd=REPO, timeout=600) -> subprocess.CompletedProcess:
     """`python -m glmtune ARGS` as a user types it (a real process: Hydra, the Trainer, torch's import)."""
-    return subprocess.run([sys.executable, "-m", "glmtune", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "glmtune", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
 
 
 # `python -m glmtune ARGS` in a fresh interpreter that prints, after the run, its exit code and an expression
@@ -42,11 +44,16 @@ def glmtune_inspected(args: list[str], cwd, report: str, setup: str = "") -> tup
     """(exit code, the value of `report`, stdout) of `python -m glmtune ARGS` run in a fresh interpreter: `report`
     is a Python expression evaluated there after the run (e.g. `sorted(sys.modules)`), `setup` code run before
     glmtune is imported (e.g. an audit hook). For what only the process itself can tell: what it imported, opened."""
-    proc = subprocess.run([sys.executable, "-c", _INSPECTED.format(setup=setup, report=report), json.dumps(args)],
-                          cwd=cwd, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _INSPECTED.format(setup=setup, report=report), json.dumps(args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     line = next((l for l in proc.stdout.splitlines() if l.startswith("INSPECTED=")), None)
     assert line is not None, proc.stderr[-3000:]
-    code, value = json.loads(line[len("INSPECTED="):])
+    code, value = json.loads(line[len("INSPECTED=") :])
     return code, value, proc.stdout
 
 
@@ -55,8 +62,10 @@ def _log_streams(out, err):
     """Point every logging StreamHandler bound to the real stdout/stderr at out/err for the duration: libraries
     (transformers, datasets) bind sys.stderr when their handler is made, which may be before this run."""
     moved = []
-    loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values()
-                                       if isinstance(v, logging.Logger))]
+    loggers = [
+        logging.getLogger(),
+        *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger)),
+    ]
     for handler in {h for lg in loggers for h in lg.handlers if type(h) is logging.StreamHandler}:
         if handler.stream in (sys.stdout, sys.__stdout__, sys.stderr, sys.__stderr__):
             moved.append((handler, handler.stream))
@@ -92,15 +101,24 @@ def glmtune_in_process(*args, cwd=REPO, env=None) -> subprocess.CompletedProcess
         os.environ.update(env or {})
         os.chdir(cwd)
         sys.argv = ["glmtune", *map(str, args)]
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), _log_streams(out, err), \
-                warnings.catch_warnings():
+        with (
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(err),
+            _log_streams(out, err),
+            warnings.catch_warnings(),
+        ):
             warnings.resetwarnings()  # the interpreter's defaults, not pytest's recorder
-            for action, category in (("default", Warning), ("ignore", DeprecationWarning),
-                                     ("ignore", PendingDeprecationWarning), ("ignore", ImportWarning),
-                                     ("ignore", ResourceWarning)):
+            for action, category in (
+                ("default", Warning),
+                ("ignore", DeprecationWarning),
+                ("ignore", PendingDeprecationWarning),
+                ("ignore", ImportWarning),
+                ("ignore", ResourceWarning),
+            ):
                 warnings.simplefilter(action, category)
             warnings.showwarning = lambda msg, cat, fname, lineno, file=None, line=None: err.write(
-                warnings.formatwarning(msg, cat, fname, lineno, line))
+                warnings.formatwarning(msg, cat, fname, lineno, line)
+            )
             try:
                 entry.cli()
             except SystemExit as exc:  # what the interpreter does with it
@@ -133,8 +151,14 @@ def glmtune_in_process(*args, cwd=REPO, env=None) -> subprocess.CompletedProcess
 
 # One CLI training that several tests read (run dir files, console lines, probe equivalence, inference with
 # its adapter): lora=all_linear at a high learning rate, so the adapter visibly changes the model.
-TRAINED = ["lora=all_linear", "train.learning_rate=5e-3", "train.max_steps=6", "train.logging_steps=1",
-           "train.per_device_batch_size=2", "lora.dropout=0.1"]
+TRAINED = [
+    "lora=all_linear",
+    "train.learning_rate=5e-3",
+    "train.max_steps=6",
+    "train.logging_steps=1",
+    "train.per_device_batch_size=2",
+    "lora.dropout=0.1",
+]
 
 
 def composed(overrides=()) -> dict:

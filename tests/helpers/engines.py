@@ -5,6 +5,7 @@
 `GLMTUNE_ENGINES_PYTHON` points at another interpreter (a venv made elsewhere). A missing venv fails the test that
 needs it with the command that makes it, never a skip: a skip would let CI pass without the engines.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,9 @@ def engines_python() -> Path:
     chosen = os.environ.get("GLMTUNE_ENGINES_PYTHON")
     python = Path(chosen) if chosen else REPO / ".venv-engines" / "bin" / "python"
     if not python.is_file():
-        pytest.fail(f"no engines venv at {python}: run scripts/engines-env.sh (or set GLMTUNE_ENGINES_PYTHON)",
-                    pytrace=False)
+        pytest.fail(
+            f"no engines venv at {python}: run scripts/engines-env.sh (or set GLMTUNE_ENGINES_PYTHON)", pytrace=False
+        )
     return python
 
 
@@ -29,7 +31,18 @@ def run_in_engines(script: str, *args: str, timeout: int = 900, cwd: Path | None
     """Run a Python file with the engines venv's interpreter, glmtune's checkout off its path (the engine must load
     the artifact with nothing of glmtune's), offline."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
-    return subprocess.run([str(engines_python()), script, *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=cwd or Path(script).parent)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+    )
+    return subprocess.run(
+        [str(engines_python()), script, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=cwd or Path(script).parent,
+    )

@@ -1,5 +1,6 @@
 """The small files tests write and the disks they write on: the fixed conversations a training learns, the prompts
 an inference answers, and a private tmpfs that fills up."""
+
 import json
 import os
 import shutil
@@ -8,21 +9,26 @@ from pathlib import Path
 
 import pytest
 
-FIXED = [("What is the capital of France?", "The capital of France is Paris."),
-         ("你好，请介绍一下你自己。", "我是一个乐于助人的助手。"),
-         ("Add 2 and 3.", "2 + 3 = 5."),
-         ("Name a primary colour.", "Red is a primary colour.")]
+FIXED = [
+    ("What is the capital of France?", "The capital of France is Paris."),
+    ("你好，请介绍一下你自己。", "我是一个乐于助人的助手。"),
+    ("Add 2 and 3.", "2 + 3 = 5."),
+    ("Name a primary colour.", "Red is a primary colour."),
+]
 
 
 def write_fixed(path):
     """FIXED as GLM conversations, one a line."""
-    return write_jsonl(path, [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
-                              for q, a in FIXED])
+    return write_jsonl(
+        path, [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in FIXED]
+    )
 
 
-PROMPTS = [{"messages": [{"role": "user", "content": "What is the capital of France?"}]},
-           {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "你好，介绍一下你自己"}]},
-           {"messages": [{"role": "user", "content": "Add 2 and 3."}]}]
+PROMPTS = [
+    {"messages": [{"role": "user", "content": "What is the capital of France?"}]},
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "你好，介绍一下你自己"}]},
+    {"messages": [{"role": "user", "content": "Add 2 and 3."}]},
+]
 
 
 def write_jsonl(path, rows):
@@ -37,15 +43,22 @@ def run_in_tmpfs(script: str, size: str = "3m", timeout: int = 600) -> subproces
     disk = Path(os.environ.get("TMPDIR", "/tmp")) / f"glmtune-tmpfs-{os.getpid()}"
     disk.mkdir(exist_ok=True)
     try:
-        probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {disk}"],
-                               capture_output=True)
+        probe = subprocess.run(
+            ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {disk}"], capture_output=True
+        )
         if probe.returncode != 0:
             pytest.skip("cannot mount a tmpfs in a private mount namespace here")
         import glmtune  # the tree under test, for the processes started here
 
         tree = Path(glmtune.__file__).resolve().parents[1]
         env = {**os.environ, "DISK": str(disk), "PYTHONPATH": str(tree)}
-        return subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size={size} tmpfs {disk} && {script}"],
-                              cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size={size} tmpfs {disk} && {script}"],
+            cwd=tree,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     finally:
         shutil.rmtree(disk, ignore_errors=True)

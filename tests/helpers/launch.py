@@ -1,5 +1,6 @@
 """Launches of several ranks on CPU: the environment they run in, a free port for a rendezvous, and the line each
 rank logs with its view of the adapter (glmtune.train.zero3.adapter_fingerprint)."""
+
 import os
 import re
 import socket

@@ -1,5 +1,6 @@
 """A tiny model with LoRA adapters whose B is not zero (so both A and B get gradients), and one step's loss and
 LoRA gradients: what the packing and compile tests compare between two ways of computing the same batch."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,9 +14,10 @@ from glmtune.train.lora import apply_lora, trainable_parameters
 
 def lora_model(model_dir: Path) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = apply_lora(load_model(model_dir, dtype=torch.float32),
-                       LoraConfig(r=4, dropout=0.0, target_modules=["query_key_value", "dense", "dense_h_to_4h",
-                                                                    "dense_4h_to_h"]))
+    model = apply_lora(
+        load_model(model_dir, dtype=torch.float32),
+        LoraConfig(r=4, dropout=0.0, target_modules=["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]),
+    )
     for name, param in model.named_parameters():
         if "lora_B" in name:  # peft starts B at zero: then A gets no gradient and the test would see half of it
             torch.nn.init.normal_(param, std=0.05)

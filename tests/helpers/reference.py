@@ -2,6 +2,7 @@
 tests/train/test_glm4_0414_cli.py): written once per session by transformers 5's own Glm4ForCausalLM in the engines
 venv (tests/models/ref_glm4_0414_worker.py), one engines process for all of them; under pytest-xdist the first worker to ask
 writes them and the others wait on its lock, as conftest's `trained` does."""
+
 from __future__ import annotations
 
 import fcntl
@@ -16,10 +17,20 @@ from . import REPO
 from .engines import run_in_engines
 
 WORKER = REPO / "tests" / "models" / "ref_glm4_0414_worker.py"
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "天气预报",
-                                           "parameters": {"type": "object", "properties": {
-                                               "city": {"type": "string", "description": "城市名"}},
-                                               "required": ["city"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "天气预报",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "description": "城市名"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
 CALL = {"role": "assistant", "metadata": "get_weather", "content": '{"city": "北京"}'}
 
 
@@ -27,14 +38,26 @@ def conversations(thinking: bool) -> list[dict]:
     """Each as the reference gets it (`messages`, `tools`, `prompt`: add_generation_prompt) and as glmtune's data
     has it (`glm`: tools on the system message)."""
     answer = ("<think>\nThe user greets me.\n</think>\n\n" if thinking else "") + "Hello! How can I help?"
-    chat = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "你好"},
-            {"role": "assistant", "content": answer}, {"role": "user", "content": "What's the weather in Beijing?"}]
-    tool_turns = [{"role": "user", "content": "北京天气怎么样？"}, CALL, {"role": "observation", "content": '{"t": 21}'}]
+    chat = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "你好"},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "What's the weather in Beijing?"},
+    ]
+    tool_turns = [
+        {"role": "user", "content": "北京天气怎么样？"},
+        CALL,
+        {"role": "observation", "content": '{"t": 21}'},
+    ]
     cases = [
         dict(messages=[{"role": "user", "content": "你好"}], prompt=True),
         dict(messages=chat, prompt=True),
-        dict(messages=tool_turns, tools=TOOLS, prompt=True,
-             glm=[{"role": "system", "content": "", "tools": TOOLS}, *tool_turns]),
+        dict(
+            messages=tool_turns,
+            tools=TOOLS,
+            prompt=True,
+            glm=[{"role": "system", "content": "", "tools": TOOLS}, *tool_turns],
+        ),
         dict(messages=[*chat, {"role": "assistant", "content": "Sunny, 21 degrees."}], prompt=False),
     ]
     return [{**case, "glm": case.get("glm", case["messages"])} for case in cases]
@@ -55,8 +78,9 @@ def reference(tmp_path_factory) -> Path:
         if not done.is_file():
             write_tiny_fast_tokenizer(root / "tok", CHAT_TEMPLATE)
             write_tiny_fast_tokenizer(root / "tok_z1", CHAT_TEMPLATE_Z1)
-            (root / "conversations.json").write_text(json.dumps(
-                {"tok": conversations(False), "tok_z1": conversations(True)}, ensure_ascii=False))
+            (root / "conversations.json").write_text(
+                json.dumps({"tok": conversations(False), "tok_z1": conversations(True)}, ensure_ascii=False)
+            )
             proc = run_in_engines(str(WORKER), "write", str(root), timeout=900)
             done.write_text(json.dumps({"returncode": proc.returncode, "stderr": proc.stderr[-4000:]}))
         record = json.loads(done.read_text())

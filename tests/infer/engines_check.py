@@ -12,6 +12,7 @@ with greedy decoding, fp32 and a 1 GiB KV cache; prompts are rendered by the eng
 after its own conversations, each with its own LoRA: more adapters of one base for the price of one engine start.
 The result names the model class vLLM chose for each engine (its native one, or the Transformers backend).
 """
+
 import gc
 import json
 import os
@@ -26,15 +27,21 @@ def run_vllm(spec: dict) -> dict:
     from vllm.lora.request import LoRARequest
 
     started = time.monotonic()
-    llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, max_model_len=1024, seed=0,
-              enable_lora=bool(spec.get("lora")), max_lora_rank=spec.get("max_lora_rank") or 16)
+    llm = LLM(
+        model=spec["model"],
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=1024,
+        seed=0,
+        enable_lora=bool(spec.get("lora")),
+        max_lora_rank=spec.get("max_lora_rank") or 16,
+    )
     model_class = repr(llm).split("(", 1)[0]  # the module tree vLLM built: its native class or the Transformers backend
     rows = _chat(llm, spec, LoRARequest("adapter", 1, spec["lora"]) if spec.get("lora") else None)
     requests = {}
     for number, request in enumerate(spec.get("requests", []), 2):
         template = open(request["chat_template"], encoding="utf-8").read() if request.get("chat_template") else None
-        requests[request["name"]] = _chat(llm, request, LoRARequest(request["name"], number, request["lora"]),
-                                          template)
+        requests[request["name"]] = _chat(llm, request, LoRARequest(request["name"], number, request["lora"]), template)
     seconds = time.monotonic() - started
     llm.llm_engine.engine_core.shutdown()
     del llm
@@ -50,12 +57,20 @@ def _chat(llm, spec: dict, lora, chat_template: str | None = None) -> list[dict]
     rows = []
     for out in outputs:
         gen = out.outputs[0]
-        rows.append({"prompt_ids": list(out.prompt_token_ids), "ids": list(gen.token_ids), "text": gen.text,
-                     "finish_reason": gen.finish_reason, "stop_reason": gen.stop_reason,
-                     # logprob of each prompt token given the ones before it (the first has none)
-                     "prompt_logprobs": [None if lp is None else lp[t].logprob for t, lp in
-                                         zip(out.prompt_token_ids, out.prompt_logprobs)],
-                     "logprobs": [lp[t].logprob for t, lp in zip(gen.token_ids, gen.logprobs)]})
+        rows.append(
+            {
+                "prompt_ids": list(out.prompt_token_ids),
+                "ids": list(gen.token_ids),
+                "text": gen.text,
+                "finish_reason": gen.finish_reason,
+                "stop_reason": gen.stop_reason,
+                # logprob of each prompt token given the ones before it (the first has none)
+                "prompt_logprobs": [
+                    None if lp is None else lp[t].logprob for t, lp in zip(out.prompt_token_ids, out.prompt_logprobs)
+                ],
+                "logprobs": [lp[t].logprob for t, lp in zip(gen.token_ids, gen.logprobs)],
+            }
+        )
     return rows
 
 
@@ -66,8 +81,10 @@ def run_transformers(spec: dict) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
-    prompt_ids = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)
-                  ["input_ids"] for c in spec["conversations"]]
+    prompt_ids = [
+        tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        for c in spec["conversations"]
+    ]
     if not spec.get("ids"):  # the tokenizer alone
         return {"prompt_ids": prompt_ids, "tokenizer": type(tokenizer).__name__}
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
@@ -78,8 +95,12 @@ def run_transformers(spec: dict) -> dict:
     model.eval()
     with torch.no_grad():
         logits = [model(input_ids=torch.tensor([ids])).logits[0].tolist() for ids in spec["ids"]]
-    return {"prompt_ids": prompt_ids, "logits": logits, "tokenizer": type(tokenizer).__name__,
-            "model": type(model.get_base_model() if spec.get("adapter") else model).__name__}
+    return {
+        "prompt_ids": prompt_ids,
+        "logits": logits,
+        "tokenizer": type(tokenizer).__name__,
+        "model": type(model.get_base_model() if spec.get("adapter") else model).__name__,
+    }
 
 
 def main() -> None:
@@ -90,8 +111,7 @@ def main() -> None:
     import transformers
     import vllm
 
-    result["versions"] = {"vllm": vllm.__version__, "transformers": transformers.__version__,
-                          "peft": peft.__version__}
+    result["versions"] = {"vllm": vllm.__version__, "transformers": transformers.__version__, "peft": peft.__version__}
     with open(sys.argv[2], "w") as f:
         json.dump(result, f)
 

@@ -1,4 +1,5 @@
 """mode=chat in a real pseudo-terminal: two turns, a reset, a third turn, exit; and what each reply saw."""
+
 import json
 import sys
 
@@ -16,9 +17,13 @@ SYSTEM = "You are terse."
 
 def test_chat_two_turns_reset_exit(tmp_path, repo):
     run = tmp_path / "chat"
-    child = pexpect.spawn(sys.executable, ["-m", "glmtune", "mode=chat", "infer.max_new_tokens=6",
-                                           f"infer.system=\"{SYSTEM}\"", f"hydra.run.dir={run}"],
-                          cwd=str(repo), encoding="utf-8", timeout=180)
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "glmtune", "mode=chat", "infer.max_new_tokens=6", f'infer.system="{SYSTEM}"', f"hydra.run.dir={run}"],
+        cwd=str(repo),
+        encoding="utf-8",
+        timeout=180,
+    )
     child.expect_exact("you> ")
     child.sendline("Hello there")
     child.expect_exact("glm> ")
@@ -55,8 +60,16 @@ def test_chat_two_turns_reset_exit(tmp_path, repo):
         assert got.strip() == expected.strip()
 
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 
 
 def test_chat_tools_observation_and_one_shot(tmp_path):
@@ -81,8 +94,19 @@ def test_chat_tools_observation_and_one_shot(tmp_path):
     assert first["reply"]["content"] in out.getvalue()
 
     one = io.StringIO()
-    assert run_chat(InferConfig(max_new_tokens=3, prompt="hi"), ModelConfig(), None, folder, tok, tmp_path / "b",
-                    read=lambda _: pytest.fail("one-shot must not read"), out=one) == 1
+    assert (
+        run_chat(
+            InferConfig(max_new_tokens=3, prompt="hi"),
+            ModelConfig(),
+            None,
+            folder,
+            tok,
+            tmp_path / "b",
+            read=lambda _: pytest.fail("one-shot must not read"),
+            out=one,
+        )
+        == 1
+    )
 
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")

@@ -1,5 +1,6 @@
 """Multi-GPU inference device maps on the meta device: every parameter and buffer placed, within budget,
 whole GLM blocks per device, the vision tower on one device; incomplete maps are refused by name."""
+
 from __future__ import annotations
 
 import re
@@ -64,8 +65,12 @@ def test_glm4v_on_two_3090s_balances_and_keeps_the_tower_whole():
 def test_incomplete_maps_are_refused_by_name():
     model = build_meta_model(released_config("glm4_9b_chat"), torch.bfloat16)
     # ChatGLM3's old auto_configure_device_map: 28 layers hard-coded and no rotary_pos_emb entry.
-    old = {"transformer.embedding.word_embeddings": 0, "transformer.encoder.final_layernorm": 0,
-           "transformer.output_layer": 0, **{f"transformer.encoder.layers.{i}": i // 14 for i in range(28)}}
+    old = {
+        "transformer.embedding.word_embeddings": 0,
+        "transformer.encoder.final_layernorm": 0,
+        "transformer.output_layer": 0,
+        **{f"transformer.encoder.layers.{i}": i // 14 for i in range(28)},
+    }
     with pytest.raises(ValueError, match=r"transformer\.rotary_pos_emb\.inv_freq.*layers\.28\."):
         check_complete(model, old)
     with pytest.raises(ValueError, match="does not fit|weights need"):
@@ -75,11 +80,12 @@ def test_incomplete_maps_are_refused_by_name():
 def test_peft_wrapped_model_gets_prefixed_keys():
     from peft import LoraConfig, get_peft_model
 
-    from glmtune.models import load_config, load_model
+    from glmtune.models import load_model
     from glmtune.models.presets import ensure_tiny
 
-    model = get_peft_model(load_model(ensure_tiny("glm4v")),
-                           LoraConfig(r=4, target_modules=r"^(?!.*\.vision\.).*\.query_key_value$"))
+    model = get_peft_model(
+        load_model(ensure_tiny("glm4v")), LoraConfig(r=4, target_modules=r"^(?!.*\.vision\.).*\.query_key_value$")
+    )
     mapping = device_map(model, [1 * GIB, 1 * GIB])
     assert all(k.startswith("base_model.model.transformer.") for k in mapping)
     check_complete(model, mapping)

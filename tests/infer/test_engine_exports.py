@@ -1,11 +1,13 @@
 """The pieces of engine-ready exports that need no engine (issue 40; the engines themselves: test_engines.py):
 tokenizer.json encodes as glmtune's tokenizers do, text configs carry no vision keys, the HF layout's splits are
 exact, the printed serve command, and what an engine would refuse stops the export with one line (exit 2)."""
+
 import json
 import shutil
 
 import pytest
 import torch
+from helpers.cli import glmtune_in_process
 from peft import LoraConfig, get_peft_model
 from tokenizers import Tokenizer
 
@@ -18,12 +20,24 @@ from glmtune.models.chatglm.layers import SelfAttention
 from glmtune.models.presets import ensure_tiny
 from glmtune.models.tokenizer_files import TINY_CORPUS
 
-from helpers.cli import glmtune_in_process
-
-CHAT = [{"role": "system", "content": "Be brief.", "tools": [{"type": "function", "function": {
-            "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]},
-        {"role": "user", "content": "你好  there,\n  indented"}, {"role": "assistant", "content": "Hi!  OK 😊"},
-        {"role": "user", "content": "Again"}]
+CHAT = [
+    {
+        "role": "system",
+        "content": "Be brief.",
+        "tools": [
+            {
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+                },
+            }
+        ],
+    },
+    {"role": "user", "content": "你好  there,\n  indented"},
+    {"role": "assistant", "content": "Hi!  OK 😊"},
+    {"role": "user", "content": "Again"},
+]
 
 
 @pytest.mark.parametrize("family", ["glm4", "chatglm3"])
@@ -36,7 +50,9 @@ def test_tokenizer_json_encodes_like_glmtune(family):
     lines = [line for line in TINY_CORPUS.splitlines() if "<|" not in line] + ["  two  spaces  ", "x\n\n  y", ""]
     assert [theirs.encode(t, add_special_tokens=False).ids for t in lines] == [ours.encode(t) for t in lines]
     text = ours.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
-    assert theirs.encode(text, add_special_tokens=False).ids == ours.apply_chat_template(CHAT, add_generation_prompt=True)
+    assert theirs.encode(text, add_special_tokens=False).ids == ours.apply_chat_template(
+        CHAT, add_generation_prompt=True
+    )
 
 
 def test_text_checkpoints_have_no_vision_keys(tmp_path):
@@ -48,8 +64,9 @@ def test_text_checkpoints_have_no_vision_keys(tmp_path):
     shutil.copytree(ensure_tiny("glm4"), base)
     config = json.loads((base / "config.json").read_text())
     (base / "config.json").write_text(json.dumps({**config, "vision_config": None, "boi_token_id": None}))
-    proc = glmtune_in_process("mode=infer", f"model.path={base}", f"infer.merge_to={tmp_path / 'out'}",
-                              f"hydra.run.dir={tmp_path / 'run'}")
+    proc = glmtune_in_process(
+        "mode=infer", f"model.path={base}", f"infer.merge_to={tmp_path / 'out'}", f"hydra.run.dir={tmp_path / 'run'}"
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads((tmp_path / "out" / "config.json").read_text()) == config
 
@@ -58,8 +75,9 @@ def test_text_checkpoints_have_no_vision_keys(tmp_path):
 def test_qkv_split_reads_the_rows_the_model_reads(mqa):
     """q_proj/k_proj/v_proj from the fused weight (and bias) give the q, k, v glmtune's attention computes, under
     GQA ([all q | all k | all v]) and full multi-head attention (per head [q_h | k_h | v_h])."""
-    config = GLMConfig(hidden_size=64, kv_channels=16, num_attention_heads=4, multi_query_attention=mqa,
-                       multi_query_group_num=2)
+    config = GLMConfig(
+        hidden_size=64, kv_channels=16, num_attention_heads=4, multi_query_attention=mqa, multi_query_group_num=2
+    )
     torch.manual_seed(0)
     attn, x = SelfAttention(config), torch.randn(1, 3, 64)
     fused = attn.query_key_value(x)
@@ -80,12 +98,16 @@ def test_hf_names_cover_every_tensor_and_lora_split_is_exact(tmp_path):
     assert "model.layers.0.self_attn.k_proj.bias" in names and "lm_head.weight" in names
     assert not any("transformer" in n or "query_key_value" in n for n in names)
     torch.manual_seed(0)
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
-                                                  target_modules=["query_key_value", "dense_h_to_4h"]))
+    peft_model = get_peft_model(
+        model,
+        LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=["query_key_value", "dense_h_to_4h"]),
+    )
     peft_model.save_pretrained(str(tmp_path / "adapter"))
     saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    saved.update(rank_pattern={"query_key_value": 4, "transformer.encoder.layers.1.mlp.dense_h_to_4h": 4},
-                 alpha_pattern={"dense_h_to_4h": 8})
+    saved.update(
+        rank_pattern={"query_key_value": 4, "transformer.encoder.layers.1.mlp.dense_h_to_4h": 4},
+        alpha_pattern={"dense_h_to_4h": 8},
+    )
     (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(saved))
     layer = peft_model.base_model.model.transformer.encoder.layers[0].self_attention.query_key_value
     fused = layer.lora_B["default"].weight @ layer.lora_A["default"].weight
@@ -94,8 +116,12 @@ def test_hf_names_cover_every_tensor_and_lora_split_is_exact(tmp_path):
 
     got = load_file(str(tmp_path / "out" / "adapter_model.safetensors"))
     prefix = "base_model.model.model.layers.0."
-    delta = torch.cat([got[f"{prefix}self_attn.{p}.lora_B.weight"] @ got[f"{prefix}self_attn.{p}.lora_A.weight"]
-                       for p in ("q_proj", "k_proj", "v_proj")])
+    delta = torch.cat(
+        [
+            got[f"{prefix}self_attn.{p}.lora_B.weight"] @ got[f"{prefix}self_attn.{p}.lora_A.weight"]
+            for p in ("q_proj", "k_proj", "v_proj")
+        ]
+    )
     torch.testing.assert_close(delta, fused, rtol=0, atol=1e-6)
     assert f"{prefix}mlp.gate_up_proj.lora_A.weight" in got
     assert config["target_modules"] == ["gate_up_proj", "k_proj", "q_proj", "v_proj"]
@@ -108,12 +134,15 @@ def test_hf_names_cover_every_tensor_and_lora_split_is_exact(tmp_path):
 
 def test_printed_command_and_serve_md(tmp_path):
     out = tmp_path / "export"
-    proc = glmtune_in_process("mode=infer", "model=glm4_tiny", f"infer.merge_to={out}",
-                              f"hydra.run.dir={tmp_path / 'run'}")
+    proc = glmtune_in_process(
+        "mode=infer", "model=glm4_tiny", f"infer.merge_to={out}", f"hydra.run.dir={tmp_path / 'run'}"
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     command = proc.stdout.strip().splitlines()[-1]
-    assert command == (f"vllm serve {out} --served-model-name export --generation-config {out} "
-                       f"--chat-template {out}/chat_template.jinja")
+    assert command == (
+        f"vllm serve {out} --served-model-name export --generation-config {out} "
+        f"--chat-template {out}/chat_template.jinja"
+    )
     assert command in (out / "SERVE.md").read_text() and "trust_remote_code" not in (out / "SERVE.md").read_text()
     config = json.loads((out / "tokenizer_config.json").read_text())
     assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
@@ -152,19 +181,27 @@ def test_glm4_0414_export_is_the_bases_own_layout(tmp_path):
     tokenizer["model"]["merges"] = [m.split(" ") for m in tokenizer["model"]["merges"]]  # tokenizers >= 0.20's form
     (base / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
     (base / "README.md").write_text("the user's model card\n")
-    folder = adapter(tmp_path, "glm4_0414", target_modules=["q_proj", "gate_up_proj", "down_proj"],
-                     init_lora_weights=False)
+    folder = adapter(
+        tmp_path, "glm4_0414", target_modules=["q_proj", "gate_up_proj", "down_proj"], init_lora_weights=False
+    )
     out = {}
     for fmt in ("remote", "hf"):
         out[fmt] = tmp_path / fmt
-        proc = glmtune_in_process("mode=infer", f"model.path={base}", f"infer.adapter={folder}",
-                                  f"infer.merge_to={out[fmt]}", f"infer.merge_format={fmt}",
-                                  f"hydra.run.dir={tmp_path / ('run-' + fmt)}")
+        proc = glmtune_in_process(
+            "mode=infer",
+            f"model.path={base}",
+            f"infer.adapter={folder}",
+            f"infer.merge_to={out[fmt]}",
+            f"infer.merge_format={fmt}",
+            f"hydra.run.dir={tmp_path / ('run-' + fmt)}",
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert f"merged base + adapter (hf layout, the base's own) written to {out[fmt]}" in proc.stdout
         command = proc.stdout.strip().splitlines()[-1]
-        assert command == (f"vllm serve {out[fmt]} --served-model-name {fmt} --generation-config {out[fmt]} "
-                           f"--chat-template {out[fmt]}/chat_template.jinja")
+        assert command == (
+            f"vllm serve {out[fmt]} --served-model-name {fmt} --generation-config {out[fmt]} "
+            f"--chat-template {out[fmt]}/chat_template.jinja"
+        )
     own = {".glmtune-export.json", "SERVE.md"}  # they name the folder
     files = sorted(p.name for p in out["hf"].iterdir())
     assert files == sorted(p.name for p in out["remote"].iterdir())
@@ -192,28 +229,42 @@ def adapter(tmp_path, family="glm4", **lora) -> str:
     torch.manual_seed(0)
     folder = tmp_path / "adapter"
     get_peft_model(load_model(ensure_tiny(family)), LoraConfig(r=4, lora_alpha=8, **lora)).save_pretrained(
-        str(folder), save_embedding_layers=False)
+        str(folder), save_embedding_layers=False
+    )
     return str(folder)
 
 
-@pytest.mark.parametrize("case,expected", [
-    ("hf-chatglm3", "infer.merge_format=hf: ChatGLM3 has no HF-native class in transformers"),
-    ("dora", "cannot be served by vLLM: it is a DoRA adapter"),
-    ("output_layer", "adapts lm_head, which vllm applies no LoRA to in the glm4 layout"),
-    ("0414-lm_head", "adapts lm_head, which vllm applies no LoRA to in the glm4_0414 layout"),
-    ("no-merge-to", "infer.adapter_for=vllm exports infer.adapter beside its base: it needs"),
-    ("bad-format", "infer.merge_format='onnx' is not one of remote, hf"),
-])
+@pytest.mark.parametrize(
+    "case,expected",
+    [
+        ("hf-chatglm3", "infer.merge_format=hf: ChatGLM3 has no HF-native class in transformers"),
+        ("dora", "cannot be served by vLLM: it is a DoRA adapter"),
+        ("output_layer", "adapts lm_head, which vllm applies no LoRA to in the glm4 layout"),
+        ("0414-lm_head", "adapts lm_head, which vllm applies no LoRA to in the glm4_0414 layout"),
+        ("no-merge-to", "infer.adapter_for=vllm exports infer.adapter beside its base: it needs"),
+        ("bad-format", "infer.merge_format='onnx' is not one of remote, hf"),
+    ],
+)
 def test_what_an_engine_refuses_stops_the_export(tmp_path, case, expected):
-    args = {"hf-chatglm3": lambda: ["model=chatglm3_tiny", "infer.merge_format=hf"],
-            "dora": lambda: [f"infer.adapter={adapter(tmp_path, target_modules=['query_key_value'], use_dora=True)}",
-                             "infer.adapter_for=vllm"],
-            "output_layer": lambda: [f"infer.adapter={adapter(tmp_path, target_modules=['output_layer'])}",
-                                     "infer.adapter_for=vllm", "infer.merge_format=hf"],
-            "0414-lm_head": lambda: ["model=glm4_0414_tiny", "infer.adapter_for=vllm", "infer.adapter="
-                                     f"{adapter(tmp_path, 'glm4_0414', target_modules=['gate_up_proj', 'lm_head'])}"],
-            "no-merge-to": lambda: ["infer.adapter_for=vllm", "infer.prompt=hi"],
-            "bad-format": lambda: ["infer.merge_format=onnx"]}[case]()
+    args = {
+        "hf-chatglm3": lambda: ["model=chatglm3_tiny", "infer.merge_format=hf"],
+        "dora": lambda: [
+            f"infer.adapter={adapter(tmp_path, target_modules=['query_key_value'], use_dora=True)}",
+            "infer.adapter_for=vllm",
+        ],
+        "output_layer": lambda: [
+            f"infer.adapter={adapter(tmp_path, target_modules=['output_layer'])}",
+            "infer.adapter_for=vllm",
+            "infer.merge_format=hf",
+        ],
+        "0414-lm_head": lambda: [
+            "model=glm4_0414_tiny",
+            "infer.adapter_for=vllm",
+            f"infer.adapter={adapter(tmp_path, 'glm4_0414', target_modules=['gate_up_proj', 'lm_head'])}",
+        ],
+        "no-merge-to": lambda: ["infer.adapter_for=vllm", "infer.prompt=hi"],
+        "bad-format": lambda: ["infer.merge_format=onnx"],
+    }[case]()
     merge = [] if case == "no-merge-to" else [f"infer.merge_to={tmp_path / 'out'}"]
     proc = glmtune_in_process("mode=infer", *merge, *args, f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 2, (proc.stdout[-1000:], proc.stderr[-2000:])

@@ -1,11 +1,13 @@
 """infer.merge_to: the merged folder carries the base's own files (auto_map, modeling code), the stop ids and a chat
 template, reloads with base + adapter's logits in glmtune, in transformers (trust_remote_code) and under PEFT, and
 generation from it stops at a stop id because generation_config.json says so."""
+
 import json
 import shutil
 
 import pytest
 import torch
+from helpers.cli import glmtune_in_process
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from peft import PeftModel
 from safetensors import safe_open
@@ -16,17 +18,15 @@ from glmtune.models.chatglm.chat_template import chat_template_for
 from glmtune.models.presets import ensure_tiny
 from glmtune.models.tokenizer_files import write_tiny_tokenizer
 
-from helpers.cli import glmtune_in_process
-
 # Stand-ins for the official checkpoint's remote code: what `auto_map` names, importable by transformers'
 # dynamic-module loader. They build glmtune's model under the official class names and constructor signature.
-CONFIGURATION = '''from glmtune.models.chatglm.configuration import GLMConfig
+CONFIGURATION = """from glmtune.models.chatglm.configuration import GLMConfig
 
 
 class ChatGLMConfig(GLMConfig):
     model_type = "chatglm"
-'''
-MODELING = '''from glmtune.models.chatglm.modeling import ChatGLMForConditionalGeneration as _GLM
+"""
+MODELING = """from glmtune.models.chatglm.modeling import ChatGLMForConditionalGeneration as _GLM
 
 from .configuration_chatglm import ChatGLMConfig
 
@@ -36,19 +36,31 @@ class ChatGLMForConditionalGeneration(_GLM):
 
     def __init__(self, config, empty_init=True, device=None):
         super().__init__(config)
-'''
-AUTO_MAP = {"AutoConfig": "configuration_chatglm.ChatGLMConfig",
-            "AutoModel": "modeling_chatglm.ChatGLMForConditionalGeneration",
-            "AutoModelForCausalLM": "modeling_chatglm.ChatGLMForConditionalGeneration"}
+"""
+AUTO_MAP = {
+    "AutoConfig": "configuration_chatglm.ChatGLMConfig",
+    "AutoModel": "modeling_chatglm.ChatGLMForConditionalGeneration",
+    "AutoModelForCausalLM": "modeling_chatglm.ChatGLMForConditionalGeneration",
+}
 # Every reply is "OK": a few steps teach the tiny model to end it with <|user|>, the terminator glmtune trains.
 QUESTIONS = ["Say OK.", "Reply OK please.", "Just OK.", "你好", "Answer with OK.", "Is it fine?", "Ready?", "OK?"]
 PROMPT = [{"role": "user", "content": "Say OK."}]
 # Official tensor names (glm4-facts §2): every name the merged files hold must be one of these.
-OFFICIAL = ("transformer.embedding.word_embeddings.weight", "transformer.rotary_pos_emb.inv_freq",
-            "transformer.encoder.final_layernorm.weight", "transformer.output_layer.weight")
-LAYER = ("input_layernorm.weight", "self_attention.query_key_value.weight", "self_attention.query_key_value.bias",
-         "self_attention.dense.weight", "post_attention_layernorm.weight", "mlp.dense_h_to_4h.weight",
-         "mlp.dense_4h_to_h.weight")
+OFFICIAL = (
+    "transformer.embedding.word_embeddings.weight",
+    "transformer.rotary_pos_emb.inv_freq",
+    "transformer.encoder.final_layernorm.weight",
+    "transformer.output_layer.weight",
+)
+LAYER = (
+    "input_layernorm.weight",
+    "self_attention.query_key_value.weight",
+    "self_attention.query_key_value.bias",
+    "self_attention.dense.weight",
+    "post_attention_layernorm.weight",
+    "mlp.dense_h_to_4h.weight",
+    "mlp.dense_4h_to_h.weight",
+)
 
 
 @pytest.fixture(scope="module")
@@ -63,16 +75,32 @@ def exported(tmp_path_factory):
     config = json.loads((base / "config.json").read_text())
     (base / "config.json").write_text(json.dumps({**config, "auto_map": AUTO_MAP}, indent=2) + "\n")
     data = root / "ok.jsonl"
-    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
-                                                     {"role": "assistant", "content": "OK"}]}) + "\n"
-                            for q in QUESTIONS))
-    train = glmtune_in_process(f"model.path={base}", f"data.train_file={data}", "data.val_file=null",
-                               "lora=all_linear", "train.learning_rate=2e-2", "train.max_steps=25",
-                               "train.per_device_batch_size=4", "probe.enabled=false", f"hydra.run.dir={root / 'run'}")
+    data.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "OK"}]}) + "\n"
+            for q in QUESTIONS
+        )
+    )
+    train = glmtune_in_process(
+        f"model.path={base}",
+        f"data.train_file={data}",
+        "data.val_file=null",
+        "lora=all_linear",
+        "train.learning_rate=2e-2",
+        "train.max_steps=25",
+        "train.per_device_batch_size=4",
+        "probe.enabled=false",
+        f"hydra.run.dir={root / 'run'}",
+    )
     assert train.returncode == 0, train.stderr[-3000:]
     merged = root / "merged"
-    merge = glmtune_in_process("mode=infer", f"model.path={base}", f"infer.adapter={root / 'run' / 'adapter'}",
-                               f"infer.merge_to={merged}", f"hydra.run.dir={root / 'infer'}")
+    merge = glmtune_in_process(
+        "mode=infer",
+        f"model.path={base}",
+        f"infer.adapter={root / 'run' / 'adapter'}",
+        f"infer.merge_to={merged}",
+        f"hydra.run.dir={root / 'infer'}",
+    )
     assert merge.returncode == 0, merge.stderr[-3000:]
     return base, root / "run" / "adapter", merged
 
@@ -126,13 +154,18 @@ def test_generation_stops_at_a_stop_id_from_generation_config(exported):
     prompt = torch.tensor([tok.apply_chat_template(PROMPT, add_generation_prompt=True)])
     with torch.no_grad():
         # No eos_token_id passed: transformers takes it from the folder's generation_config.json, as vLLM does.
-        stopped = model.generate(prompt, max_new_tokens=20, do_sample=False)[0, prompt.shape[1]:].tolist()
+        stopped = model.generate(prompt, max_new_tokens=20, do_sample=False)[0, prompt.shape[1] :].tolist()
         # The same model told to stop only at [MASK], which it never writes: it runs on to max_new_tokens.
-        unstopped = model.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=tok.pad_token_id,
-                                   eos_token_id=[tok.get_command("[MASK]")])[0, prompt.shape[1]:].tolist()
+        unstopped = model.generate(
+            prompt,
+            max_new_tokens=20,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=[tok.get_command("[MASK]")],
+        )[0, prompt.shape[1] :].tolist()
     assert stopped[-1] in stops and len(stopped) < 20, tok.decode(stopped)
     assert tok.decode(stopped[:-1]).strip() == "OK"
-    assert unstopped[:len(stopped)] == stopped and len(unstopped) == 20
+    assert unstopped[: len(stopped)] == stopped and len(unstopped) == 20
 
 
 @pytest.mark.parametrize("family", ["glm4", "chatglm3"])
@@ -166,18 +199,40 @@ def test_chat_template_renders_what_glmtune_trains_on(tmp_path, family):
     write_tiny_tokenizer(tmp_path, family)
     tok = load_tokenizer(tmp_path)
     template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(chat_template_for(tok))
-    tools = [{"function": {"description": "Weather", "name": "get_weather",  # keys sorted: jinja 3's tojson sorts
-                           "parameters": {"properties": {"city": {"type": "string"}}, "type": "object"}},
-              "type": "function"}]
-    chats = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "你好"},
-              {"role": "assistant", "content": "Hi"}, {"role": "user", "content": "More"}],
-             [{"role": "system", "content": "", "tools": tools}, {"role": "user", "content": "Weather?"},
-              {"role": "assistant", "metadata": "get_weather", "content": '{"city": "Paris"}'},
-              {"role": "observation", "content": '{"t": 21}'}, {"role": "assistant", "content": "21 degrees"}]]
+    tools = [
+        {
+            "function": {
+                "description": "Weather",
+                "name": "get_weather",  # keys sorted: jinja 3's tojson sorts
+                "parameters": {"properties": {"city": {"type": "string"}}, "type": "object"},
+            },
+            "type": "function",
+        }
+    ]
+    chats = [
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "你好"},
+            {"role": "assistant", "content": "Hi"},
+            {"role": "user", "content": "More"},
+        ],
+        [
+            {"role": "system", "content": "", "tools": tools},
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "metadata": "get_weather", "content": '{"city": "Paris"}'},
+            {"role": "observation", "content": '{"t": 21}'},
+            {"role": "assistant", "content": "21 degrees"},
+        ],
+    ]
     if family == "glm4":
-        chats.append([{"role": "system", "content": "", "tools": [{"type": "python"}, {"type": "cogview"}]},
-                      {"role": "user", "content": "Draw"}])
+        chats.append(
+            [
+                {"role": "system", "content": "", "tools": [{"type": "python"}, {"type": "cogview"}]},
+                {"role": "user", "content": "Draw"},
+            ]
+        )
     for chat in chats:
         for generation_prompt in (False, True):
-            assert template.render(messages=chat, add_generation_prompt=generation_prompt) == \
-                tok.apply_chat_template(chat, add_generation_prompt=generation_prompt, tokenize=False)
+            assert template.render(messages=chat, add_generation_prompt=generation_prompt) == tok.apply_chat_template(
+                chat, add_generation_prompt=generation_prompt, tokenize=False
+            )

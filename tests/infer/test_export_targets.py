@@ -3,6 +3,7 @@ earlier glmtune export and nothing else, a merge killed mid-write leaves nothing
 read-only or full disk is one line naming the target. The refusals of targets that hold an input (the parents of
 model.path, the adapter, the prompts file and the run dir; a file; a device; /proc; a missing parent) are rows of
 tests/e2e/test_bad_inputs.py, each with every file around it byte-identical afterwards."""
+
 import json
 import os
 import subprocess
@@ -10,12 +11,11 @@ import sys
 import time
 
 import pytest
+from helpers.cli import glmtune_in_process
+from helpers.files import run_in_tmpfs
 
 from glmtune.infer.targets import MARKER
 from glmtune.models.presets import ensure_tiny
-
-from helpers.cli import glmtune_in_process
-from helpers.files import run_in_tmpfs
 
 
 def merge(target, run_dir, *extra):
@@ -28,8 +28,9 @@ def leftover(folder, name, pid=None, age_s=0.0):
     tmp.mkdir()
     (tmp / "model.safetensors").write_bytes(b"\0" * 4096)  # half a merge
     if pid is not None:
-        (tmp / MARKER).write_text(json.dumps({"written_by": "glmtune", "kind": "merged", "pid": pid,
-                                              "host": os.uname().nodename}))
+        (tmp / MARKER).write_text(
+            json.dumps({"written_by": "glmtune", "kind": "merged", "pid": pid, "host": os.uname().nodename})
+        )
     if age_s:
         os.utime(tmp, (time.time() - age_s, time.time() - age_s))
     return tmp
@@ -60,8 +61,9 @@ def test_a_full_or_read_only_disk_is_one_line_naming_the_target(tmp_path):
     """A tmpfs too small for the tiny model's weights (~1 MB), then the same tmpfs read-only."""
     ensure_tiny("glm4")
     command = f"{sys.executable} -m glmtune mode=infer infer.merge_to=$DISK/merged hydra.run.dir={tmp_path}/run"
-    proc = run_in_tmpfs(f"{command}1; echo EXIT=$?; mount -o remount,ro $DISK && {command}2; echo EXIT=$?",
-                        size="300k", timeout=600)
+    proc = run_in_tmpfs(
+        f"{command}1; echo EXIT=$?; mount -o remount,ro $DISK && {command}2; echo EXIT=$?", size="300k", timeout=600
+    )
     exits = [line for line in proc.stdout.splitlines() if line.startswith("EXIT=")]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("glmtune: error: ")]
     assert exits == ["EXIT=2", "EXIT=2"] and len(errors) == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]

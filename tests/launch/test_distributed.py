@@ -4,28 +4,26 @@ Each rank logs `adapter fingerprint <sha256>` (glmtune.train.zero3.adapter_finge
 tensor, gathered under ZeRO-3) to its rank<N>.log. Equal fingerprints across ranks, and equal to the saved
 adapter reloaded here in one process, are the evidence that ranks agree and the saved adapter is the whole one.
 """
+
 import json
-import os
 import re
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import BIN
+from helpers.files import write_fixed
+from helpers.launch import FINGERPRINT, free_port, ranks_env
 from peft import PeftModel
 
 from glmtune.config import DataConfig
 from glmtune.data.pipeline import DataCollator, build_datasets
-from glmtune.train.zero3 import adapter_fingerprint, deepspeed_config
 from glmtune.models import load_model, load_tokenizer
 from glmtune.models.presets import ensure_tiny
 from glmtune.plan.planner import Choices
+from glmtune.train.zero3 import adapter_fingerprint, deepspeed_config
 
-from helpers import BIN
-from helpers.launch import FINGERPRINT, free_port, ranks_env
-from helpers.files import write_fixed
 
 def fingerprints(run_dir: Path) -> dict[int, str]:
     found = {}
@@ -37,9 +35,18 @@ def fingerprints(run_dir: Path) -> dict[int, str]:
 
 
 def test_deepspeed_config_is_zero3_from_the_plan():
-    base = dict(dtype="bf16", gradient_checkpointing=True, zero_stage=3, offload_params=False,
-                offload_optimizer=False, micro_batch_size=1, grad_accum=4, max_length=500, world_size=4,
-                eval_batch_size=1)
+    base = dict(
+        dtype="bf16",
+        gradient_checkpointing=True,
+        zero_stage=3,
+        offload_params=False,
+        offload_optimizer=False,
+        micro_batch_size=1,
+        grad_accum=4,
+        max_length=500,
+        world_size=4,
+        eval_batch_size=1,
+    )
     assert deepspeed_config(Choices(**{**base, "zero_stage": 0})) is None
     ds = deepspeed_config(Choices(**base))
     zero = ds["zero_optimization"]
@@ -56,11 +63,31 @@ def test_zero3_two_ranks_train_agree_and_the_saved_adapter_is_the_trained_one(tm
     data = write_fixed(tmp_path / "fixed.jsonl")
     out = tmp_path / "run"
     proc = subprocess.run(
-        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "glmtune", "dist=zero3",
-         "lora=all_linear", f"data.train_file={data}", f"data.val_file={data}", "train.max_steps=24",
-         "train.learning_rate=1e-2", "train.per_device_batch_size=2", "train.eval_batch_size=1",
-         "train.logging_steps=1", "probe.enabled=false", f"hydra.run.dir={out}"],
-        cwd=repo, env=ranks_env(), capture_output=True, text=True, timeout=600)
+        [
+            str(BIN / "torchrun"),
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "glmtune",
+            "dist=zero3",
+            "lora=all_linear",
+            f"data.train_file={data}",
+            f"data.val_file={data}",
+            "train.max_steps=24",
+            "train.learning_rate=1e-2",
+            "train.per_device_batch_size=2",
+            "train.eval_batch_size=1",
+            "train.logging_steps=1",
+            "probe.enabled=false",
+            f"hydra.run.dir={out}",
+        ],
+        cwd=repo,
+        env=ranks_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert json.loads((out / "plan.json").read_text())["choices"]["zero_stage"] == 3
 
@@ -94,12 +121,37 @@ def test_zero3_two_ranks_train_agree_and_the_saved_adapter_is_the_trained_one(tm
 def test_two_torchrun_agents_on_loopback_share_one_run_dir(tmp_path, repo):
     port, run_id = free_port(), "loopback-run"
     data = repo / "data" / "samples"
-    agents = [subprocess.Popen(
-        [str(BIN / "torchrun"), "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
-         "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", run_id,
-         "-m", "glmtune", f"data.train_file={data / 'train.jsonl'}", "data.val_file=null", "train.max_steps=3",
-         "probe.enabled=false"],
-        cwd=tmp_path, env=ranks_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    agents = [
+        subprocess.Popen(
+            [
+                str(BIN / "torchrun"),
+                "--nnodes",
+                "2",
+                "--node_rank",
+                str(node),
+                "--nproc_per_node",
+                "1",
+                "--rdzv_backend",
+                "c10d",
+                "--rdzv_endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv_id",
+                run_id,
+                "-m",
+                "glmtune",
+                f"data.train_file={data / 'train.jsonl'}",
+                "data.val_file=null",
+                "train.max_steps=3",
+                "probe.enabled=false",
+            ],
+            cwd=tmp_path,
+            env=ranks_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
     logs = [agent.communicate(timeout=600)[0] for agent in agents]
     assert [agent.returncode for agent in agents] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     # No hydra.run.dir given: both agents' workers named the run dir after --rdzv_id (TORCHELASTIC_RUN_ID).
@@ -114,10 +166,21 @@ def test_two_torchrun_agents_on_loopback_share_one_run_dir(tmp_path, repo):
 @pytest.mark.slow
 def test_deepspeed_launcher_on_localhost(tmp_path, repo):
     proc = subprocess.run(
-        ["bash", str(repo / "scripts" / "deepspeed_launch.sh"), "dist=zero3", "train.max_steps=2",
-         f"data.train_file={repo / 'data/samples/train.jsonl'}", "data.val_file=null", "probe.enabled=false"],
-        cwd=tmp_path, env={**ranks_env(), "NUM_GPUS": "2", "RUN_ID": "ds-run", "MASTER_PORT": str(free_port())},
-        capture_output=True, text=True, timeout=600)
+        [
+            "bash",
+            str(repo / "scripts" / "deepspeed_launch.sh"),
+            "dist=zero3",
+            "train.max_steps=2",
+            f"data.train_file={repo / 'data/samples/train.jsonl'}",
+            "data.val_file=null",
+            "probe.enabled=false",
+        ],
+        cwd=tmp_path,
+        env={**ranks_env(), "NUM_GPUS": "2", "RUN_ID": "ds-run", "MASTER_PORT": str(free_port())},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = tmp_path / "outputs" / "ds-run"
     # Module mode with no --local_rank for Hydra to reject: the ranks' command lines as Hydra recorded them.
@@ -129,8 +192,10 @@ def test_deepspeed_launcher_on_localhost(tmp_path, repo):
     assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["ds-run"]
     prints = fingerprints(out)
     assert set(prints) == {0, 1} and prints[0] == prints[1]
-    assert adapter_fingerprint(PeftModel.from_pretrained(load_model(ensure_tiny("glm4")), str(out / "adapter"))) \
+    assert (
+        adapter_fingerprint(PeftModel.from_pretrained(load_model(ensure_tiny("glm4")), str(out / "adapter")))
         == prints[0]
+    )
 
 
 @pytest.mark.slow
@@ -139,9 +204,25 @@ def test_probe_under_zero3_on_two_ranks_then_training(tmp_path, repo):
     run that follows (a second DeepSpeed engine in the same processes) trains and agrees across ranks."""
     out = tmp_path / "run"
     proc = subprocess.run(
-        [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "glmtune",
-         "dist=zero3", "data.val_file=null", "train.max_steps=3", f"hydra.run.dir={out}"],
-        cwd=repo, env=ranks_env(), capture_output=True, text=True, timeout=600)
+        [
+            str(BIN / "torchrun"),
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "-m",
+            "glmtune",
+            "dist=zero3",
+            "data.val_file=null",
+            "train.max_steps=3",
+            f"hydra.run.dir={out}",
+        ],
+        cwd=repo,
+        env=ranks_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Neither DeepSpeed's notices and prints nor torch's deprecation warnings about DeepSpeed's calls (they were
     # 40 of the console's lines, glmtune/launch/quiet.py) reach the console; they are in the rank logs or nowhere.

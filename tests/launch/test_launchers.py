@@ -1,6 +1,7 @@
 """The launch scripts (scripts/*.sh under glmtune.supervise) end like one process does: a rank's documented exit
 code and its one line, printed once, with no launcher report; and they run from the python they are given
 (PYTHON=<venv>/bin/python without the venv on PATH, as SLURM scripts often do)."""
+
 import os
 import socket
 import subprocess
@@ -8,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import REPO
 
 BARE_PATH = "/usr/bin:/bin"  # no venv: torchrun and deepspeed are not on it
@@ -21,10 +21,18 @@ def free_port() -> int:
 
 
 def script(name: str, *args: str, cwd: Path, **extra_env: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PATH": BARE_PATH, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(REPO), "MASTER_PORT": str(free_port()), **extra_env}
-    return subprocess.run([str(REPO / "scripts" / name), *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=600)
+    env = {
+        **os.environ,
+        "PATH": BARE_PATH,
+        "PYTHON": sys.executable,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO),
+        "MASTER_PORT": str(free_port()),
+        **extra_env,
+    }
+    return subprocess.run(
+        [str(REPO / "scripts" / name), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 def console(proc: subprocess.CompletedProcess) -> list[str]:
@@ -43,8 +51,9 @@ def test_a_bad_value_through_a_launch_script_exits_2_with_its_line_once(tmp_path
 
 @pytest.mark.slow
 def test_a_plan_that_does_not_fit_through_torchrun_sh_exits_3_with_its_line_once(tmp_path):
-    proc = script("torchrun.sh", "2", "mode=plan", "model=glm4_9b_chat", "+hw=t4_16g", "data.max_length=131072",
-                  cwd=tmp_path)
+    proc = script(
+        "torchrun.sh", "2", "mode=plan", "model=glm4_9b_chat", "+hw=t4_16g", "data.max_length=131072", cwd=tmp_path
+    )
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("glmtune: error: ")]
@@ -53,23 +62,42 @@ def test_a_plan_that_does_not_fit_through_torchrun_sh_exits_3_with_its_line_once
 
 def test_a_launcher_that_cannot_be_found_is_one_line(tmp_path):
     env = {**os.environ, "PATH": BARE_PATH, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "glmtune.supervise", "no-such-launcher", "--help"], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "glmtune.supervise", "no-such-launcher", "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        f"glmtune: error: launcher 'no-such-launcher' not found on PATH ({BARE_PATH})"]
+        f"glmtune: error: launcher 'no-such-launcher' not found on PATH ({BARE_PATH})"
+    ]
 
 
-@pytest.mark.parametrize("path", ["torch/distributed", ".venv/lib/python3.11/site-packages/torch/distributed",
-                                  "/opt/conda/lib/python3.11/site-packages/torch/distributed"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "torch/distributed",
+        ".venv/lib/python3.11/site-packages/torch/distributed",
+        "/opt/conda/lib/python3.11/site-packages/torch/distributed",
+    ],
+)
 def test_torchrun_agent_lines_after_a_rank_line_are_dropped_whatever_the_path(tmp_path, path):
     """torch prints its agent's path shortened against sys.path: with a venv inside the repo and the repo on
     PYTHONPATH it starts ".venv/lib/..." (what CI printed). After a rank's own line each form is dropped."""
     agent = f"W1126 10:38:31.733000 17130 {path}/elastic/multiprocessing/api.py:1028] Sending process 1 closing signal"
     launcher = f"echo 'glmtune: error: bad' >&2; echo '{agent}' >&2; echo 'glmtune: error: bad' >&2; exit 1"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "glmtune.supervise", "sh", "-c", launcher], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "glmtune.supervise", "sh", "-c", launcher],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert console(proc) == ["glmtune: error: bad"]
 
 
@@ -92,10 +120,15 @@ def test_sigterm_while_the_ranks_start_is_exit_7_and_one_line(tmp_path):
 
     from glmtune.launch.supervise import descendants, is_rank
 
-    env = {**os.environ, "PATH": BARE_PATH, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([str(REPO / "scripts" / "torchrun.sh"), "2", "train.max_steps=2"], cwd=tmp_path, env=env,
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    env = {**os.environ, "PATH": BARE_PATH, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [str(REPO / "scripts" / "torchrun.sh"), "2", "train.max_steps=2"],
+        cwd=tmp_path,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.monotonic() + 120
     while len([pid for pid in descendants(proc.pid) if is_rank(pid)]) < 2:
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]

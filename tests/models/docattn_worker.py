@@ -7,22 +7,23 @@ ranks (two groups of 2) and over 4, and once over 2 with non-reentrant checkpoin
 holds the largest relative differences of this rank's logits (against the reference and against the documents
 alone), of the summed token loss and of every parameter's gradient (summed over the group).
 """
+
 from __future__ import annotations
 
 import json
 import os
 import sys
 
+import sp_worker  # this folder is the script's: first on sys.path
 import torch
 import torch.distributed as dist
-
-from glmtune.models.chatglm.configuration import GLMConfig
-from glmtune.models.loading import _FAMILY, TINY_ARCH
-from glmtune.models.chatglm.modeling import ChatGLMForConditionalGeneration
-from glmtune.models.kernels.ulysses import SequenceGroup, shard
-import sp_worker  # this folder is the script's: first on sys.path
 from sp_worker import rel
 from test_docattention import packed
+
+from glmtune.models.chatglm.configuration import GLMConfig
+from glmtune.models.chatglm.modeling import ChatGLMForConditionalGeneration
+from glmtune.models.kernels.ulysses import SequenceGroup, shard
+from glmtune.models.loading import _FAMILY, TINY_ARCH
 
 B, S, VOCAB = 2, 32, 128
 DOCS = [[3, 9, 6, 11, 3], [13, 2, 8, 5]]  # boundaries off the shard edges (8, 16, 24); row 2 ends on 4 pads
@@ -46,8 +47,8 @@ def documents_alone(model, data) -> torch.Tensor:
         for row, docs in enumerate(DOCS):
             at = 0
             for n in docs:
-                hidden, _ = model.transformer(data["input_ids"][row:row + 1, at:at + n])
-                out[row, at:at + n] = model.transformer.output_layer(hidden)[0].float()
+                hidden, _ = model.transformer(data["input_ids"][row : row + 1, at : at + n])
+                out[row, at : at + n] = model.transformer.output_layer(hidden)[0].float()
                 at += n
     return out
 
@@ -61,8 +62,9 @@ def main(out_dir: str) -> None:
     results = {}
     for family in ("glm4", "chatglm3"):
         torch.manual_seed(0)
-        config = GLMConfig(**{**TINY_ARCH, **_FAMILY[family], "num_attention_heads": 8},
-                           padded_vocab_size=VOCAB, torch_dtype="float32")
+        config = GLMConfig(
+            **{**TINY_ARCH, **_FAMILY[family], "num_attention_heads": 8}, padded_vocab_size=VOCAB, torch_dtype="float32"
+        )
         model = ChatGLMForConditionalGeneration(config).float()
         alone = documents_alone(model, data)
         ref_loss, ref_logits, ref_grads = run_case(model, data, None, "sdpa")
@@ -74,10 +76,13 @@ def main(out_dir: str) -> None:
             loss, logits, grads = run_case(model, data, sp, "segments")
             mine = shard(real, sp)
             results[f"{family} sp={size} checkpointing={checkpointing}"] = dict(
-                loss=rel(loss, ref_loss), logits=rel(logits[mine], shard(ref_logits, sp)[mine]),
-                alone=rel(logits[mine], shard(alone, sp)[mine]), positions=int(mine.sum()),
+                loss=rel(loss, ref_loss),
+                logits=rel(logits[mine], shard(ref_logits, sp)[mine]),
+                alone=rel(logits[mine], shard(alone, sp)[mine]),
+                positions=int(mine.sum()),
                 grads=max(rel(grads[n], ref_grads[n]) for n in ref_grads),
-                missing=sorted(set(ref_grads) - set(grads)))
+                missing=sorted(set(ref_grads) - set(grads)),
+            )
             model.gradient_checkpointing_disable()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f, indent=1)

@@ -11,6 +11,7 @@ interpreter (tests/helpers/engines.py: transformers 5.x with its own Glm4ForCaus
                                                   out}): the reference model with glmtune's adapter through PEFT, its
                                                   logits into `out`
 """
+
 from __future__ import annotations
 
 import json
@@ -18,12 +19,16 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 # Each variant: (attention_bias, KV heads, dtype, template). Both bias values, 2 and 4 KV heads, fp32 and bf16.
-VARIANTS = {"bias_kv2": (True, 2, "float32", "tok"), "nobias_kv4": (False, 4, "float32", "tok"),
-            "nobias_kv2": (False, 2, "float32", "tok_z1"), "bias_kv4": (True, 4, "float32", "tok"),
-            "bias_kv2_bf16": (True, 2, "bfloat16", "tok")}
+VARIANTS = {
+    "bias_kv2": (True, 2, "float32", "tok"),
+    "nobias_kv4": (False, 4, "float32", "tok"),
+    "nobias_kv2": (False, 2, "float32", "tok_z1"),
+    "bias_kv4": (True, 4, "float32", "tok"),
+    "bias_kv2_bf16": (True, 2, "bfloat16", "tok"),
+}
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]
 
 
@@ -32,8 +37,10 @@ STOPS = [1266, 1273, 1275]  # the tiny tokenizer's <|endoftext|>, <|user|>, <|ob
 
 def greedy_prompts() -> tuple[torch.Tensor, torch.Tensor]:
     """Two prompts, the first left-padded by 4."""
-    return (torch.tensor([[STOPS[0]] * 4 + list(range(40, 48)), list(range(100, 112))]),
-            torch.tensor([[0] * 4 + [1] * 8, [1] * 12]))
+    return (
+        torch.tensor([[STOPS[0]] * 4 + list(range(40, 48)), list(range(100, 112))]),
+        torch.tensor([[0] * 4 + [1] * 8, [1] * 12]),
+    )
 
 
 def batch(vocab: int) -> dict[str, torch.Tensor]:
@@ -56,12 +63,22 @@ def write(root: Path) -> None:
     for index, (name, (bias, kv, dtype, tok)) in enumerate(VARIANTS.items()):
         out = root / name
         torch.manual_seed(index)
-        config = Glm4Config(vocab_size=1280, hidden_size=128, intermediate_size=224, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=kv, head_dim=32, attention_bias=bias,
-                            rms_norm_eps=1e-5, max_position_embeddings=512, pad_token_id=special[0],
-                            eos_token_id=special, initializer_range=0.1,
-                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                             "partial_rotary_factor": 0.5})
+        config = Glm4Config(
+            vocab_size=1280,
+            hidden_size=128,
+            intermediate_size=224,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=kv,
+            head_dim=32,
+            attention_bias=bias,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=512,
+            pad_token_id=special[0],
+            eos_token_id=special,
+            initializer_range=0.1,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        )
         model = Glm4ForCausalLM(config)
         with torch.no_grad():  # every norm and bias away from its init, so each is checked
             for pname, param in model.named_parameters():
@@ -73,10 +90,16 @@ def write(root: Path) -> None:
         model.save_pretrained(out)
         tokenizers[tok].save_pretrained(out)
         results, info = run_reference(model, config, out)
-        info["template_ids"] = [tokenizers[tok].apply_chat_template(c["messages"], tools=c.get("tools"),
-                                                                    add_generation_prompt=c.get("prompt", True),
-                                                                    tokenize=True, return_dict=False)
-                                for c in conversations[tok]]
+        info["template_ids"] = [
+            tokenizers[tok].apply_chat_template(
+                c["messages"],
+                tools=c.get("tools"),
+                add_generation_prompt=c.get("prompt", True),
+                tokenize=True,
+                return_dict=False,
+            )
+            for c in conversations[tok]
+        ]
         save_file(results, str(out / "reference.safetensors"))
         (out / "reference.json").write_text(json.dumps(info))
 
@@ -89,19 +112,31 @@ def run_reference(model, config, out: Path) -> tuple[dict[str, torch.Tensor], di
         base = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
     # Greedy decoding of two left-padded prompts with the KV cache, 10 new tokens, GLM's stop ids.
     prompts, prompt_mask = greedy_prompts()
-    greedy = model.generate(input_ids=prompts, attention_mask=prompt_mask, max_new_tokens=10, do_sample=False,
-                            eos_token_id=STOPS, pad_token_id=STOPS[0], use_cache=True)
+    greedy = model.generate(
+        input_ids=prompts,
+        attention_mask=prompt_mask,
+        max_new_tokens=10,
+        do_sample=False,
+        eos_token_id=STOPS,
+        pad_token_id=STOPS[0],
+        use_cache=True,
+    )
     torch.manual_seed(11)
-    lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS,
-                                            init_lora_weights=False))
+    lora = get_peft_model(
+        model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS, init_lora_weights=False)
+    )
     for param in lora.parameters():  # the adapters in fp32 (glmtune trains them so), the base as saved
         if param.requires_grad:
             param.data = param.data.float()
     lora.save_pretrained(out / "lora")
     output = lora(**inputs)
     output.loss.backward()
-    results = {"logits": base.float().contiguous(), "lora_logits": output.logits.detach().float().contiguous(),
-               "loss": output.loss.detach().float().reshape(1), "greedy": greedy.contiguous()}
+    results = {
+        "logits": base.float().contiguous(),
+        "lora_logits": output.logits.detach().float().contiguous(),
+        "loss": output.loss.detach().float().reshape(1),
+        "greedy": greedy.contiguous(),
+    }
     for name, param in lora.named_parameters():
         if param.requires_grad:
             results["grad." + name.replace(".default", "")] = param.grad.float().contiguous()

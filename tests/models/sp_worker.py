@@ -6,6 +6,7 @@ forward with images (merged, then cut). It writes, per case, the
 largest differences in the logits of its tokens, the summed token loss and every parameter's gradient
 (summed over the sequence group: each rank's gradient covers its own tokens) into OUT/rank<N>.json.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from glmtune.models.chatglm.configuration import GLMConfig
-from glmtune.models.loading import _FAMILY, TINY_ARCH
 from glmtune.models.chatglm.modeling import ChatGLMForConditionalGeneration
 from glmtune.models.kernels.ulysses import SequenceGroup, pad_and_shard, shard
+from glmtune.models.loading import _FAMILY, TINY_ARCH
 
 B, S, VOCAB = 2, 24, 128
 
@@ -37,7 +38,7 @@ def batch(packed: bool) -> dict[str, torch.Tensor]:
         for row, docs in enumerate(lengths):
             at = 0
             for i, n in enumerate(docs):
-                seq[row, at:at + n], pos[row, at:at + n] = i, torch.arange(n)
+                seq[row, at : at + n], pos[row, at : at + n] = i, torch.arange(n)
                 at += n
         out.update(seq_ids=seq, position_ids=pos)
         out["labels"] = out["labels"].masked_fill(seq < 0, -100)
@@ -48,8 +49,7 @@ def loss_sum(model, data, shifted_labels) -> tuple[torch.Tensor, torch.Tensor]:
     """(the token-loss sum of these positions, their logits); labels already shifted to the token they predict."""
     hidden, _ = model.transformer(data["input_ids"], data.get("position_ids"), seq_ids=data.get("seq_ids"))
     logits = model.transformer.output_layer(hidden).float()
-    return F.cross_entropy(logits.flatten(0, 1), shifted_labels.flatten(), ignore_index=-100,
-                           reduction="sum"), logits
+    return F.cross_entropy(logits.flatten(0, 1), shifted_labels.flatten(), ignore_index=-100, reduction="sum"), logits
 
 
 def run_case(model, data, sp: SequenceGroup | None) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
@@ -88,8 +88,8 @@ def vision_batch(packed: bool) -> dict[str, torch.Tensor]:
     data = batch(packed)
     data["input_ids"][data["input_ids"] >= BOI] = 1  # placeholders only where an image goes
     for row, at in IMAGES:
-        data["input_ids"][row, at:at + 3] = torch.tensor([BOI, 0, EOI])
-        data["labels"][row, at:at + 3] = -100
+        data["input_ids"][row, at : at + 3] = torch.tensor([BOI, 0, EOI])
+        data["labels"][row, at : at + 3] = -100
     data["images"] = torch.randn(len(IMAGES), 3, 56, 56, generator=torch.Generator().manual_seed(3))
     data["image_rows"] = torch.tensor([row for row, _ in IMAGES])
     return data
@@ -109,8 +109,16 @@ def run_vision_case(model, data, sp: SequenceGroup | None):
 def merged_mask(model, data, shape) -> torch.Tensor:
     """1 where the merged rows hold a token (text or patch), 0 on the pads the merge adds to shorter rows."""
     with torch.no_grad():
-        mask = model.transformer.merge_images(data["input_ids"], None, data.get("position_ids"), None, None,
-                                              data["images"], data["image_rows"], data.get("seq_ids"))[2]
+        mask = model.transformer.merge_images(
+            data["input_ids"],
+            None,
+            data.get("position_ids"),
+            None,
+            None,
+            data["images"],
+            data["image_rows"],
+            data.get("seq_ids"),
+        )[2]
     return mask if mask is not None else torch.ones(shape, dtype=torch.long)
 
 
@@ -119,8 +127,13 @@ def vision_results(rank: int, pairs) -> dict[str, dict]:
     over 4 ranks); the patches' shared position ids come from the merge, not from the shard's offset."""
     results = {}
     torch.manual_seed(0)
-    config = GLMConfig(**{**TINY_ARCH, **_FAMILY["glm4v"]}, padded_vocab_size=VOCAB, torch_dtype="float32",
-                       boi_token_id=BOI, eoi_token_id=EOI)
+    config = GLMConfig(
+        **{**TINY_ARCH, **_FAMILY["glm4v"]},
+        padded_vocab_size=VOCAB,
+        torch_dtype="float32",
+        boi_token_id=BOI,
+        eoi_token_id=EOI,
+    )
     model = ChatGLMForConditionalGeneration(config).float()
     for packed in (False, True):
         data = vision_batch(packed)
@@ -128,12 +141,13 @@ def vision_results(rank: int, pairs) -> dict[str, dict]:
         for size in (2, 4):
             sp = SequenceGroup.of(pairs[rank // 2] if size == 2 else None)
             loss, logits, grads = run_vision_case(model, data, sp)
-            ref_local = pad_and_shard(ref_logits, 0.0, sp)[:, :logits.shape[1]]
+            ref_local = pad_and_shard(ref_logits, 0.0, sp)[:, : logits.shape[1]]
             # Compared where a token is: a pad's query row attends to every key (models/kernels/masks.build_attention_mask),
             # the sequence-parallel pads included; no loss ever reads it.
             real = pad_and_shard(merged_mask(model, data, ref_logits.shape[:2]), 0, sp).bool()
             results[f"glm4v packed={packed} sp={size}"] = differences(
-                (loss, logits[real], grads), (ref_loss, ref_local[real], ref_grads))
+                (loss, logits[real], grads), (ref_loss, ref_local[real], ref_grads)
+            )
     return results
 
 
@@ -144,8 +158,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def differences(mine, ref) -> dict:
     """Largest relative differences of (loss, logits, gradients) against the reference's, and missing grads."""
     (loss, logits, grads), (ref_loss, ref_logits, ref_grads) = mine, ref
-    return dict(loss=rel(loss, ref_loss), logits=rel(logits, ref_logits),
-                grads=max(rel(grads[n], ref_grads[n]) for n in ref_grads), missing=sorted(set(ref_grads) - set(grads)))
+    return dict(
+        loss=rel(loss, ref_loss),
+        logits=rel(logits, ref_logits),
+        grads=max(rel(grads[n], ref_grads[n]) for n in ref_grads),
+        missing=sorted(set(ref_grads) - set(grads)),
+    )
 
 
 def main(out_dir: str) -> None:
@@ -156,8 +174,11 @@ def main(out_dir: str) -> None:
     for family in ("glm4", "chatglm3"):
         for heads in (4, 8):
             torch.manual_seed(0)
-            config = GLMConfig(**{**TINY_ARCH, **_FAMILY[family], "num_attention_heads": heads},
-                               padded_vocab_size=VOCAB, torch_dtype="float32")
+            config = GLMConfig(
+                **{**TINY_ARCH, **_FAMILY[family], "num_attention_heads": heads},
+                padded_vocab_size=VOCAB,
+                torch_dtype="float32",
+            )
             model = ChatGLMForConditionalGeneration(config).float()
             for packed in (False, True):
                 data = batch(packed)
@@ -167,7 +188,8 @@ def main(out_dir: str) -> None:
                     loss, logits, grads = run_case(model, data, sp)
                     ref_local = shard(ref_logits, sp)
                     results[f"{family} heads={heads} packed={packed} sp={size}"] = differences(
-                        (loss, logits, grads), (ref_loss, ref_local, ref_grads))
+                        (loss, logits, grads), (ref_loss, ref_local, ref_grads)
+                    )
             # Checkpointed blocks recompute their attention, exchanges included, in backward: every rank of a
             # group recomputes the same blocks in the same order, so the collectives pair up again.
             for reentrant in (False, True):
@@ -178,7 +200,8 @@ def main(out_dir: str) -> None:
                 loss, logits, grads = run_case(model, data, sp)
                 ref_loss, ref_logits, ref_grads = run_case(model, data, None)
                 results[f"{family} heads={heads} packed=True sp=4 checkpointing reentrant={reentrant}"] = differences(
-                    (loss, logits, grads), (ref_loss, shard(ref_logits, sp), ref_grads))
+                    (loss, logits, grads), (ref_loss, shard(ref_logits, sp), ref_grads)
+                )
                 model.gradient_checkpointing_disable()
     results.update(vision_results(rank, pairs))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

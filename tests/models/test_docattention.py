@@ -6,6 +6,7 @@ and on what auto runs above DENSE_MASK_MAX; segments and the dense mask give the
 forward or backward, which the same recorder catches on the dense path; the plan names the path auto runs.
 Under sequence parallelism (2 and 4 ranks, torchrun on gloo): tests/models/docattn_worker.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,15 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import REPO
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from glmtune.models.chatglm.configuration import GLMConfig
+from glmtune.models.chatglm.modeling import ChatGLMForConditionalGeneration
 from glmtune.models.kernels.docattention import DENSE_MASK_MAX, document_spans, packed_path
 from glmtune.models.loading import _FAMILY, TINY_ARCH
-from glmtune.models.chatglm.modeling import ChatGLMForConditionalGeneration
-
-from helpers import REPO
 
 VOCAB = 128
 LONG = DENSE_MASK_MAX + 256  # a row auto must run without any [S, S] tensor
@@ -45,7 +45,7 @@ def packed(rows: list[list[int]], length: int, seed: int = 3) -> dict[str, torch
     for r, docs in enumerate(rows):
         at = 0
         for i, n in enumerate(docs):
-            seq[r, at:at + n], pos[r, at:at + n] = i, torch.arange(n)
+            seq[r, at : at + n], pos[r, at : at + n] = i, torch.arange(n)
             at += n
     labels = ids.masked_fill(seq < 0, -100)
     labels[:, 0] = -100
@@ -55,7 +55,7 @@ def packed(rows: list[list[int]], length: int, seed: int = 3) -> dict[str, torch
 def alone(model, batch, row: int, start: int, end: int) -> torch.Tensor:
     """The logits of one document run by itself: its own row, no seq ids, plain causal attention."""
     with torch.no_grad():
-        return model(input_ids=batch["input_ids"][row:row + 1, start:end]).logits[0]
+        return model(input_ids=batch["input_ids"][row : row + 1, start:end]).logits[0]
 
 
 def check_documents_alone(model, batch, logits) -> int:
@@ -63,8 +63,9 @@ def check_documents_alone(model, batch, logits) -> int:
     for row, spans in enumerate(document_spans(batch["seq_ids"]).rows):
         for start, end in spans:
             if batch["seq_ids"][row, start] >= 0:
-                torch.testing.assert_close(logits[row, start:end], alone(model, batch, row, start, end),
-                                           rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(
+                    logits[row, start:end], alone(model, batch, row, start, end), rtol=1e-5, atol=1e-5
+                )
                 checked += 1
     return checked
 
@@ -83,8 +84,10 @@ def test_segments_equal_the_dense_mask_in_logits_and_gradients(lora):
     model = tiny()
     if lora:  # non-zero B, so every adapter's gradient depends on the attention output
         from peft import LoraConfig, get_peft_model
-        model = get_peft_model(model, LoraConfig(r=4, target_modules=["query_key_value", "dense"],
-                                                 init_lora_weights=False))
+
+        model = get_peft_model(
+            model, LoraConfig(r=4, target_modules=["query_key_value", "dense"], init_lora_weights=False)
+        )
     batch = packed([[6, 10, 1, 7], [13, 4, 5]], 28)
     out = {}
     for path in ("sdpa", "segments"):
@@ -165,8 +168,15 @@ def test_auto_runs_what_the_plan_names(tmp_path, repo, length, path):
     from glmtune.config import TrainConfig
     from glmtune.train.compile import resolve_packed_attention, set_packed_attention
 
-    out = glmtune_in_process("mode=plan", "model=glm4_9b_chat", "+hw=a100_80g", "data.packing=on",
-                             f"data.max_length={length}", f"hydra.run.dir={tmp_path}", cwd=repo)
+    out = glmtune_in_process(
+        "mode=plan",
+        "model=glm4_9b_chat",
+        "+hw=a100_80g",
+        "data.packing=on",
+        f"data.max_length={length}",
+        f"hydra.run.dir={tmp_path}",
+        cwd=repo,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     plan = json.loads((tmp_path / "plan.json").read_text())
     row = plan["packing"]["probed_row_positions"]
@@ -197,11 +207,22 @@ def test_config_takes_segments():
 def test_sequence_parallel_segments_match_one_process(tmp_path, repo):
     """2 and 4 ranks (torchrun, gloo): documents crossing every shard boundary, the segments path against the
     dense mask and each document alone on one process."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     worker = Path(__file__).with_name("docattn_worker.py")
-    out = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "4",
-                          str(worker), str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
+    out = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "torchrun"),
+            "--standalone",
+            "--nproc_per_node",
+            "4",
+            str(worker),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     for rank in range(4):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -258,8 +279,10 @@ def test_glm4v_packed_image_rows_segments_equal_the_dense_mask():
         model.transformer.packed_attention = path
         result = model(**batch)
         result.loss.backward()
-        out[path] = result.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
-                                             if p.grad is not None}
+        out[path] = (
+            result.logits.detach(),
+            {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+        )
     torch.testing.assert_close(out["segments"][0], out["sdpa"][0], rtol=1e-5, atol=1e-5)
     assert out["sdpa"][1].keys() == out["segments"][1].keys() and any("vision" in n for n in out["sdpa"][1])
     for name, grad in out["sdpa"][1].items():

@@ -1,15 +1,18 @@
 """Generation details: caller position_ids, sampling settings, the KV-cache batch size, provenance identity."""
+
 import torch
 
 from glmtune.config import InferConfig
-from glmtune.models.generation import encode_prompt, generate, prompt_batch
 from glmtune.infer.sampling import auto_batch_size, per_row_bytes
 from glmtune.models import load_model, load_tokenizer, released_config
+from glmtune.models.generation import encode_prompt, generate, prompt_batch
 from glmtune.models.presets import ensure_tiny
 
-PROMPTS = [[{"role": "user", "content": "What is the capital of France?"}],
-           [{"role": "user", "content": "你好"}],
-           [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Add 2 and 3, then explain."}]]
+PROMPTS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "你好"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Add 2 and 3, then explain."}],
+]
 
 
 def _tiny():
@@ -67,8 +70,13 @@ def test_generate_speed_bench_runs_tiny(repo):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "bench/generate_speed.py", "--tiny", "--prompt-len", "8", "--new-tokens",
-                           "2"], cwd=repo, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "bench/generate_speed.py", "--tiny", "--prompt-len", "8", "--new-tokens", "2"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(rows) == 7 and "auto batch" in rows[-1]

@@ -2,6 +2,7 @@
 released shapes, the chat template's training labels (Z1's thinking), the levers on its model (packed rows,
 checkpointing, chunked loss, tiled MLP, LoRA targets by HF name), the estimator against live tensor bytes, the
 plans for 32B, and the vLLM split of the fused MLP adapter. Reference parity: tests/models/test_glm4_0414_reference.py."""
+
 from __future__ import annotations
 
 import json
@@ -36,18 +37,37 @@ def folders(tmp_path_factory):
 
 # --- configuration ------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("layout", ["4.51", "5.x"])
 def test_every_value_comes_from_config_json_in_either_layout(tmp_path, layout):
     from glmtune.models import build_meta_model, load_config
 
-    rope = ({"rope_theta": 5000.0, "partial_rotary_factor": 0.25} if layout == "4.51" else
-            {"rope_parameters": {"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 0.25}})
+    rope = (
+        {"rope_theta": 5000.0, "partial_rotary_factor": 0.25}
+        if layout == "4.51"
+        else {"rope_parameters": {"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 0.25}}
+    )
     dtype = {"torch_dtype": "bfloat16"} if layout == "4.51" else {"dtype": "bfloat16"}
-    (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "glm4", "architectures": ["Glm4ForCausalLM"], "vocab_size": 640, "hidden_size": 96,
-        "intermediate_size": 160, "num_hidden_layers": 3, "num_attention_heads": 6, "num_key_value_heads": 3,
-        "head_dim": 16, "attention_bias": False, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, **rope,
-        **dtype}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "glm4",
+                "architectures": ["Glm4ForCausalLM"],
+                "vocab_size": 640,
+                "hidden_size": 96,
+                "intermediate_size": 160,
+                "num_hidden_layers": 3,
+                "num_attention_heads": 6,
+                "num_key_value_heads": 3,
+                "head_dim": 16,
+                "attention_bias": False,
+                "rms_norm_eps": 1e-6,
+                "max_position_embeddings": 4096,
+                **rope,
+                **dtype,
+            }
+        )
+    )
     config = load_config(tmp_path)
     assert (config.rope_theta, config.rotary_dim, config.rms_norm_eps, config.seq_length) == (5000.0, 4, 1e-6, 4096)
     assert config.torch_dtype in ("bfloat16", torch.bfloat16) and config.kv_groups == 3 and config.num_layers == 3
@@ -61,8 +81,11 @@ def test_every_value_comes_from_config_json_in_either_layout(tmp_path, layout):
 def test_a_scaled_rotary_embedding_is_refused_naming_the_file(tmp_path):
     from glmtune.models import load_config
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "glm4", "rope_parameters": {
-        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {"model_type": "glm4", "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}}
+        )
+    )
     with pytest.raises(ConfigError, match=r"config.json: rope_type 'yarn'"):
         load_config(tmp_path)
 
@@ -71,8 +94,11 @@ def test_released_shapes_count_their_parameters():
     from glmtune.models import build_meta_model, released_config
     from glmtune.plan.archsize import frozen_params
 
-    for name, count in (("glm4_9b_0414", 9_400_279_040), ("glm4_32b_0414", 32_566_081_536),
-                        ("glmz1_32b_0414", 32_566_081_536)):
+    for name, count in (
+        ("glm4_9b_0414", 9_400_279_040),
+        ("glm4_32b_0414", 32_566_081_536),
+        ("glmz1_32b_0414", 32_566_081_536),
+    ):
         arch = released_config(name)
         assert frozen_params(arch) == count == sum(p.numel() for p in build_meta_model(arch).parameters())
     big = released_config("glm4_32b_0414")
@@ -81,18 +107,22 @@ def test_released_shapes_count_their_parameters():
 
 # --- tokenizer and template ---------------------------------------------------------------------------------------
 
+
 def trained_text(tok, messages) -> tuple[str, str]:
     ids, labels = tok.encode_conversation(messages)
     assert len(ids) == len(labels)
     return tok.decode(ids), tok.decode([t for t in labels if t != -100])
 
 
-CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "你好"},
-        {"role": "assistant", "content": "<think>\ngreeting\n</think>\n\nHi!"},
-        {"role": "user", "content": "Weather in Beijing?"},
-        {"role": "assistant", "metadata": "get_weather", "content": '{"city": "Beijing"}'},
-        {"role": "observation", "content": "sunny"},
-        {"role": "assistant", "content": "<think>\nit said sunny\n</think>\n\nSunny."}]
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "你好"},
+    {"role": "assistant", "content": "<think>\ngreeting\n</think>\n\nHi!"},
+    {"role": "user", "content": "Weather in Beijing?"},
+    {"role": "assistant", "metadata": "get_weather", "content": '{"city": "Beijing"}'},
+    {"role": "observation", "content": "sunny"},
+    {"role": "assistant", "content": "<think>\nit said sunny\n</think>\n\nSunny."},
+]
 
 
 def test_loss_covers_exactly_the_assistant_spans_and_the_token_after_each(folders):
@@ -100,12 +130,16 @@ def test_loss_covers_exactly_the_assistant_spans_and_the_token_after_each(folder
 
     tok = load_tokenizer(folders["glm4"])
     text, trained = trained_text(tok, CHAT)
-    assert text == ("[gMASK]<sop><|system|>\nBe brief.<|user|>\n你好<|assistant|>\n<think>\ngreeting\n</think>\n\nHi!"
-                    "<|user|>\nWeather in Beijing?<|assistant|>get_weather\n{\"city\": \"Beijing\"}<|observation|>\n"
-                    "sunny<|assistant|>\n<think>\nit said sunny\n</think>\n\nSunny.<|user|>")
+    assert text == (
+        "[gMASK]<sop><|system|>\nBe brief.<|user|>\n你好<|assistant|>\n<think>\ngreeting\n</think>\n\nHi!"
+        '<|user|>\nWeather in Beijing?<|assistant|>get_weather\n{"city": "Beijing"}<|observation|>\n'
+        "sunny<|assistant|>\n<think>\nit said sunny\n</think>\n\nSunny.<|user|>"
+    )
     # the role token is context; the reply, then the token that ends it (the next role token), are targets
-    assert trained == ("\n<think>\ngreeting\n</think>\n\nHi!<|user|>get_weather\n{\"city\": \"Beijing\"}"
-                       "<|observation|>\n<think>\nit said sunny\n</think>\n\nSunny.<|user|>")
+    assert trained == (
+        '\n<think>\ngreeting\n</think>\n\nHi!<|user|>get_weather\n{"city": "Beijing"}'
+        "<|observation|>\n<think>\nit said sunny\n</think>\n\nSunny.<|user|>"
+    )
 
 
 @pytest.mark.parametrize("thinking", ["keep", "drop"])
@@ -115,14 +149,17 @@ def test_z1_drops_earlier_thinking_and_trains_or_drops_the_last(folders, thinkin
     tok = load_tokenizer(folders["z1"], thinking=thinking)
     text, trained = trained_text(tok, CHAT)
     last = "\nit said sunny\n" if thinking == "keep" else ""
-    prompt = ("[gMASK]<sop><|system|>\nBe brief.<|user|>\n你好<|assistant|>\nHi!<|user|>\nWeather in Beijing?"
-              "<|assistant|>get_weather\n{\"city\": \"Beijing\"}<|observation|>\nsunny<|assistant|>\n<think>")
+    prompt = (
+        "[gMASK]<sop><|system|>\nBe brief.<|user|>\n你好<|assistant|>\nHi!<|user|>\nWeather in Beijing?"
+        '<|assistant|>get_weather\n{"city": "Beijing"}<|observation|>\nsunny<|assistant|>\n<think>'
+    )
     assert text == prompt + last + "</think>\n\nSunny.<|user|>"
-    assert trained == ("Hi!<|user|>get_weather\n{\"city\": \"Beijing\"}<|observation|>" + last
-                       + "</think>\n\nSunny.<|user|>")
+    assert trained == (
+        'Hi!<|user|>get_weather\n{"city": "Beijing"}<|observation|>' + last + "</think>\n\nSunny.<|user|>"
+    )
     # the training prompt is the engines' prompt, tokenized on its own
     ids, _ = tok.encode_conversation(CHAT)
-    assert ids[:len(tok.encode_prompt(CHAT[:-1]))] == tok.encode_prompt(CHAT[:-1])
+    assert ids[: len(tok.encode_prompt(CHAT[:-1]))] == tok.encode_prompt(CHAT[:-1])
     # an answer without reasoning trains as empty reasoning; the cache key follows data.thinking
     _, plain = trained_text(tok, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello."}])
     assert plain == "</think>Hello.<|user|>"
@@ -134,14 +171,22 @@ def test_a_template_that_rewrites_the_history_is_refused(folders, tmp_path):
     from glmtune.models import load_tokenizer
 
     config = json.loads((folders["glm4"] / "tokenizer_config.json").read_text())
-    config["chat_template"] = ("{% for m in messages %}<|{{ m.role }}|>{% if loop.last %}{{ m.content }}{% endif %}"
-                               "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    config["chat_template"] = (
+        "{% for m in messages %}<|{{ m.role }}|>{% if loop.last %}{{ m.content }}{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     (tmp_path / "tokenizer.json").write_bytes((folders["glm4"] / "tokenizer.json").read_bytes())
     tok = load_tokenizer(tmp_path)
     with pytest.raises(ValueError, match="message 1"):
-        tok.encode_conversation([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-                                 {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}])
+        tok.encode_conversation(
+            [
+                {"role": "user", "content": "a"},
+                {"role": "assistant", "content": "b"},
+                {"role": "user", "content": "c"},
+                {"role": "assistant", "content": "d"},
+            ]
+        )
 
 
 def test_a_folder_without_a_chat_template_is_refused(folders, tmp_path):
@@ -154,6 +199,7 @@ def test_a_folder_without_a_chat_template_is_refused(folders, tmp_path):
 
 
 # --- the levers on the model --------------------------------------------------------------------------------------
+
 
 def test_packed_rows_attend_one_document_at_a_time_on_every_path():
     model = tiny_model()
@@ -179,8 +225,12 @@ def lora_step(model, **levers):
     model.loss_chunk_tokens = levers.get("chunk", 0)
     set_mlp_tile_tokens(model, levers.get("tile", 0))
     set_offload_checkpoints(model, levers.get("offload", False))
-    lora = apply_lora(model, LoraConfig(r=4, alpha=8, dropout=0.0, target_modules=["query_key_value", "dense",
-                                                                                 "dense_h_to_4h", "dense_4h_to_h"]))
+    lora = apply_lora(
+        model,
+        LoraConfig(
+            r=4, alpha=8, dropout=0.0, target_modules=["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
+        ),
+    )
     for p in lora.parameters():  # B nonzero, so every A has a gradient too
         if p.requires_grad:
             torch.nn.init.normal_(p, std=0.05)
@@ -210,28 +260,47 @@ def test_the_estimate_of_the_lora_parameters_is_the_models_count():
     from glmtune.plan.estimate import RunShape, lora_params
     from glmtune.train.lora import apply_lora, trainable_parameters
 
-    for names in (["query_key_value"], ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
-                  ["q_proj", "down_proj", "lm_head"]):
+    for names in (
+        ["query_key_value"],
+        ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
+        ["q_proj", "down_proj", "lm_head"],
+    ):
         model = apply_lora(tiny_model(), LoraConfig(r=8, target_modules=names))
         counted = sum(p.numel() for p in trainable_parameters(model))
         assert lora_params(TINY, RunShape(lora_r=8, lora_targets=TINY.lora_modules(names))) == counted, names
 
 
-@pytest.mark.parametrize("kw", [
-    dict(dtype="fp32", seq_len=128, micro_batch=2, lora_targets=("q_proj", "k_proj", "v_proj")),
-    dict(dtype="fp32", seq_len=96, micro_batch=1, gradient_checkpointing=True, lora_dropout=0.0,
-         lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")),
-    dict(dtype="bf16", seq_len=128, micro_batch=2, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj")),
-    dict(dtype="bf16", seq_len=128, micro_batch=1, gradient_checkpointing=True,
-         lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(dtype="fp32", seq_len=128, micro_batch=2, lora_targets=("q_proj", "k_proj", "v_proj")),
+        dict(
+            dtype="fp32",
+            seq_len=96,
+            micro_batch=1,
+            gradient_checkpointing=True,
+            lora_dropout=0.0,
+            lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"),
+        ),
+        dict(dtype="bf16", seq_len=128, micro_batch=2, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj")),
+        dict(
+            dtype="bf16",
+            seq_len=128,
+            micro_batch=1,
+            gradient_checkpointing=True,
+            lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"),
+        ),
+    ],
+)
 def test_the_estimate_is_within_5_percent_of_live_tensor_bytes(kw):
     """The sandwich norms and the split q/k/v LoRA inputs in the estimator, against one real step on CPU."""
     from glmtune.plan.estimate import RunShape, estimate
     from glmtune.probe.track import measure_lora_step
 
-    arch = Glm4Config(**{**TINY_ARCH, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8,
-                         "head_dim": 32}, vocab_size=1280)
+    arch = Glm4Config(
+        **{**TINY_ARCH, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8, "head_dim": 32},
+        vocab_size=1280,
+    )
     shape = RunShape(device="cpu", **kw)
     measured, _ = measure_lora_step(arch, shape)
     predicted = estimate(arch, shape).peak_bytes
@@ -239,6 +308,7 @@ def test_the_estimate_is_within_5_percent_of_live_tensor_bytes(kw):
 
 
 # --- exports ------------------------------------------------------------------------------------------------------
+
 
 def test_the_vllm_split_of_the_fused_mlp_adapter_is_exact(tmp_path):
     """infer/'s one adapter conversion (hf_layout.GLM4_0414, adapter_for=vllm): gate_proj and up_proj with A copied
@@ -274,8 +344,10 @@ def test_the_vllm_split_of_the_fused_mlp_adapter_is_exact(tmp_path):
         w_gate, w_up = mlp.gate_up_proj.base_layer.weight.chunk(2)
 
         def adapted(w, name):  # a Linear of vLLM's layout with its own LoRA
-            return F.linear(x, w) + scale * F.linear(F.linear(x, split[f"{prefix}{name}.lora_A.weight"]),
-                                                     split[f"{prefix}{name}.lora_B.weight"])
+            return F.linear(x, w) + scale * F.linear(
+                F.linear(x, split[f"{prefix}{name}.lora_A.weight"]), split[f"{prefix}{name}.lora_B.weight"]
+            )
+
         out = mlp.down_proj(F.silu(adapted(w_gate, "gate_proj")) * adapted(w_up, "up_proj"))
         swapped = mlp.down_proj(F.silu(adapted(w_gate, "up_proj")) * adapted(w_up, "gate_proj"))
     torch.testing.assert_close(out, fused, rtol=1e-6, atol=1e-6)
@@ -314,23 +386,34 @@ def test_inference_splits_the_32b_model_over_gpus_by_whole_layers():
 
 # --- the command --------------------------------------------------------------------------------------------------
 
+
 def test_qlora_nf4_trains_the_tiny_0414_model(tmp_path):
     pytest.importorskip("bitsandbytes")
     from helpers.cli import glmtune_in_process
 
-    proc = glmtune_in_process("model=glm4_0414_tiny", "model.quantize=nf4", "train.max_steps=2", "data.val_file=null",
-                              "probe.enabled=false", "train.report_to=[]", f"data.cache_dir={tmp_path / 'c'}",
-                              f"hydra.run.dir={tmp_path / 'run'}")
+    proc = glmtune_in_process(
+        "model=glm4_0414_tiny",
+        "model.quantize=nf4",
+        "train.max_steps=2",
+        "data.val_file=null",
+        "probe.enabled=false",
+        "train.report_to=[]",
+        f"data.cache_dir={tmp_path / 'c'}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["train_loss"] > 0 and (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
 
 
-@pytest.mark.parametrize("args,fits,frozen_gib", [
-    (["+hw=a100_80g"], True, 32_566_081_536 * 2 / 2**30),
-    (["+hw=rtx4090_24g", "model.quantize=nf4"], True, None),
-    (["+hw=rtx4090_24g"], False, None),
-])
+@pytest.mark.parametrize(
+    "args,fits,frozen_gib",
+    [
+        (["+hw=a100_80g"], True, 32_566_081_536 * 2 / 2**30),
+        (["+hw=rtx4090_24g", "model.quantize=nf4"], True, None),
+        (["+hw=rtx4090_24g"], False, None),
+    ],
+)
 def test_plans_for_32b_give_its_weights_and_say_what_fits(tmp_path, args, fits, frozen_gib):
     from helpers.cli import glmtune_in_process
 
@@ -351,15 +434,22 @@ def test_plan_of_a_0414_preset_imports_no_model_code_nor_tokenizer(tmp_path):
     import subprocess
     import sys
 
-    code = ("import runpy, sys\nsys.argv = ['glmtune', 'mode=plan', 'model=glm4_32b_0414', '+hw=a100_80g']\n"
-            "try:\n    runpy.run_module('glmtune', run_name='__main__')\nexcept SystemExit as stop:\n"
-            "    assert not stop.code, stop.code\n"
-            "print('LOADED=' + ','.join(sorted(m for m in sys.modules if m.startswith(('glmtune.models.', 'tokenizers',"
-            " 'jinja2')))))\n")
+    code = (
+        "import runpy, sys\nsys.argv = ['glmtune', 'mode=plan', 'model=glm4_32b_0414', '+hw=a100_80g']\n"
+        "try:\n    runpy.run_module('glmtune', run_name='__main__')\nexcept SystemExit as stop:\n"
+        "    assert not stop.code, stop.code\n"
+        "print('LOADED=' + ','.join(sorted(m for m in sys.modules if m.startswith(('glmtune.models.', 'tokenizers',"
+        " 'jinja2')))))\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("LOADED=")), None)
     assert line is not None, proc.stderr[-3000:]
-    loaded = line[len("LOADED="):].split(",")
+    loaded = line[len("LOADED=") :].split(",")
     assert "glmtune.models.glm4_0414.configuration" in loaded
-    assert not [m for m in loaded if m.endswith(("modeling", "layers", "kernels.attention")) or "tokenization" in m
-                or m.startswith(("tokenizers", "jinja2"))], loaded
+    assert not [
+        m
+        for m in loaded
+        if m.endswith(("modeling", "layers", "kernels.attention"))
+        or "tokenization" in m
+        or m.startswith(("tokenizers", "jinja2"))
+    ], loaded

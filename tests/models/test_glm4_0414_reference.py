@@ -8,16 +8,15 @@ re-saved (tokenizers 0.23: merges as pairs, the template in chat_template.jinja)
 encodes as the file glmtune wrote; the chat template's prompt ids equal apply_chat_template's, for GLM-4-0414's
 template and GLM-Z1's, with tools, tool calls, system turns and history; the training prompt is the engines' prompt.
 """
+
 from __future__ import annotations
 
 import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
-from helpers.reference import WORKER
 from ref_glm4_0414_worker import LORA_TARGETS, STOPS, VARIANTS, batch, greedy_prompts
+from safetensors.torch import load_file
 
 FP32 = [name for name, v in VARIANTS.items() if v[2] == "float32"]
 
@@ -62,20 +61,21 @@ def test_logits_loss_and_every_lora_gradient_match(reference, name):
         from glmtune.models import load_model
 
         with torch.no_grad():
-            exact = load_model(folder, dtype="float32")(input_ids=inputs["input_ids"],
-                                                       attention_mask=inputs["attention_mask"]).logits[valid]
+            exact = load_model(folder, dtype="float32")(
+                input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]
+            ).logits[valid]
         ours, theirs = logits[valid], expected["logits"][valid]
         assert (ours - theirs).abs().mean() <= (theirs - exact).abs().mean()
         assert (ours - theirs).abs().max() <= (theirs - exact).abs().max()
     lora = with_reference_lora(model, folder)
     out = lora(**inputs)
     out.loss.backward()
-    tol = dict(rtol=1e-5, atol=1e-5) if fp32 else dict(rtol=2 ** -7, atol=0.0)  # bf16: its 8 significant bits
+    tol = dict(rtol=1e-5, atol=1e-5) if fp32 else dict(rtol=2**-7, atol=0.0)  # bf16: its 8 significant bits
     torch.testing.assert_close(out.loss.float().reshape(1), expected["loss"], **tol)
     if fp32:
         torch.testing.assert_close(out.logits.float()[valid], expected["lora_logits"][valid], **tol)
     grads = {n.replace(".default", ""): p.grad.float() for n, p in lora.named_parameters() if p.requires_grad}
-    wanted = {k[len("grad."):]: v for k, v in expected.items() if k.startswith("grad.")}
+    wanted = {k[len("grad.") :]: v for k, v in expected.items() if k.startswith("grad.")}
     assert sorted(grads) == sorted(wanted) and len(grads) == 2 * len(LORA_TARGETS) * 2  # A and B, 6 Linears, 2 layers
     for key, grad in grads.items():
         if fp32:
@@ -92,8 +92,15 @@ def test_greedy_tokens_with_the_kv_cache_match(reference, name):
     model = glmtune_model(reference / name)
     prompts, mask = greedy_prompts()
     with torch.no_grad(), preallocated_kv_cache(model, 10):
-        got = model.generate(input_ids=prompts, attention_mask=mask, max_new_tokens=10, do_sample=False,
-                             eos_token_id=STOPS, pad_token_id=STOPS[0], use_cache=True)
+        got = model.generate(
+            input_ids=prompts,
+            attention_mask=mask,
+            max_new_tokens=10,
+            do_sample=False,
+            eos_token_id=STOPS,
+            pad_token_id=STOPS[0],
+            use_cache=True,
+        )
     assert got.tolist() == load_file(reference / name / "reference.safetensors")["greedy"].tolist()
 
 
@@ -109,7 +116,7 @@ def test_tokenizer_json_with_pair_merges_loads_on_tokenizers_019(reference):
     with pytest.raises(Exception):
         tokenizers.Tokenizer.from_file(str(reference / "bias_kv2" / "tokenizer.json"))
     pairs, strings = load_tokenizer(reference / "bias_kv2"), load_tokenizer(reference / "tok")
-    text = "GLM-4 是一个开源的大语言模型。 The quick brown fox, 2024-06-05 {\"a\": 1}\n\n  def f(x):"
+    text = 'GLM-4 是一个开源的大语言模型。 The quick brown fox, 2024-06-05 {"a": 1}\n\n  def f(x):'
     assert pairs.encode(text) == strings.encode(text) and len(pairs.encode(text)) > 20
     assert pairs.stop_token_ids == STOPS and pairs.decode(pairs.encode(text)) == text
 
@@ -126,8 +133,8 @@ def test_chat_template_prompt_ids_match_apply_chat_template(reference, name, tem
         assert got == ids, (case["messages"][-1], tok.decode(got), tok.decode(ids))
     # What trains is what an engine renders: the training prompt of the last case is the second case's prompt.
     train_ids, labels = tok.encode_conversation(cases[3]["glm"])
-    assert train_ids[:len(expected[1])] == expected[1]
-    assert any(label != -100 for label in labels[:len(expected[1])])  # the earlier assistant turn is trained too
+    assert train_ids[: len(expected[1])] == expected[1]
+    assert any(label != -100 for label in labels[: len(expected[1])])  # the earlier assistant turn is trained too
 
 
 def test_an_adapter_glmtune_trains_loads_in_peft_on_the_reference_and_its_merge_in_transformers(reference, tmp_path):
@@ -144,20 +151,36 @@ def test_an_adapter_glmtune_trains_loads_in_peft_on_the_reference_and_its_merge_
     base = reference / "bias_kv2"
     run, merged = tmp_path / "run", tmp_path / "merged"
     common = ["model=glm4_9b_0414", f"model.path={base}", "train.precision=fp32", f"data.cache_dir={tmp_path / 'c'}"]
-    proc = glmtune_in_process(*common, "train.max_steps=3", "lora=all_linear", "train.learning_rate=5e-2",
-                              "data.val_file=null", "probe.enabled=false", "train.report_to=[]", f"hydra.run.dir={run}")
+    proc = glmtune_in_process(
+        *common,
+        "train.max_steps=3",
+        "lora=all_linear",
+        "train.learning_rate=5e-2",
+        "data.val_file=null",
+        "probe.enabled=false",
+        "train.report_to=[]",
+        f"hydra.run.dir={run}",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     config = json.loads((run / "adapter" / "adapter_config.json").read_text())
     assert sorted(config["target_modules"]) == sorted(LORA_TARGETS)
-    proc = glmtune_in_process(*common, "mode=infer", f"infer.adapter={run / 'adapter'}", 'infer.prompt="你好"',
-                              f"infer.merge_to={merged}", f"hydra.run.dir={tmp_path / 'infer'}")
+    proc = glmtune_in_process(
+        *common,
+        "mode=infer",
+        f"infer.adapter={run / 'adapter'}",
+        'infer.prompt="你好"',
+        f"infer.merge_to={merged}",
+        f"hydra.run.dir={tmp_path / 'infer'}",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((merged / "config.json").read_text())["architectures"] == ["Glm4ForCausalLM"]
     assert (merged / "chat_template.jinja").read_text() == (base / "chat_template.jinja").read_text()
     assert json.loads((merged / "generation_config.json").read_text())["eos_token_id"] == STOPS
     ids = batch(1266)["input_ids"]
-    jobs = [{"checkpoint": str(base), "adapter": str(run / "adapter"), "ids": ids.tolist(), "out": str(tmp_path / "a")},
-            {"checkpoint": str(merged), "adapter": None, "ids": ids.tolist(), "out": str(tmp_path / "m")}]
+    jobs = [
+        {"checkpoint": str(base), "adapter": str(run / "adapter"), "ids": ids.tolist(), "out": str(tmp_path / "a")},
+        {"checkpoint": str(merged), "adapter": None, "ids": ids.tolist(), "out": str(tmp_path / "m")},
+    ]
     proc = peft_logits(tmp_path / "jobs.json", jobs)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with torch.no_grad():

@@ -3,6 +3,7 @@ head, [q_h | k_h | v_h], where GQA checkpoints put all queries, then all keys, t
 what the official code computes from such a checkpoint, and what it exports (merged weights, adapters) must stay in
 that layout. The reference below reads the raw safetensors the way the official code splits its projection
 (`view(..., heads, 3 * head_dim)` then three head_dim chunks), in float64, independently of glmtune's model."""
+
 import math
 from pathlib import Path
 
@@ -51,11 +52,11 @@ def official_logits(weights: dict[str, torch.Tensor], config, ids: torch.Tensor)
         qkv = h @ sd[p + "self_attention.query_key_value.weight"].T + sd[p + "self_attention.query_key_value.bias"]
         heads = []
         for head in range(nh):  # per head: hd query rows, hd key rows, hd value rows
-            block = qkv[:, head * 3 * hd:(head + 1) * 3 * hd]
+            block = qkv[:, head * 3 * hd : (head + 1) * 3 * hd]
             q = _complex_rotary_reference(block[:, :hd], pos, hd // 2, base)
-            k = _complex_rotary_reference(block[:, hd:2 * hd], pos, hd // 2, base)
+            k = _complex_rotary_reference(block[:, hd : 2 * hd], pos, hd // 2, base)
             scores = (q @ k.T / math.sqrt(hd)).masked_fill(future, float("-inf"))
-            heads.append(torch.softmax(scores, -1) @ block[:, 2 * hd:])
+            heads.append(torch.softmax(scores, -1) @ block[:, 2 * hd :])
         x = x + torch.cat(heads, -1) @ sd[p + "self_attention.dense.weight"].T
         h = norm(x, sd[p + "post_attention_layernorm.weight"])
         gate, up = (h @ sd[p + "mlp.dense_h_to_4h.weight"].T).chunk(2, -1)
@@ -81,8 +82,13 @@ def test_mha_checkpoint_in_the_official_layout_gives_the_official_logits(tmp_pat
 def test_mha_generation_with_cache_equals_without(tmp_path):
     model = load_model(official_mha_checkpoint(tmp_path / "mha", "glm4")).eval()
     prompts = torch.tensor([[0, 0, 11, 12, 13], [21, 22, 23, 24, 25]])
-    kw = dict(attention_mask=torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]), max_new_tokens=8, do_sample=False,
-              pad_token_id=0, eos_token_id=None)
+    kw = dict(
+        attention_mask=torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]),
+        max_new_tokens=8,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
     assert torch.equal(model.generate(prompts, use_cache=True, **kw), model.generate(prompts, use_cache=False, **kw))
 
 

@@ -1,12 +1,20 @@
 """glmtune's GLM-4 / ChatGLM3 model against the official layout and an independent float64 reference."""
+
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from glmtune.models import (ChatGLMForConditionalGeneration, GLMConfig, build_meta_model, enable_checkpointing,
-                            load_model, make_tiny_checkpoint, released_config)
+from glmtune.models import (
+    ChatGLMForConditionalGeneration,
+    GLMConfig,
+    build_meta_model,
+    enable_checkpointing,
+    load_model,
+    make_tiny_checkpoint,
+    released_config,
+)
 from glmtune.models.chatglm.layers import MLP, RMSNorm, RotaryEmbedding, SelfAttention, apply_rotary
 from glmtune.models.loading import TINY_ARCH
 
@@ -28,6 +36,7 @@ def tiny_model(seed=0, dtype=torch.float64, **kw) -> ChatGLMForConditionalGenera
 
 
 # ---------------------------------------------------------------- official names, shapes, counts
+
 
 def test_glm4_9b_chat_on_meta_has_official_names_shapes_and_count():
     model = build_meta_model(released_config("glm4_9b_chat"))
@@ -55,6 +64,7 @@ def test_chatglm3_6b_on_meta_count():
 
 
 # ---------------------------------------------------------------- components vs float64 references
+
 
 def test_rmsnorm_matches_float64_formula():
     torch.manual_seed(1)
@@ -94,7 +104,7 @@ def test_partial_interleaved_rotary_matches_complex_reference():
         # rounding, so float64's default 1e-7 tolerance fails on some draws.
         torch.testing.assert_close(got[b], ref, rtol=1e-5, atol=1e-6)
     # the second half of each head passes through untouched
-    torch.testing.assert_close(got[..., cfg.kv_channels // 2:], x[..., cfg.kv_channels // 2:])
+    torch.testing.assert_close(got[..., cfg.kv_channels // 2 :], x[..., cfg.kv_channels // 2 :])
 
 
 def test_swiglu_mlp_matches_float64_formula():
@@ -102,7 +112,7 @@ def test_swiglu_mlp_matches_float64_formula():
     cfg = tiny_config()
     mlp = MLP(cfg).double()
     x = torch.randn(2, 3, cfg.hidden_size, dtype=torch.float64)
-    w1, w2 = mlp.dense_h_to_4h.weight[: cfg.ffn_hidden_size], mlp.dense_h_to_4h.weight[cfg.ffn_hidden_size:]
+    w1, w2 = mlp.dense_h_to_4h.weight[: cfg.ffn_hidden_size], mlp.dense_h_to_4h.weight[cfg.ffn_hidden_size :]
     gate, up = x @ w1.T, x @ w2.T
     ref = (gate / (1 + torch.exp(-gate)) * up) @ mlp.dense_4h_to_h.weight.T
     torch.testing.assert_close(mlp(x), ref)
@@ -112,16 +122,16 @@ def _attention_reference(attn: SelfAttention, x, positions, cfg):
     """Per-head loop: query head h reads KV group h // (heads / groups); causal softmax in float64."""
     hd, nh, ng = cfg.kv_channels, cfg.num_attention_heads, cfg.kv_groups
     qkv = x @ attn.query_key_value.weight.T + attn.query_key_value.bias
-    q, k, v = qkv[:, : nh * hd], qkv[:, nh * hd: (nh + ng) * hd], qkv[:, (nh + ng) * hd:]
+    q, k, v = qkv[:, : nh * hd], qkv[:, nh * hd : (nh + ng) * hd], qkv[:, (nh + ng) * hd :]
     S = x.shape[0]
     heads = []
     for h in range(nh):
         g = h // (nh // ng)
-        qh = _complex_rotary_reference(q[:, h * hd:(h + 1) * hd], positions, hd // 2, 10000.0 * cfg.rope_ratio)
-        kh = _complex_rotary_reference(k[:, g * hd:(g + 1) * hd], positions, hd // 2, 10000.0 * cfg.rope_ratio)
+        qh = _complex_rotary_reference(q[:, h * hd : (h + 1) * hd], positions, hd // 2, 10000.0 * cfg.rope_ratio)
+        kh = _complex_rotary_reference(k[:, g * hd : (g + 1) * hd], positions, hd // 2, 10000.0 * cfg.rope_ratio)
         scores = qh @ kh.T / math.sqrt(hd)
         scores = scores.masked_fill(torch.ones(S, S).triu(1).bool(), float("-inf"))
-        heads.append(torch.softmax(scores, -1) @ v[:, g * hd:(g + 1) * hd])
+        heads.append(torch.softmax(scores, -1) @ v[:, g * hd : (g + 1) * hd])
     return torch.cat(heads, -1) @ attn.dense.weight.T
 
 
@@ -191,6 +201,7 @@ def test_padding_masks_do_not_change_real_tokens():
 
 # ---------------------------------------------------------------- generation
 
+
 def test_greedy_generate_with_kv_cache_equals_without_cache():
     model = tiny_model(dtype=torch.float32)
     prompts = torch.tensor([[0, 0, 11, 12, 13], [21, 22, 23, 24, 25]])
@@ -213,6 +224,7 @@ def test_kv_cache_holds_only_the_kv_groups():
 
 
 # ---------------------------------------------------------------- gradient checkpointing
+
 
 def _saved_bytes_and_grads(model, ids):
     saved = {}
@@ -247,6 +259,7 @@ def test_checkpointing_engages_shrinks_saved_activations_and_keeps_gradients(ree
 
 
 # ---------------------------------------------------------------- checkpoint folders
+
 
 def _logits(model, ids):
     with torch.no_grad():
@@ -283,12 +296,18 @@ def test_remote_code_in_folder_is_never_imported(tmp_path):
     (src / "tokenization_chatglm.py").write_text("raise RuntimeError('remote code was imported')\n")
     (src / "configuration_chatglm.py").write_text("raise RuntimeError('remote code was imported')\n")
     cfg = (src / "config.json").read_text()
-    (src / "config.json").write_text(cfg.replace('"architectures"', '"auto_map": {"AutoConfig": '
-                                                 '"configuration_chatglm.ChatGLMConfig", "AutoModelForCausalLM": '
-                                                 '"modeling_chatglm.ChatGLMForConditionalGeneration"}, "architectures"'))
+    (src / "config.json").write_text(
+        cfg.replace(
+            '"architectures"',
+            '"auto_map": {"AutoConfig": '
+            '"configuration_chatglm.ChatGLMConfig", "AutoModelForCausalLM": '
+            '"modeling_chatglm.ChatGLMForConditionalGeneration"}, "architectures"',
+        )
+    )
     model = load_model(src)
     assert type(model) is ChatGLMForConditionalGeneration
     from glmtune.models import load_tokenizer
+
     assert load_tokenizer(src).encode("hello") != []
     # the opt-in path does run it, which is how we know the file would have failed
     with pytest.raises(RuntimeError, match="remote code was imported"):
@@ -297,6 +316,7 @@ def test_remote_code_in_folder_is_never_imported(tmp_path):
 
 def test_checkpoint_with_inv_freq_buffer_loads(tmp_path):
     from safetensors.torch import load_file, save_file
+
     src = make_tiny_checkpoint(tmp_path / "tiny")
     weights = load_file(src / "model.safetensors")
     weights["transformer.rotary_pos_emb.inv_freq"] = torch.ones(4)  # as the official files store it
@@ -306,6 +326,7 @@ def test_checkpoint_with_inv_freq_buffer_loads(tmp_path):
 
 def test_missing_weights_are_an_error(tmp_path):
     from safetensors.torch import load_file, save_file
+
     src = make_tiny_checkpoint(tmp_path / "tiny")
     weights = load_file(src / "model.safetensors")
     del weights["transformer.output_layer.weight"]

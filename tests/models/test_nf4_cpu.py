@@ -3,6 +3,7 @@ D7), on either CPU kind. bitsandbytes 0.50 decides per layer, at construction, f
 eval-mode forward repacks the weight for its bf16 kernel; the "avx512bf16" kind patches that check to True, so its
 real packing code runs as on such a CPU. Only the packed kernel itself needs the instruction set (without it the
 packed forward's numbers are meaningless here; none is compared)."""
+
 import importlib.util
 import os
 import subprocess
@@ -74,17 +75,32 @@ def _base_state(model) -> list:
         weight = layer.weight
         state = weight.quant_state
         nested = getattr(state, "state2", None)
-        out.append((name, weight.data.clone(), state.absmax.clone(), state.code.clone(), state.dtype,
-                    tuple(state.shape), bool(state.nested), getattr(state, "offset", None),
-                    None if nested is None else (nested.absmax.clone(), nested.code.clone()),
-                    bool(getattr(state, "packing_format_for_cpu", False))))
+        out.append(
+            (
+                name,
+                weight.data.clone(),
+                state.absmax.clone(),
+                state.code.clone(),
+                state.dtype,
+                tuple(state.shape),
+                bool(state.nested),
+                getattr(state, "offset", None),
+                None if nested is None else (nested.absmax.clone(), nested.code.clone()),
+                bool(getattr(state, "packing_format_for_cpu", False)),
+            )
+        )
     return out
 
 
 def _same(a, b) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                and a.shape == b.shape and torch.equal(a, b))
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
     if isinstance(a, tuple) and isinstance(b, tuple):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     return a == b
@@ -108,8 +124,7 @@ def test_a_training_step_after_an_evaluation_equals_the_step_on_a_fresh_model(cp
     evaluated.eval()  # what an evaluation does: the loss under no_grad, and generation with a KV cache
     with torch.no_grad():
         evaluated(**batch, labels=ids)
-        evaluated.generate(input_ids=ids[:1, :8], max_new_tokens=3, do_sample=False, pad_token_id=0,
-                           eos_token_id=None)
+        evaluated.generate(input_ids=ids[:1, :8], max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None)
     after = _base_state(evaluated)
     assert not any(entry[-1] for entry in after), "a layer was repacked"
     assert all(_same(a, b) for a, b in zip(after, pristine)) and len(after) == len(pristine) == 8
@@ -149,12 +164,18 @@ sys.meta_path.insert(0, AVX512BF16())
 def test_the_kernels_hint_of_bitsandbytes_never_reaches_the_console_of_a_quantized_run():
     path = ensure_tiny("glm4")
     plain = EMULATE + "import bitsandbytes\n"
-    glmtune = EMULATE + ("import torch\nfrom glmtune.models.quantize import load_quantized\n"
-                         f"model = load_quantized({str(path)!r}, 'nf4', torch.float32)\n"
-                         "from bitsandbytes.functional import has_avx512bf16\nassert has_avx512bf16()\n")
+    glmtune = EMULATE + (
+        "import torch\nfrom glmtune.models.quantize import load_quantized\n"
+        f"model = load_quantized({str(path)!r}, 'nf4', torch.float32)\n"
+        "from bitsandbytes.functional import has_avx512bf16\nassert has_avx512bf16()\n"
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env) for code in (plain, glmtune)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        for code in (plain, glmtune)
+    ]
     (plain_out, plain_err), (out, err) = (p.communicate(timeout=300) for p in procs)
     assert procs[0].returncode == 0 and procs[1].returncode == 0, plain_err[-2000:] + err[-2000:]
     if importlib.util.find_spec("kernels") is None:  # with it installed bitsandbytes may load its kernel quietly

@@ -1,5 +1,6 @@
 """model.quantize=nf4|int8: bitsandbytes base weights on CPU — storage vs the estimator, QLoRA training, the adapter
 on the unquantized base, inference and merging with a quantized base, the plan on 24 GB cards."""
+
 import json
 import math
 import subprocess
@@ -10,6 +11,7 @@ import torch
 
 pytest.importorskip("bitsandbytes")
 
+from helpers.files import write_fixed  # noqa: E402
 from peft import PeftModel  # noqa: E402
 
 from glmtune.config import ConfigError, DataConfig, LoraConfig, ModelConfig, RunConfig, TrainConfig, parse_config  # noqa: E402
@@ -20,7 +22,6 @@ from glmtune.models.quantize import load_quantized, quantized_linear_names, weig
 from glmtune.plan.estimate import RunShape, estimate, frozen_params  # noqa: E402
 from glmtune.plan.planner import make_plan  # noqa: E402
 from glmtune.train.trainer import train  # noqa: E402
-from helpers.files import write_fixed  # noqa: E402
 
 
 @pytest.mark.parametrize("family", ["glm4", "glm4v"])
@@ -49,8 +50,10 @@ def test_quantized_model_computes_what_the_full_model_does_within_quantization_e
     ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         full = load_model(path, dtype="float32").eval()(input_ids=ids).logits
-        errors = {q: ((load_quantized(path, q, torch.float32)(input_ids=ids).logits - full).norm() / full.norm()).item()
-                  for q in ("int8", "nf4")}
+        errors = {
+            q: ((load_quantized(path, q, torch.float32)(input_ids=ids).logits - full).norm() / full.norm()).item()
+            for q in ("int8", "nf4")
+        }
     # Relative logit error on random weights: int8 ~3%, NF4 ~30% (4 bits on a Gaussian); a wrong layout or
     # scale (transposed weight, absmax of the wrong block) gives ~100% or more.
     assert errors["int8"] < 0.08 and errors["nf4"] < 0.5 and errors["int8"] < errors["nf4"], errors
@@ -59,17 +62,23 @@ def test_quantized_model_computes_what_the_full_model_does_within_quantization_e
 @pytest.mark.parametrize("quantize", ["nf4", "int8"])
 def test_qlora_finetune_loss_falls_and_adapter_loads_on_the_unquantized_base(tmp_path, quantize):
     model_dir = ensure_tiny("glm4")
-    run = RunConfig(model=ModelConfig(quantize=quantize),
-                    data=DataConfig(train_file=str(write_fixed(tmp_path / "fixed.jsonl")), val_file=None),
-                    lora=LoraConfig(target_modules=["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]),
-                    train=TrainConfig(max_steps=40, learning_rate=1e-2, per_device_batch_size=4, logging_steps=1))
+    run = RunConfig(
+        model=ModelConfig(quantize=quantize),
+        data=DataConfig(train_file=str(write_fixed(tmp_path / "fixed.jsonl")), val_file=None),
+        lora=LoraConfig(target_modules=["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]),
+        train=TrainConfig(max_steps=40, learning_rate=1e-2, per_device_batch_size=4, logging_steps=1),
+    )
     tokenizer = load_tokenizer(model_dir)
     train_set, _, _ = build_datasets(run.data, tokenizer)
     choices = make_plan(run, load_config(model_dir), 1, user_set_max_length=False).choices
-    metrics, model = train(run, choices, tmp_path / "run", model_dir, train_set, None,
-                           DataCollator(tokenizer.pad_token_id))
-    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-              if "loss" in json.loads(line)]
+    metrics, model = train(
+        run, choices, tmp_path / "run", model_dir, train_set, None, DataCollator(tokenizer.pad_token_id)
+    )
+    losses = [
+        json.loads(line)["loss"]
+        for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        if "loss" in json.loads(line)
+    ]
     # Near ln(1280) = 7.15 at the start; the adapters memorise four replies on top of the quantized base.
     assert losses[0] > 0.8 * math.log(1280)
     assert losses[-1] < 0.5 * losses[0], losses
@@ -129,8 +138,14 @@ def test_glm4v_plans_on_one_24gb_card_with_nf4_and_advice_names_it(tmp_path, rep
 def test_glm4_32k_plans_on_one_24gb_card_with_nf4(tmp_path, repo):
     """40 x 32,768 tokens x 4096 x 2 B = 10.7 GiB of checkpointed block inputs: it fits because the plan also
     keeps those in pinned CPU memory (offload_checkpoints)."""
-    out = _plan("model=glm4_9b_chat", "+hw=rtx4090_24g", "model.quantize=nf4", "data.max_length=32768",
-                cwd=repo, tmp_path=tmp_path)
+    out = _plan(
+        "model=glm4_9b_chat",
+        "+hw=rtx4090_24g",
+        "model.quantize=nf4",
+        "data.max_length=32768",
+        cwd=repo,
+        tmp_path=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
 
 
@@ -138,23 +153,29 @@ def test_infer_with_a_quantized_base_and_merge_into_the_full_weights(tmp_path, r
     """mode=infer with model.quantize=nf4: predictions come from the NF4 base + unmerged adapter; merge_to writes
     the full-precision base + adapter in the official layout (not dequantized NF4 weights)."""
     import peft
+    from helpers.files import PROMPTS, write_jsonl
 
     from glmtune.config import InferConfig
     from glmtune.infer.generate import generate, run_infer
-    from helpers.files import PROMPTS, write_jsonl
 
     base_dir = ensure_tiny("glm4")
     torch.manual_seed(0)  # an adapter with non-zero B, so it changes the outputs
-    lora = peft.LoraConfig(r=4, lora_alpha=32, target_modules=["query_key_value", "dense_h_to_4h"],
-                           init_lora_weights=False)
+    lora = peft.LoraConfig(
+        r=4, lora_alpha=32, target_modules=["query_key_value", "dense_h_to_4h"], init_lora_weights=False
+    )
     peft.get_peft_model(load_model(base_dir), lora).save_pretrained(tmp_path / "adapter")
-    cfg = InferConfig(prompts_file=str(write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)),
-                      adapter=str(tmp_path / "adapter"), max_new_tokens=8, batch_size=2,
-                      merge_to=str(tmp_path / "merged"))
+    cfg = InferConfig(
+        prompts_file=str(write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)),
+        adapter=str(tmp_path / "adapter"),
+        max_new_tokens=8,
+        batch_size=2,
+        merge_to=str(tmp_path / "merged"),
+    )
     run_dir = tmp_path / "run"  # an export never lies inside the run dir (infer/targets.py)
     run_dir.mkdir()
-    result = run_infer(cfg, ModelConfig(name="glm4_tiny", quantize="nf4"), None, base_dir,
-                       load_tokenizer(base_dir), run_dir)
+    result = run_infer(
+        cfg, ModelConfig(name="glm4_tiny", quantize="nf4"), None, base_dir, load_tokenizer(base_dir), run_dir
+    )
     rows = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
     assert result["count"] == 3 and [r["line"] for r in rows] == [1, 2, 3]
     assert list(result["placement"]) == ["cpu"]
@@ -174,9 +195,25 @@ def test_infer_with_a_quantized_base_and_merge_into_the_full_weights(tmp_path, r
 
 
 def test_quantized_bench_runs_on_cpu_with_the_tiny_architecture(tmp_path, repo):
-    out = subprocess.run([sys.executable, "bench/quantized.py", "--tiny", "--lengths", "32", "--steps", "1",
-                          "--modes", "bf16,nf4", "--ckpt", str(tmp_path / "ckpt")], cwd=repo, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "bench/quantized.py",
+            "--tiny",
+            "--lengths",
+            "32",
+            "--steps",
+            "1",
+            "--modes",
+            "bf16,nf4",
+            "--ckpt",
+            str(tmp_path / "ckpt"),
+        ],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith(("| bf16 |", "| nf4 |"))]
     assert len(rows) == 2
@@ -195,8 +232,15 @@ def test_quantized_cli_run_trains_evaluates_generates_and_saves(tmp_path, quanti
     from helpers.cli import glmtune
 
     run = tmp_path / "run"
-    out = glmtune(f"model.quantize={quantize}", "train.max_steps=4", "train.eval_steps=2", "eval.generate=true",
-                  "eval.max_examples=2", "eval.max_new_tokens=4", f"hydra.run.dir={run}")
+    out = glmtune(
+        f"model.quantize={quantize}",
+        "train.max_steps=4",
+        "train.eval_steps=2",
+        "eval.generate=true",
+        "eval.max_examples=2",
+        "eval.max_new_tokens=4",
+        f"hydra.run.dir={run}",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert (run / "adapter" / "adapter_model.safetensors").is_file()
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -1,5 +1,6 @@
 """Tiled MLP (issue 30 item 4): same loss and LoRA gradients as untiled, one tile's intermediate at a time,
 the estimator's terms against measured live bytes, the plan's rung, and runs through `python -m glmtune`."""
+
 from __future__ import annotations
 
 import json
@@ -7,19 +8,18 @@ import subprocess
 
 import pytest
 import torch
+from helpers import BIN
+from helpers.cli import glmtune_in_process
+from helpers.launch import ranks_env
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from glmtune.config import LoraConfig
 from glmtune.models import ChatGLMForConditionalGeneration, GLMConfig, enable_checkpointing
-from glmtune.models.loading import TINY_ARCH
 from glmtune.models.kernels.tiling import set_mlp_tile_tokens
+from glmtune.models.loading import TINY_ARCH
 from glmtune.plan.estimate import RunShape, estimate
 from glmtune.probe.track import measure_lora_step
 from glmtune.train.lora import apply_lora, trainable_parameters
-
-from helpers.cli import glmtune_in_process
-from helpers import BIN
-from helpers.launch import ranks_env
 
 TINY = GLMConfig(**TINY_ARCH, padded_vocab_size=1024)
 ALL = ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
@@ -52,8 +52,11 @@ IDS = torch.randint(0, 1024, (2, 100), generator=torch.Generator().manual_seed(1
 
 
 @pytest.mark.parametrize("checkpointing", [None, True, False], ids=["no-ckpt", "reentrant", "non-reentrant"])
-@pytest.mark.parametrize("targets,zero3_tiles", [(ALL, False), (MLP_ONLY, False), (ALL, True), (MLP_ONLY, True)],
-                         ids=["all", "mlp-only", "all-reentrant-tiles", "mlp-only-reentrant-tiles"])
+@pytest.mark.parametrize(
+    "targets,zero3_tiles",
+    [(ALL, False), (MLP_ONLY, False), (ALL, True), (MLP_ONLY, True)],
+    ids=["all", "mlp-only", "all-reentrant-tiles", "mlp-only-reentrant-tiles"],
+)
 def test_tiled_equals_untiled_loss_and_every_lora_gradient(checkpointing, targets, zero3_tiles):
     """Blocks unchecked, reentrant or not; tiles of either kind; LoRA on both projections (mlp-only: no input of
     the MLP requires grad without block checkpointing, the case reentrant tiles need their detached copy for)."""
@@ -71,8 +74,10 @@ def test_lora_dropout_masks_are_replayed_through_both_checkpoint_levels(zero3_ti
     """With LoRA dropout the tiles draw their masks tile by tile (so tiled differs from untiled bit for bit, equal
     in expectation, as another micro-batch split does). Each recompute, the block's and the tile's, must replay the
     forward's masks: then blocks checkpointed either way give the unchecked blocks' loss and gradients."""
-    results = [loss_and_grads(lora_model(ALL, ckpt, 48, dropout=0.3, zero3_tiles=zero3_tiles), IDS)
-               for ckpt in (None, True, False)]
+    results = [
+        loss_and_grads(lora_model(ALL, ckpt, 48, dropout=0.3, zero3_tiles=zero3_tiles), IDS)
+        for ckpt in (None, True, False)
+    ]
     (ref_loss, ref), rest = results[0], results[1:]
     for loss, grads in rest:
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
@@ -91,9 +96,13 @@ class WidestIntermediate(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if (isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] in (self.ffn, 2 * self.ffn)
-                    and t.untyped_storage().data_ptr() not in self.weights):
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if (
+                isinstance(t, torch.Tensor)
+                and t.dim() >= 2
+                and t.shape[-1] in (self.ffn, 2 * self.ffn)
+                and t.untyped_storage().data_ptr() not in self.weights
+            ):
                 self.rows = max(self.rows, t.numel() // t.shape[-1])
         return out
 
@@ -110,11 +119,14 @@ def test_no_intermediate_above_a_tile_exists_in_forward_or_backward(checkpointin
     assert seen == {0: 200, 48: 48}
 
 
-@pytest.mark.parametrize("kw", [
-    dict(dtype="fp32", lora_targets=tuple(ALL)),
-    dict(dtype="fp32", lora_targets=("query_key_value",)),
-    dict(dtype="bf16", lora_targets=tuple(ALL)),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(dtype="fp32", lora_targets=tuple(ALL)),
+        dict(dtype="fp32", lora_targets=("query_key_value",)),
+        dict(dtype="bf16", lora_targets=tuple(ALL)),
+    ],
+)
 def test_estimate_of_a_tiled_step_within_5_percent_of_measured(kw):
     """At 1,024 tokens the tiny model's peak is the recomputed block's MLP: tiled at 64 tokens the measured live bytes
     drop by ~40 %, and the estimate follows them (the tolerance of tests/plan/test_memory.py)."""
@@ -133,8 +145,14 @@ def test_the_plan_tiles_the_mlp_at_256k_on_an_a100_80g(tmp_path):
     plans = {}
     for tiled in ("auto", "off"):
         out = tmp_path / tiled
-        proc = glmtune_in_process("mode=plan", "model=glm4_9b_chat", "+hw=a100_80g", "data.max_length=262144",
-                                  f"train.tiled_mlp={tiled}", f"hydra.run.dir={out}")
+        proc = glmtune_in_process(
+            "mode=plan",
+            "model=glm4_9b_chat",
+            "+hw=a100_80g",
+            "data.max_length=262144",
+            f"train.tiled_mlp={tiled}",
+            f"hydra.run.dir={out}",
+        )
         assert proc.returncode in (0, 3), proc.stderr[-2000:]  # 3: does not fit (host memory is another helper's)
         plans[tiled] = json.loads((out / "plan.json").read_text())
     auto, off = plans["auto"], plans["off"]
@@ -142,8 +160,10 @@ def test_the_plan_tiles_the_mlp_at_256k_on_an_a100_80g(tmp_path):
     assert "MLP" in auto["reasons"]["mlp_tile_tokens"] or "intermediate" in auto["reasons"]["mlp_tile_tokens"]
     # Kept by the recomputed block: the fused output and silu's (3 x 13,696 x 2 B per token: 20 GiB) give way to
     # the tiles' input (8 KiB per token: 2 GiB); the working set is then post_attention_layernorm's backward.
-    shrink = {term: off["breakdown"][term] - auto["breakdown"][term]
-              for term in ("recomputed block (checkpointing)", "block backward working set")}
+    shrink = {
+        term: off["breakdown"][term] - auto["breakdown"][term]
+        for term in ("recomputed block (checkpointing)", "block backward working set")
+    }
     assert shrink["recomputed block (checkpointing)"] > 15 * 2**30 and shrink["block backward working set"] > 4 * 2**30
     assert auto["peak_bytes"] < off["peak_bytes"] - 20 * 2**30
 
@@ -151,16 +171,30 @@ def test_the_plan_tiles_the_mlp_at_256k_on_an_a100_80g(tmp_path):
 def write_long(path, rows: int = 6):
     """Conversations of ~300 tiny-tokenizer tokens: longer than the tiny model's 128-token tile."""
     count = " ".join(str(i) for i in range(90))
-    lines = [{"messages": [{"role": "user", "content": f"Count for me, round {k}."},
-                           {"role": "assistant", "content": f"Round {k}: {count}"}]} for k in range(rows)]
+    lines = [
+        {
+            "messages": [
+                {"role": "user", "content": f"Count for me, round {k}."},
+                {"role": "assistant", "content": f"Round {k}: {count}"},
+            ]
+        }
+        for k in range(rows)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     return path
 
 
 def test_training_through_the_cli_with_tiled_mlp_on(tmp_path):
     data, out = write_long(tmp_path / "long.jsonl"), tmp_path / "run"
-    proc = glmtune_in_process("train.tiled_mlp=on", f"data.train_file={data}", "data.val_file=null",
-                              "train.max_steps=2", "train.logging_steps=1", "lora=all_linear", f"hydra.run.dir={out}")
+    proc = glmtune_in_process(
+        "train.tiled_mlp=on",
+        f"data.train_file={data}",
+        "data.val_file=null",
+        "train.max_steps=2",
+        "train.logging_steps=1",
+        "lora=all_linear",
+        f"hydra.run.dir={out}",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     plan = json.loads((out / "plan.json").read_text())
     assert plan["choices"]["mlp_tile_tokens"] == 2 * TINY.hidden_size == 128
@@ -185,11 +219,31 @@ def test_two_ranks_train_the_same_adapter_tiled_or_not(tmp_path, repo, dist):
     for tiled in ("on", "off"):
         out = tmp_path / tiled
         proc = subprocess.run(
-            [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "glmtune", f"dist={dist}",
-             "lora=all_linear", "lora.dropout=0", f"data.train_file={data}", "data.val_file=null",
-             "train.max_steps=3", "train.gradient_checkpointing=on", "train.logging_steps=1", "probe.enabled=false",
-             f"train.tiled_mlp={tiled}", f"hydra.run.dir={out}"],
-            cwd=repo, env=ranks_env(), capture_output=True, text=True, timeout=900)
+            [
+                str(BIN / "torchrun"),
+                "--standalone",
+                "--nproc_per_node",
+                "2",
+                "-m",
+                "glmtune",
+                f"dist={dist}",
+                "lora=all_linear",
+                "lora.dropout=0",
+                f"data.train_file={data}",
+                "data.val_file=null",
+                "train.max_steps=3",
+                "train.gradient_checkpointing=on",
+                "train.logging_steps=1",
+                "probe.enabled=false",
+                f"train.tiled_mlp={tiled}",
+                f"hydra.run.dir={out}",
+            ],
+            cwd=repo,
+            env=ranks_env(),
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert proc.returncode == 0, proc.stderr[-4000:]
         plan = json.loads((out / "plan.json").read_text())["choices"]
         assert plan["zero_stage"] == (3 if dist == "zero3" else 0)

@@ -6,19 +6,18 @@ query heads (one per rank at SP 4: the 2 KV groups are replicated) and 8; plain 
 documents cross every shard boundary; with reentrant and non-reentrant checkpointing; GLM-4V with three images
 merged into the whole rows before they are cut (plain and packed rows).
 """
+
 from __future__ import annotations
 
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import BIN
 
 from glmtune.models.kernels.ulysses import SequenceGroup, shard
-
-from helpers import BIN
 
 WORKER = Path(__file__).with_name("sp_worker.py")
 
@@ -26,8 +25,13 @@ WORKER = Path(__file__).with_name("sp_worker.py")
 @pytest.mark.slow
 def test_sequence_parallel_matches_one_process(tmp_path, repo):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    out = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "4", str(WORKER), str(tmp_path)],
-                         capture_output=True, text=True, env=env, timeout=600)
+    out = subprocess.run(
+        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "4", str(WORKER), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     for rank in range(4):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())["results"]

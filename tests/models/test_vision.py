@@ -1,4 +1,5 @@
 """GLM-4V: official parameter names and count, image-token layout, mixed image/text training, data errors, plan."""
+
 from __future__ import annotations
 
 import json
@@ -9,19 +10,18 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers import REPO
 from peft import PeftModel
 
 from glmtune.config import DataConfig, HwConfig, LoraConfig, RunConfig, TrainConfig
 from glmtune.data.pipeline import DataCollator, DataError, build_datasets, encode_conversation
-from glmtune.train.lora import _targets, apply_lora
-from glmtune.plan.estimate import frozen_params, image_extra_tokens, vision_params
 from glmtune.models import build_meta_model, load_config, load_model, load_tokenizer, released_config
-from glmtune.models.presets import ensure_tiny
 from glmtune.models.chatglm.vision import CLIP_MEAN, CLIP_STD, load_image, num_image_tokens
+from glmtune.models.presets import ensure_tiny
+from glmtune.plan.estimate import frozen_params, image_extra_tokens, vision_params
 from glmtune.plan.planner import make_plan
+from glmtune.train.lora import _targets
 from glmtune.train.trainer import train
-
-from helpers import REPO
 
 SAMPLES = REPO / "data" / "samples_vision"
 
@@ -78,8 +78,7 @@ def test_glm4v_9b_meta_names_and_exact_parameter_count():
 
 def test_lora_targets_skip_the_vision_tower():
     model = build_meta_model(released_config("glm4v_9b"))
-    pattern = _targets(model, LoraConfig(target_modules=["query_key_value", "dense", "dense_h_to_4h",
-                                                          "dense_4h_to_h"]))
+    pattern = _targets(model, LoraConfig(target_modules=["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]))
     hits = [n for n, _ in model.named_modules() if re.fullmatch(pattern, n)]
     assert len(hits) == 40 * 4 and not any(".vision." in n for n in hits)
     text = build_meta_model(released_config("glm4_9b_chat"))
@@ -112,32 +111,52 @@ def test_image_tokens_positions_and_labels_are_placed_as_the_official_model(tiny
     ids, labels = encode_conversation(messages, tok)
     reply = tok.encode("\nRed.")
     # Hand-written: [gMASK] <sop> <|user|> "\n" boi eot eoi "Hi" <|assistant|> "\nRed." <|user|>
-    assert ids == [*tok.prefix_ids(), user, *tok.encode("\n"), boi, eot, eoi, *tok.encode("Hi"), assistant,
-                   *reply, user]
-    text_ids, text_labels = encode_conversation([{"role": "user", "content": "Hello there friend"},
-                                                 {"role": "assistant", "content": "Hi."}], tok)
+    assert ids == [
+        *tok.prefix_ids(),
+        user,
+        *tok.encode("\n"),
+        boi,
+        eot,
+        eoi,
+        *tok.encode("Hi"),
+        assistant,
+        *reply,
+        user,
+    ]
+    text_ids, text_labels = encode_conversation(
+        [{"role": "user", "content": "Hello there friend"}, {"role": "assistant", "content": "Hi."}], tok
+    )
     model = load_model(model_dir).eval()
     batch = DataCollator(tok.pad_token_id, image_size=56)(
-        [{"input_ids": ids, "labels": labels, "image": str(SAMPLES / "images/red_square.png")},
-         {"input_ids": text_ids, "labels": text_labels}])
+        [
+            {"input_ids": ids, "labels": labels, "image": str(SAMPLES / "images/red_square.png")},
+            {"input_ids": text_ids, "labels": text_labels},
+        ]
+    )
     assert batch["images"].shape == (1, 3, 56, 56) and batch["image_rows"].tolist() == [0]
     s = batch["input_ids"].shape[1]
     with torch.no_grad():
         embeds, pos, mask, lab, _ = model.transformer.merge_images(
-            batch["input_ids"], None, None, batch["attention_mask"], batch["labels"], batch["images"],
-            batch["image_rows"])
+            batch["input_ids"],
+            None,
+            None,
+            batch["attention_mask"],
+            batch["labels"],
+            batch["images"],
+            batch["image_rows"],
+        )
         features = model.transformer.vision(batch["images"])
         words = model.transformer.embedding(batch["input_ids"])
     assert embeds.shape[:2] == (2, s + n - 1)
     b = ids.index(boi)  # = 4
     tail = len(ids) - (b + 3)  # tokens after eoi
     # Row 0 (image): positions 0..b, then b+1 for all N patches, then eoi at b+2 and onwards.
-    assert pos[0].tolist()[:len(ids) + n - 1] == [*range(b + 1), *[b + 1] * n, *range(b + 2, len(ids))]
-    assert lab[0].tolist()[:len(ids) + n - 1] == [*labels[:b + 1], *[-100] * n, *labels[b + 2:]]
+    assert pos[0].tolist()[: len(ids) + n - 1] == [*range(b + 1), *[b + 1] * n, *range(b + 2, len(ids))]
+    assert lab[0].tolist()[: len(ids) + n - 1] == [*labels[: b + 1], *[-100] * n, *labels[b + 2 :]]
     assert mask[0].tolist() == [1] * (len(ids) + n - 1) + [0] * (s - len(ids))
     torch.testing.assert_close(embeds[0, :b], words[0, :b])  # text before the image
-    torch.testing.assert_close(embeds[0, b:b + n + 2], features[0])  # boi, N patches, eoi from the tower
-    torch.testing.assert_close(embeds[0, b + n + 2:b + n + 2 + tail], words[0, b + 3:len(ids)])
+    torch.testing.assert_close(embeds[0, b : b + n + 2], features[0])  # boi, N patches, eoi from the tower
+    torch.testing.assert_close(embeds[0, b + n + 2 : b + n + 2 + tail], words[0, b + 3 : len(ids)])
     # Row 1 (text only, no placeholder image): unchanged, right-padded by N - 1 masked, unlabelled positions.
     assert lab[1].tolist() == batch["labels"][1].tolist() + [-100] * (n - 1)
     assert mask[1].tolist() == batch["attention_mask"][1].tolist() + [0] * (n - 1)
@@ -152,9 +171,11 @@ def test_image_tokens_positions_and_labels_are_placed_as_the_official_model(tiny
 
 def test_image_and_text_samples_train_together_and_adapter_reloads(tiny, tmp_path):
     model_dir, config, tok = tiny
-    run = RunConfig(data=DataConfig(train_file=str(SAMPLES / "train.jsonl"), val_file=None),
-                    lora=LoraConfig(target_modules=["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]),
-                    train=TrainConfig(max_steps=40, learning_rate=1e-2, per_device_batch_size=4, logging_steps=1))
+    run = RunConfig(
+        data=DataConfig(train_file=str(SAMPLES / "train.jsonl"), val_file=None),
+        lora=LoraConfig(target_modules=["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]),
+        train=TrainConfig(max_steps=40, learning_rate=1e-2, per_device_batch_size=4, logging_steps=1),
+    )
     train_set, _, stats = build_datasets(run.data, tok, config.vision_config)
     assert stats.train.images == 5 and stats.train.kept == 7 and stats.train.image_tokens == 5 * (n_emb := 6)
     collator = DataCollator(tok.pad_token_id, image_size=config.vision_config["image_size"])
@@ -162,8 +183,11 @@ def test_image_and_text_samples_train_together_and_adapter_reloads(tiny, tmp_pat
     assert batch["image_rows"].tolist() == [0, 3] and n_emb == num_image_tokens(config.vision_config) + 2
     choices = make_plan(run, config, 1, user_set_max_length=False).choices
     metrics, model = train(run, choices, tmp_path / "run", model_dir, train_set, None, collator)
-    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-              if "loss" in json.loads(line)]
+    losses = [
+        json.loads(line)["loss"]
+        for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        if "loss" in json.loads(line)
+    ]
     assert losses[0] > 0.8 * math.log(1280) and losses[-1] < 0.5 * losses[0], losses
     assert not any(".vision." in n for n, p in model.named_parameters() if p.requires_grad)
     model.eval()
@@ -182,15 +206,27 @@ def _write(path: Path, rows: list) -> Path:
 A = {"role": "assistant", "content": "ok"}
 
 
-@pytest.mark.parametrize("rows, message", [
-    ([[{"role": "user", "content": "q", "image": "missing.png"}, A]], r"bad\.jsonl:1: image not found: .*missing\.png"),
-    ([[{"role": "user", "content": "q"}, A], [{"role": "user", "content": "q", "image": "junk.png"}, A]],
-     r"bad\.jsonl:2: image cannot be read: .*junk\.png"),
-    ([[{"role": "user", "content": "q"}, A, {"role": "user", "content": "q", "image": "ok.png"}, A]],
-     r"bad\.jsonl:1: messages\[2\] has an \"image\", but only the first user message"),
-    ([[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "image": "ok.png"}]],
-     r"bad\.jsonl:1: messages\[1\] \(assistant\) has an \"image\""),
-])
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        (
+            [[{"role": "user", "content": "q", "image": "missing.png"}, A]],
+            r"bad\.jsonl:1: image not found: .*missing\.png",
+        ),
+        (
+            [[{"role": "user", "content": "q"}, A], [{"role": "user", "content": "q", "image": "junk.png"}, A]],
+            r"bad\.jsonl:2: image cannot be read: .*junk\.png",
+        ),
+        (
+            [[{"role": "user", "content": "q"}, A, {"role": "user", "content": "q", "image": "ok.png"}, A]],
+            r"bad\.jsonl:1: messages\[2\] has an \"image\", but only the first user message",
+        ),
+        (
+            [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "image": "ok.png"}]],
+            r"bad\.jsonl:1: messages\[1\] \(assistant\) has an \"image\"",
+        ),
+    ],
+)
 def test_bad_images_are_one_line_data_errors(tmp_path, tiny, rows, message):
     from PIL import Image
 
@@ -201,8 +237,9 @@ def test_bad_images_are_one_line_data_errors(tmp_path, tiny, rows, message):
 
 
 def test_relative_image_paths_resolve_against_the_data_file_and_text_models_refuse_images(tiny):
-    train_set, _, _ = build_datasets(DataConfig(train_file=str(SAMPLES / "train.jsonl")), tiny[2],
-                                     tiny[1].vision_config)
+    train_set, _, _ = build_datasets(
+        DataConfig(train_file=str(SAMPLES / "train.jsonl")), tiny[2], tiny[1].vision_config
+    )
     assert train_set[0]["image"] == str((SAMPLES / "images" / "red_square.png").resolve())
     with pytest.raises(DataError, match=r"train\.jsonl:1: has an \"image\" but this model has no vision tower"):
         build_datasets(DataConfig(train_file=str(SAMPLES / "train.jsonl")), tiny[2], None)

@@ -1,4 +1,5 @@
 """Sweeps: a multirun records every trial (failed ones too) and writes a summary; optuna and SLURM presets."""
+
 import importlib.util
 import json
 import math
@@ -19,8 +20,14 @@ HAS_SUBMITIT = importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher")
 
 
 def multirun(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "glmtune", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    return subprocess.run(
+        [sys.executable, "-m", "glmtune", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "2"},
+    )
 
 
 def trials(sweep_dir):
@@ -29,8 +36,14 @@ def trials(sweep_dir):
 
 @pytest.mark.slow
 def test_grid_sweep_records_a_failed_trial_and_finishes_the_others(tmp_path, repo):
-    proc = multirun("-m", "lora.target_modules=[query_key_value],[no_such_layer],[dense]", "train.max_steps=2",
-                    "probe.enabled=false", f"hydra.sweep.dir={tmp_path}", cwd=repo)
+    proc = multirun(
+        "-m",
+        "lora.target_modules=[query_key_value],[no_such_layer],[dense]",
+        "train.max_steps=2",
+        "probe.enabled=false",
+        f"hydra.sweep.dir={tmp_path}",
+        cwd=repo,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = sorted(trials(tmp_path), key=lambda r: r["num"])
     assert [r["status"] for r in rows] == ["ok", "failed", "ok"]
@@ -48,15 +61,24 @@ def test_grid_sweep_records_a_failed_trial_and_finishes_the_others(tmp_path, rep
 def test_plan_sweep_records_a_trial_that_does_not_fit(tmp_path, repo):
     from helpers.cli import glmtune_in_process  # a multirun of plans: Hydra's basic launcher, in this process
 
-    proc = glmtune_in_process("-m", "mode=plan", "model=glm4_9b_chat", "+hw=rtx4090_24g", "data.max_length=512,131072",
-                              f"hydra.sweep.dir={tmp_path}", cwd=repo)
+    proc = glmtune_in_process(
+        "-m",
+        "mode=plan",
+        "model=glm4_9b_chat",
+        "+hw=rtx4090_24g",
+        "data.max_length=512,131072",
+        f"hydra.sweep.dir={tmp_path}",
+        cwd=repo,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = sorted(trials(tmp_path), key=lambda r: r["num"])
     assert [r["status"] for r in rows] == ["ok", "does not fit"] and rows[1]["exit_code"] == 3
     assert rows[1]["fits"] is False and "data.max_length=" in rows[1]["error"]  # the plan's advice
     assert "| does not fit | no |" in (tmp_path / "summary.md").read_text()
     # each trial says where the table is; the sweep ends on the best trial
-    assert proc.stdout.count(f"(table: {tmp_path / 'summary.md'}; one line per trial: {tmp_path / 'trials.jsonl'})") == 2
+    assert (
+        proc.stdout.count(f"(table: {tmp_path / 'summary.md'}; one line per trial: {tmp_path / 'trials.jsonl'})") == 2
+    )
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith(f"sweep done: 2 trials, 1 failed or not fitting; summary {tmp_path / 'summary.md'}")
     assert last.endswith("no trial has a loss (none trained, or all failed)")  # plans train nothing
@@ -65,8 +87,14 @@ def test_plan_sweep_records_a_trial_that_does_not_fit(tmp_path, repo):
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_OPTUNA, reason="hydra-optuna-sweeper not installed (pip install -e '.[sweep]')")
 def test_optuna_preset_runs_trials_and_summarises(tmp_path, repo):
-    proc = multirun("+hparams_search=lora_optuna", "hydra.sweeper.n_trials=2", "train.max_steps=2",
-                    "probe.enabled=false", f"hydra.sweep.dir={tmp_path}", cwd=repo)
+    proc = multirun(
+        "+hparams_search=lora_optuna",
+        "hydra.sweeper.n_trials=2",
+        "train.max_steps=2",
+        "probe.enabled=false",
+        f"hydra.sweep.dir={tmp_path}",
+        cwd=repo,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = trials(tmp_path)
     assert len(rows) == 2 and all(r["status"] == "ok" and r["metric"] > 0 for r in rows)
@@ -81,9 +109,17 @@ def test_slurm_preset_submission(tmp_path, repo, monkeypatch):
     from glmtune.config import CONF_DIR  # conf/ at the top of a checkout, glmtune/conf in a wheel
 
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
-        cfg = compose("config", return_hydra_config=True, overrides=[
-            "hydra/launcher=slurm", "hydra.launcher.nodes=2", "hydra.launcher.gpus_per_node=4",
-            "hydra.launcher.partition=gpu", f"hydra.sweep.dir={tmp_path}"])
+        cfg = compose(
+            "config",
+            return_hydra_config=True,
+            overrides=[
+                "hydra/launcher=slurm",
+                "hydra.launcher.nodes=2",
+                "hydra.launcher.gpus_per_node=4",
+                "hydra.launcher.partition=gpu",
+                f"hydra.sweep.dir={tmp_path}",
+            ],
+        )
     HydraConfig.instance().set_config(cfg)
     launcher = instantiate(cfg.hydra.launcher)
     launcher.config = cfg
@@ -110,26 +146,60 @@ def test_slurm_preset_submission(tmp_path, repo, monkeypatch):
 @pytest.mark.skipif(not HAS_SUBMITIT, reason="hydra-submitit-launcher not installed (pip install -e '.[slurm]')")
 def test_slurm_task_exports_the_torch_distributed_env(repo):
     # Task 5 of 8 (2 nodes x 4), as srun starts it: SLURM's variables only, no RANK.
-    slurm = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1",
-             "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[07-08]"}
-    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES")}
-    code = ("import json, os; from glmtune.launch import export_slurm_env; done = export_slurm_env(); "
-            "print(json.dumps([done, {k: os.environ.get(k) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', "
-            "'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT', 'CUDA_VISIBLE_DEVICES')}]))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=repo, env={**clean, **slurm}, capture_output=True,
-                         text=True, check=True).stdout
+    slurm = {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_NTASKS": "8",
+        "SLURM_PROCID": "5",
+        "SLURM_LOCALID": "1",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_NODEID": "1",
+        "SLURM_JOB_NODELIST": "gpu[07-08]",
+    }
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES")
+    }
+    code = (
+        "import json, os; from glmtune.launch import export_slurm_env; done = export_slurm_env(); "
+        "print(json.dumps([done, {k: os.environ.get(k) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', "
+        "'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT', 'CUDA_VISIBLE_DEVICES')}]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=repo, env={**clean, **slurm}, capture_output=True, text=True, check=True
+    ).stdout
     done, exported = json.loads(out)
-    assert done and exported == {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
-                                 "MASTER_ADDR": "gpu07", "MASTER_PORT": "24242", "CUDA_VISIBLE_DEVICES": None}
+    assert done and exported == {
+        "RANK": "5",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "8",
+        "LOCAL_WORLD_SIZE": "4",
+        "MASTER_ADDR": "gpu07",
+        "MASTER_PORT": "24242",
+        "CUDA_VISIBLE_DEVICES": None,
+    }
     # Under torchrun (RANK already set) it leaves the environment alone.
-    out = subprocess.run([sys.executable, "-c", code], cwd=repo, env={**clean, **slurm, "RANK": "0"},
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=repo,
+        env={**clean, **slurm, "RANK": "0"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert json.loads(out)[0] is False
 
 
 def test_a_multirun_in_which_every_trial_fails_exits_9(tmp_path, repo):
-    proc = multirun("-m", "mode=plan", "model=glm4_9b_chat", "+hw=t4_16g", "data.max_length=65536,131072",
-                    f"hydra.sweep.dir={tmp_path}", cwd=repo)
+    proc = multirun(
+        "-m",
+        "mode=plan",
+        "model=glm4_9b_chat",
+        "+hw=t4_16g",
+        "data.max_length=65536,131072",
+        f"hydra.sweep.dir={tmp_path}",
+        cwd=repo,
+    )
     assert proc.returncode == 9, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert [r["status"] for r in trials(tmp_path)] == ["does not fit", "does not fit"]
@@ -139,8 +209,16 @@ def test_a_multirun_in_which_every_trial_fails_exits_9(tmp_path, repo):
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_OPTUNA, reason="hydra-optuna-sweeper not installed (pip install -e '.[sweep]')")
 def test_an_optuna_sweep_in_which_every_trial_fails_says_so_in_glmtunes_words_only(tmp_path, repo):
-    proc = multirun("+hparams_search=lora_optuna", "hydra.sweeper.n_trials=2", "mode=plan", "model=glm4_9b_chat",
-                    "+hw=t4_16g", "data.max_length=131072", f"hydra.sweep.dir={tmp_path}", cwd=repo)
+    proc = multirun(
+        "+hparams_search=lora_optuna",
+        "hydra.sweeper.n_trials=2",
+        "mode=plan",
+        "model=glm4_9b_chat",
+        "+hw=t4_16g",
+        "data.max_length=131072",
+        f"hydra.sweep.dir={tmp_path}",
+        cwd=repo,
+    )
     assert proc.returncode == 9, proc.stderr[-3000:]
     assert "float-castable" not in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
     assert [r["status"] for r in trials(tmp_path)] == ["does not fit", "does not fit"]
@@ -153,9 +231,15 @@ def test_an_optuna_sweep_in_which_every_trial_fails_says_so_in_glmtunes_words_on
 @pytest.mark.skipif(not HAS_OPTUNA, reason="hydra-optuna-sweeper not installed (pip install -e '.[sweep]')")
 def test_optuna_study_goes_on_after_a_failed_trial_and_a_rerun_does_not_repeat_finished_trials(tmp_path, repo):
     sweep = tmp_path / "sweep"
-    args = ("+hparams_search=lora_optuna", "hydra.sweeper.n_trials=3",
-            '+hydra.sweeper.params={train.precision:"choice(fp32,fp16)"}', "train.max_steps=2",
-            "probe.enabled=false", "data.val_file=null", f"hydra.sweep.dir={sweep}")
+    args = (
+        "+hparams_search=lora_optuna",
+        "hydra.sweeper.n_trials=3",
+        '+hydra.sweeper.params={train.precision:"choice(fp32,fp16)"}',
+        "train.max_steps=2",
+        "probe.enabled=false",
+        "data.val_file=null",
+        f"hydra.sweep.dir={sweep}",
+    )
     proc = multirun(*args, cwd=repo)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -194,11 +278,26 @@ def test_a_submitit_job_signalled_before_its_time_limit_saves_is_requeued_and_re
     logged, as SLURM does `signal_delay_s` before the limit: glmtune finishes the step and writes a checkpoint,
     submitit's handler resubmits the job, and the requeued job resumes in the same trial dir and finishes."""
     steps, sweep = 400, tmp_path / "sweep"
-    proc = subprocess.Popen([sys.executable, "-m", "glmtune", "-m", "hydra/launcher=submitit_local",
-                             "hydra.launcher.timeout_min=10", f"train.max_steps={steps}", "data.val_file=null",
-                             "probe.enabled=false", "train.logging_steps=20", f"hydra.sweep.dir={sweep}"],
-                            cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "glmtune",
+            "-m",
+            "hydra/launcher=submitit_local",
+            "hydra.launcher.timeout_min=10",
+            f"train.max_steps={steps}",
+            "data.val_file=null",
+            "probe.enabled=false",
+            "train.logging_steps=20",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     metrics, deadline = sweep / "0" / "metrics.jsonl", time.monotonic() + 300
     while not (metrics.exists() and metrics.read_text().strip()):  # training has begun and logged a step
         assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
@@ -226,9 +325,18 @@ def test_sigterm_during_an_optuna_trial_stops_the_sweep_and_the_same_command_con
     """4 trials; SIGTERM while trial 1 trains: that trial saves and is recorded `stopped`, trial 2 never starts,
     exit 7 with one line. The same command (no hydra.sweep.dir: Hydra names a fresh one each launch) then finds
     the stopped sweep, keeps trial 0, resumes trial 1 from its checkpoint and runs trials 2 and 3."""
-    cmd = [sys.executable, "-m", "glmtune", "+hparams_search=lora_optuna", "hydra.sweeper.n_trials=4",
-           "train.max_steps=30", "train.logging_steps=1", "probe.enabled=false", "data.val_file=null",
-           f"data.train_file={repo / 'data/samples/train.jsonl'}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "glmtune",
+        "+hparams_search=lora_optuna",
+        "hydra.sweeper.n_trials=4",
+        "train.max_steps=30",
+        "train.logging_steps=1",
+        "probe.enabled=false",
+        "data.val_file=null",
+        f"data.train_file={repo / 'data/samples/train.jsonl'}",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(repo)}
     proc = subprocess.Popen(cmd, cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     deadline = time.monotonic() + 600

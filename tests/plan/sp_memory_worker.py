@@ -1,6 +1,7 @@
 """One rank of tests/plan/test_longctx.py's measurement, under `torchrun --nproc_per_node 2` on gloo (CPU): the live
 tensor bytes of one steady-state LoRA step on this rank's half of every row (probe/track.measure_lora_step), for
 each shape in the JSON file argv[1]; rank 0 writes {name: peak bytes} to argv[2]."""
+
 from __future__ import annotations
 
 import json

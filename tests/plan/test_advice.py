@@ -6,6 +6,7 @@ then applied as the user would (a new +hw= replaces the old one, a key replaces 
 again. The levers are also checked for being the best ones: every preset not offered does not fit with that
 headroom, one GPU fewer than offered does not, and 64 tokens more than the offered length does not.
 """
+
 from __future__ import annotations
 
 import re
@@ -16,9 +17,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from glmtune.config import CONF_DIR, parse_config
+from glmtune.config.units import GIB
 from glmtune.models.presets import arch_config
 from glmtune.plan.advice import LENGTH_STEP, MAX_CARDS, MAX_OPTIONS, MIN_HEADROOM, cards_for_measured, hw_presets
-from glmtune.config.units import GIB
 from glmtune.plan.planner import make_plan
 
 CASES = [
@@ -26,10 +27,23 @@ CASES = [
     # must not offer itself (262,144 fits since the tiled MLP: issue 30)
     ["mode=plan", "model=glm4_9b_chat", "+hw=a100_80g", "data.max_length=393216"],
     ["mode=plan", "model=glm4v_9b", "+hw=t4_16g", "dist=ddp"],  # 26 GiB of frozen weights, no offload under ddp
-    ["mode=plan", "model=glm4_9b_chat", "+hw=rtx4090_24g", "dist=ddp", "dist.nproc_per_node=2",
-     "data.max_length=32768"],  # ddp never shards: the GPU advice switches to ZeRO-3
-    ["mode=plan", "model=chatglm3_6b", "+hw=t4_16g", "lora=all_linear", "train.per_device_batch_size=8",
-     "data.max_length=8192", "train.gradient_checkpointing=off"],
+    [
+        "mode=plan",
+        "model=glm4_9b_chat",
+        "+hw=rtx4090_24g",
+        "dist=ddp",
+        "dist.nproc_per_node=2",
+        "data.max_length=32768",
+    ],  # ddp never shards: the GPU advice switches to ZeRO-3
+    [
+        "mode=plan",
+        "model=chatglm3_6b",
+        "+hw=t4_16g",
+        "lora=all_linear",
+        "train.per_device_batch_size=8",
+        "data.max_length=8192",
+        "train.gradient_checkpointing=off",
+    ],
 ]
 
 
@@ -71,8 +85,11 @@ def test_every_advice_line_fits_when_applied_and_is_the_best_of_its_kind(overrid
         _, again = plan_for(apply(overrides, line))
         assert comfortable(again), f"{line!r} leaves under 2 % when applied: {again.peak_bytes / GIB:.2f} GiB"
         headroom = 100 * (1 - again.peak_bytes / again.budget_bytes)
-        assert shown.groups() == (f"{again.peak_bytes / GIB:.1f}", f"{again.budget_bytes / GIB:.1f}",
-                                  f"{headroom:.1f}"), line
+        assert shown.groups() == (
+            f"{again.peak_bytes / GIB:.1f}",
+            f"{again.budget_bytes / GIB:.1f}",
+            f"{headroom:.1f}",
+        ), line
     # ... and the best of each lever: the smallest cards that fit (at most MAX_CARDS), the fewest GPUs, the
     # longest length.
     offered = {line.split(": ")[0] for line in plan.advice}
@@ -88,8 +105,11 @@ def test_every_advice_line_fits_when_applied_and_is_the_best_of_its_kind(overrid
         typed = line.split(": ")[0]
         procs = int(re.search(r"dist.nproc_per_node=(\d+)", typed)[1])
         nodes = int(m[1]) if (m := re.search(r"dist.nnodes=(\d+)", typed)) else 1
-        fewer = (typed.replace(f"dist.nproc_per_node={procs}", f"dist.nproc_per_node={procs - 1}") if nodes == 1
-                 else typed.replace(f"dist.nnodes={nodes}", f"dist.nnodes={nodes - 1}"))
+        fewer = (
+            typed.replace(f"dist.nproc_per_node={procs}", f"dist.nproc_per_node={procs - 1}")
+            if nodes == 1
+            else typed.replace(f"dist.nnodes={nodes}", f"dist.nnodes={nodes - 1}")
+        )
         if (nodes - 1 if nodes > 1 else 0) * procs + (procs - 1 if nodes == 1 else 0) > world:
             assert not comfortable(plan_for(apply(overrides, fewer + ": x"))[1]), line
     for line in plan.advice:  # a length alone or combined with a quantized base: the longest that fits
@@ -128,8 +148,13 @@ def test_after_the_probe_only_cards_whose_budget_holds_the_measured_peak_are_off
 
 def _levers(plan) -> list[str]:
     """Each advice line's kind, in the order printed (a quantized base with a shorter length: "nf4+length")."""
-    kinds = {"data.": "length", "dist.": "gpus", "model.quantize=nf4": "nf4", "model.quantize=int8": "int8",
-             "+hw=": "card"}
+    kinds = {
+        "data.": "length",
+        "dist.": "gpus",
+        "model.quantize=nf4": "nf4",
+        "model.quantize=int8": "int8",
+        "+hw=": "card",
+    }
     out = []
     for line in plan.advice:
         kind = next(k for prefix, k in kinds.items() if line.startswith(prefix))

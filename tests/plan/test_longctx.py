@@ -1,5 +1,6 @@
 """The plan at long lengths (issue 30): sequence parallelism as the planner's last rung, the estimator's per-rank
 terms against live bytes measured on 2 gloo ranks, and the host's RAM as the plan's second budget."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers.cli import glmtune, glmtune_in_process
+
 from glmtune.config import DataConfig, DistConfig, ModelConfig, RunConfig, TrainConfig
 from glmtune.models import GLMConfig, released_config
 from glmtune.plan.advice import hw_presets
@@ -20,14 +21,26 @@ GLM4 = released_config("glm4_9b_chat")
 WORKER = Path(__file__).with_name("sp_memory_worker.py")
 
 
-def plan(card: str, gpus: int, length: int, sp="auto", val: str | None = None, host: float | None = None,
-         tiled: str = "auto", **model):
+def plan(
+    card: str,
+    gpus: int,
+    length: int,
+    sp="auto",
+    val: str | None = None,
+    host: float | None = None,
+    tiled: str = "auto",
+    **model,
+):
     hw = hw_presets()[card]
     if host is not None:
         hw.host_memory_gib = host
-    run = RunConfig(model=ModelConfig(name="glm4_9b_chat", **model), hw=hw,
-                    data=DataConfig(max_length=length, val_file=val),
-                    dist=DistConfig(nproc_per_node=gpus, sequence_parallel=sp), train=TrainConfig(tiled_mlp=tiled))
+    run = RunConfig(
+        model=ModelConfig(name="glm4_9b_chat", **model),
+        hw=hw,
+        data=DataConfig(max_length=length, val_file=val),
+        dist=DistConfig(nproc_per_node=gpus, sequence_parallel=sp),
+        train=TrainConfig(tiled_mlp=tiled),
+    )
     return make_plan(run, GLM4, gpus, True)
 
 
@@ -59,8 +72,15 @@ def test_4x4090_at_128k_fits_with_sp_training_only(tmp_path):
     """The issue's command without an evaluation set: ZeRO-3 over the 4 ranks, SP 4, checkpoint offload, and the
     node's RAM in plan.json."""
     run = tmp_path / "p"
-    out = glmtune("mode=plan", "model=glm4_9b_chat", "+hw=rtx4090_24g", "dist.nproc_per_node=4",
-                  "data.max_length=131072", "data.val_file=null", f"hydra.run.dir={run}")
+    out = glmtune(
+        "mode=plan",
+        "model=glm4_9b_chat",
+        "+hw=rtx4090_24g",
+        "dist.nproc_per_node=4",
+        "data.max_length=131072",
+        "data.val_file=null",
+        f"hydra.run.dir={run}",
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     p = json.loads((run / "plan.json").read_text())
     sp = p["choices"]["sequence_parallel"]
@@ -88,8 +108,7 @@ def test_issue_command_4x4090_128k(tmp_path):
 
 def test_issue_command_a100_80g_256k(tmp_path):
     run = tmp_path / "p"
-    out = glmtune("mode=plan", "model=glm4_9b_chat", "+hw=a100_80g", "data.max_length=262144",
-                  f"hydra.run.dir={run}")
+    out = glmtune("mode=plan", "model=glm4_9b_chat", "+hw=a100_80g", "data.max_length=262144", f"hydra.run.dir={run}")
     assert out.returncode == 0, out.stderr[-2000:]
     p = json.loads((run / "plan.json").read_text())
     assert p["fits"] and p["choices"]["mlp_tile_tokens"] > 0 and p["host"]["bytes"] > 0 and p["host"]["fits"]
@@ -100,8 +119,14 @@ def test_host_too_small_is_one_line_exit_3_with_advice():
     64 GiB node cannot hold them: exit 3, one line naming the host, and a node size that fits among the options."""
     ok = plan("a100_80g", 1, 163840)
     assert ok.fits and ok.choices.offload_checkpoints and ok.host["bytes"] > 64 * 2**30
-    out = glmtune_in_process("mode=plan", "model=glm4_9b_chat", "+hw=a100_80g", "data.max_length=163840",
-                             "data.val_file=null", "hw.host_memory_gib=64")
+    out = glmtune_in_process(
+        "mode=plan",
+        "model=glm4_9b_chat",
+        "+hw=a100_80g",
+        "data.max_length=163840",
+        "data.val_file=null",
+        "hw.host_memory_gib=64",
+    )
     assert out.returncode == 3, out.stderr[-2000:]
     assert out.stderr.count("\n") == 1 and "host memory does not fit" in out.stderr and "per node" in out.stderr
     assert "Traceback" not in out.stderr
@@ -121,22 +146,37 @@ def test_host_budget_of_the_preset_or_this_machine():
 
 def test_bad_degrees_are_one_line():
     for value, words in (("3", "must divide the 4 processes"), ("0", "must be auto or an integer > 0")):
-        out = glmtune_in_process("mode=plan", "model=glm4_9b_chat", "dist.nproc_per_node=4",
-                                 f"dist.sequence_parallel={value}")
+        out = glmtune_in_process(
+            "mode=plan", "model=glm4_9b_chat", "dist.nproc_per_node=4", f"dist.sequence_parallel={value}"
+        )
         assert out.returncode == 2 and out.stderr.count("\n") == 1 and words in out.stderr, out.stderr
 
 
-THIN = dict(num_layers=4, hidden_size=768, ffn_hidden_size=128, kv_channels=64, num_attention_heads=12,
-            multi_query_attention=True, multi_query_group_num=2, padded_vocab_size=4096)
+THIN = dict(
+    num_layers=4,
+    hidden_size=768,
+    ffn_hidden_size=128,
+    kv_channels=64,
+    num_attention_heads=12,
+    multi_query_attention=True,
+    multi_query_group_num=2,
+    padded_vocab_size=4096,
+)
 MID = dict(THIN, ffn_hidden_size=2048, padded_vocab_size=32000)
 BASE = dict(dtype="fp32", device="cpu", seq_len=2048, micro_batch=1, loss_chunk_tokens=64, sequence_parallel=2)
 ALL = ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
 CASES = {  # name: (arch, shape, tolerance); the attention-bound THIN model exercises attention_working
     "attention-bound, checkpointing": (THIN, dict(BASE, gradient_checkpointing=True), 0.03),
-    "attention-bound, 1 KV group replicated": (dict(THIN, multi_query_group_num=1),
-                                               dict(BASE, gradient_checkpointing=True), 0.03),
-    "MLP-bound, all targets, checkpointing": (MID, dict(BASE, seq_len=1024, lora_targets=ALL,
-                                                        gradient_checkpointing=True), 0.04),
+    "attention-bound, 1 KV group replicated": (
+        dict(THIN, multi_query_group_num=1),
+        dict(BASE, gradient_checkpointing=True),
+        0.03,
+    ),
+    "MLP-bound, all targets, checkpointing": (
+        MID,
+        dict(BASE, seq_len=1024, lora_targets=ALL, gradient_checkpointing=True),
+        0.04,
+    ),
     "MLP-bound, reference loss": (MID, dict(BASE, seq_len=1024, loss_chunk_tokens=0), 0.04),
 }
 
@@ -147,9 +187,20 @@ def test_sp_terms_match_live_bytes_on_two_ranks(tmp_path):
     estimate at sequence_parallel=2: within 3-4 %, never under."""
     cases = {k: {"arch": a, "shape": s} for k, (a, s, _) in CASES.items()}
     (tmp_path / "cases.json").write_text(json.dumps(cases))
-    out = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "2",
-                          str(WORKER), str(tmp_path / "cases.json"), str(tmp_path / "out.json")],
-                         capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "torchrun"),
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(WORKER),
+            str(tmp_path / "cases.json"),
+            str(tmp_path / "out.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     measured = json.loads((tmp_path / "out.json").read_text())
     for name, (arch, shape, tol) in CASES.items():

@@ -1,20 +1,29 @@
 """Estimator vs measured live tensor bytes on CPU (glmtune.probe.track), and the tracker vs known allocations."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from glmtune.config.units import MIB
-from glmtune.plan.estimate import RunShape, estimate
-from glmtune.probe.track import LiveTensorTracker, measure_lora_step
 from glmtune.models import GLMConfig
 from glmtune.models.loading import TINY_ARCH
+from glmtune.plan.estimate import RunShape, estimate
+from glmtune.probe.track import LiveTensorTracker, measure_lora_step
 
 ALL = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
 TINY = GLMConfig(**TINY_ARCH, padded_vocab_size=1024)
 # GLM-4-shaped, ~100M parameters (GQA 12 heads / 2 groups, SwiGLU, untied 32k head).
-MID = GLMConfig(num_layers=12, hidden_size=768, ffn_hidden_size=2048, kv_channels=64, num_attention_heads=12,
-                multi_query_attention=True, multi_query_group_num=2, padded_vocab_size=32000)
+MID = GLMConfig(
+    num_layers=12,
+    hidden_size=768,
+    ffn_hidden_size=2048,
+    kv_channels=64,
+    num_attention_heads=12,
+    multi_query_attention=True,
+    multi_query_group_num=2,
+    padded_vocab_size=32000,
+)
 
 
 def test_tracker_known_allocations():
@@ -45,20 +54,31 @@ def _check(arch, **kw):
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("ckpt", [False, True])
-@pytest.mark.parametrize("seq,batch,targets,rank", [(64, 1, ("query_key_value",), 8), (256, 2, ALL, 16),
-                                                     (128, 1, ALL, 4)])
+@pytest.mark.parametrize(
+    "seq,batch,targets,rank", [(64, 1, ("query_key_value",), 8), (256, 2, ALL, 16), (128, 1, ALL, 4)]
+)
 def test_tiny_within_5_percent(dtype, ckpt, seq, batch, targets, rank):
-    _check(TINY, dtype=dtype, gradient_checkpointing=ckpt, seq_len=seq, micro_batch=batch,
-           lora_targets=targets, lora_r=rank)
+    _check(
+        TINY,
+        dtype=dtype,
+        gradient_checkpointing=ckpt,
+        seq_len=seq,
+        micro_batch=batch,
+        lora_targets=targets,
+        lora_r=rank,
+    )
 
 
-@pytest.mark.parametrize("kw", [
-    dict(dtype="bf16", seq_len=128, micro_batch=1, gradient_checkpointing=False),
-    dict(dtype="bf16", seq_len=128, micro_batch=1, gradient_checkpointing=True, lora_targets=ALL),
-    dict(dtype="fp32", seq_len=64, micro_batch=2, lora_dropout=0.0, lora_targets=ALL),
-    # chunked loss: activations, not logits, dominate the peak
-    dict(dtype="fp32", seq_len=128, micro_batch=2, lora_targets=ALL, loss_chunk_tokens=64),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(dtype="bf16", seq_len=128, micro_batch=1, gradient_checkpointing=False),
+        dict(dtype="bf16", seq_len=128, micro_batch=1, gradient_checkpointing=True, lora_targets=ALL),
+        dict(dtype="fp32", seq_len=64, micro_batch=2, lora_dropout=0.0, lora_targets=ALL),
+        # chunked loss: activations, not logits, dominate the peak
+        dict(dtype="fp32", seq_len=128, micro_batch=2, lora_targets=ALL, loss_chunk_tokens=64),
+    ],
+)
 def test_100m_glm4_shaped_within_5_percent(kw):
     assert sum(p.numel() for p in torch.nn.Module.parameters(_meta(MID))) >= 100_000_000
     _check(MID, **kw)
@@ -66,19 +86,24 @@ def test_100m_glm4_shaped_within_5_percent(kw):
 
 def _meta(arch):
     from glmtune.models import build_meta_model
+
     return build_meta_model(arch)
 
 
 def test_kv_cache_per_token_glm4():
     from glmtune.models import released_config
+
     est = estimate(released_config("glm4_9b_chat"), RunShape(eval_batch=1, eval_max_new_tokens=1, seq_len=0))
     assert est.breakdown["eval KV cache"] == 40_960
 
 
-@pytest.mark.parametrize("arch,kw", [
-    (TINY, dict(seq_len=256, micro_batch=2, lora_targets=ALL, lora_r=16)),
-    (MID, dict(seq_len=128, micro_batch=1, lora_targets=ALL)),
-])
+@pytest.mark.parametrize(
+    "arch,kw",
+    [
+        (TINY, dict(seq_len=256, micro_batch=2, lora_targets=ALL, lora_r=16)),
+        (MID, dict(seq_len=128, micro_batch=1, lora_targets=ALL)),
+    ],
+)
 def test_autocast_lora_inputs_saved_in_compute_dtype(arch, kw):
     """The Trainer's bf16 autocast makes LoRA's matmuls save bf16 copies of their fp32 inputs (found on an
     H100, where fp32 inputs over-estimated by 0.98 GiB at 512 tokens on four targets): the estimate follows the

@@ -1,25 +1,26 @@
 """Planner decisions for released models on conf/hw presets, without weights or a GPU."""
+
 from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
-import pytest
 import yaml
+from helpers import REPO
 
 from glmtune.config import DataConfig, DistConfig, HwConfig, RunConfig, TrainConfig
 from glmtune.models import released_config
 from glmtune.plan.planner import make_plan, step_down
 
-from helpers import REPO
-
 HW = REPO / "conf" / "hw"
 
 
 def run_on(hw: str, max_length: int = 500, **train) -> RunConfig:
-    return RunConfig(hw=HwConfig(**yaml.safe_load((HW / f"{hw}.yaml").read_text())),
-                     data=DataConfig(max_length=max_length), train=TrainConfig(**train))
+    return RunConfig(
+        hw=HwConfig(**yaml.safe_load((HW / f"{hw}.yaml").read_text())),
+        data=DataConfig(max_length=max_length),
+        train=TrainConfig(**train),
+    )
 
 
 def test_glm4_9b_on_a100_40g_fits_without_zero():
@@ -29,8 +30,17 @@ def test_glm4_9b_on_a100_40g_fits_without_zero():
     assert plan.fits and plan.choices.zero_stage == 0 and plan.choices.dtype == "bf16"
     assert plan.choices.max_length == 500 and not plan.choices.gradient_checkpointing
     data = json.loads(plan.to_json())
-    assert set(data["choices"]) >= {"dtype", "gradient_checkpointing", "zero_stage", "offload_params",
-                                    "offload_optimizer", "micro_batch_size", "grad_accum", "max_length", "world_size"}
+    assert set(data["choices"]) >= {
+        "dtype",
+        "gradient_checkpointing",
+        "zero_stage",
+        "offload_params",
+        "offload_optimizer",
+        "micro_batch_size",
+        "grad_accum",
+        "max_length",
+        "world_size",
+    }
 
 
 def test_glm4v_on_a100_40g_fits_with_checkpointing():
@@ -112,15 +122,29 @@ def test_ladder_cheapest_first_and_never_offloads_parameters():
     c = make_plan(run, released_config("glm4_9b_chat"), 1, user_set_max_length=True).choices
     from dataclasses import replace
 
-    c = replace(c, micro_batch_size=2, grad_accum=1, gradient_checkpointing=False, loss_chunk_tokens=0,
-                offload_checkpoints=False, zero_stage=0)
+    c = replace(
+        c,
+        micro_batch_size=2,
+        grad_accum=1,
+        gradient_checkpointing=False,
+        loss_chunk_tokens=0,
+        offload_checkpoints=False,
+        zero_stage=0,
+    )
     seen = []
     while (c := step_down(c, run, released_config("glm4_9b_chat"), 2)) is not None:
-        seen.append((c.micro_batch_size, c.loss_chunk_tokens, c.gradient_checkpointing, c.offload_checkpoints,
-                     c.zero_stage))
+        seen.append(
+            (c.micro_batch_size, c.loss_chunk_tokens, c.gradient_checkpointing, c.offload_checkpoints, c.zero_stage)
+        )
         assert not c.offload_params
-    assert seen == [(1, 0, False, False, 0), (1, 1024, False, False, 0), (1, 1024, True, False, 0),
-                    (1, 256, True, False, 0), (1, 256, True, True, 0), (1, 256, True, True, 3)]
+    assert seen == [
+        (1, 0, False, False, 0),
+        (1, 1024, False, False, 0),
+        (1, 1024, True, False, 0),
+        (1, 256, True, False, 0),
+        (1, 256, True, True, 0),
+        (1, 256, True, True, 3),
+    ]
 
 
 def test_a_resume_that_changes_only_the_sequence_parallel_degree_says_so():
@@ -131,9 +155,19 @@ def test_a_resume_that_changes_only_the_sequence_parallel_degree_says_so():
     from glmtune.plan.elastic import elastic_choices
     from glmtune.plan.planner import Choices
 
-    recorded = Choices(dtype="fp32", gradient_checkpointing=False, zero_stage=0, offload_params=False,
-                       offload_optimizer=False, micro_batch_size=1, grad_accum=2, max_length=64, world_size=1,
-                       eval_batch_size=1, sequence_parallel=2)
+    recorded = Choices(
+        dtype="fp32",
+        gradient_checkpointing=False,
+        zero_stage=0,
+        offload_params=False,
+        offload_optimizer=False,
+        micro_batch_size=1,
+        grad_accum=2,
+        max_length=64,
+        world_size=1,
+        eval_batch_size=1,
+        sequence_parallel=2,
+    )
     choices, line = elastic_choices(recorded, replace(recorded, sequence_parallel=1), 1, batch_set=False)
     assert choices.micro_batch_size == 1 and choices.grad_accum == 2 and choices.sequence_parallel == 1
     assert line.startswith("resumed with sequence parallelism 1 instead of 2:") and "micro-batch 1 instead" not in line

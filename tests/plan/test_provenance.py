@@ -1,5 +1,6 @@
 """Provenance per term: plan.json and the plan table say which terms were measured on a GPU, verified on CPU or
 derived, and a near-budget plan that rests on derived terms says so."""
+
 import json
 
 from glmtune.config import parse_config
@@ -9,8 +10,12 @@ from glmtune.plan.provenance import CPU_VERIFIED, DERIVED, MEASURED
 
 
 def _plan(model="glm4_9b_chat", hw=("rtx4090_24g", 23.6), world=1, **sections):
-    cfg = {"model": {"name": model}, "hw": {"name": hw[0], "memory_gib": hw[1]},
-           "dist": {"nproc_per_node": world}, **sections}
+    cfg = {
+        "model": {"name": model},
+        "hw": {"name": hw[0], "memory_gib": hw[1]},
+        "dist": {"nproc_per_node": world},
+        **sections,
+    }
     run = parse_config(cfg)
     return make_plan(run, released_config(model), world, user_set_max_length="data" in sections)
 
@@ -30,15 +35,22 @@ def test_two_4090s_at_32k_rest_on_derived_zero3_terms_and_say_so():
 def test_a_measured_plan_far_from_the_budget_carries_no_warning():
     plan = _plan(hw=("h100_80g", 79.1))
     assert plan.fits and not plan.unmeasured_risk
-    assert {plan.sources[k] for k in ("frozen weights", "logits and loss", "allocator reserve",
-                                      "CUDA context and kernels (measured)")} == {MEASURED}
+    assert {
+        plan.sources[k]
+        for k in ("frozen weights", "logits and loss", "allocator reserve", "CUDA context and kernels (measured)")
+    } == {MEASURED}
     assert plan.sources["cuBLAS/cuBLASLt workspaces"] == DERIVED
 
 
 def test_quantized_weights_are_cpu_verified_and_generation_cache_derived():
-    run = parse_config({"model": {"name": "glm4_9b_chat", "quantize": "nf4"},
-                        "hw": {"name": "rtx4090_24g", "memory_gib": 23.6},
-                        "data": {"val_file": "data/samples/val.jsonl"}, "eval": {"generate": True}})
+    run = parse_config(
+        {
+            "model": {"name": "glm4_9b_chat", "quantize": "nf4"},
+            "hw": {"name": "rtx4090_24g", "memory_gib": 23.6},
+            "data": {"val_file": "data/samples/val.jsonl"},
+            "eval": {"generate": True},
+        }
+    )
     plan = make_plan(run, released_config("glm4_9b_chat"), 1, user_set_max_length=False)
     assert plan.sources["frozen weights"] == CPU_VERIFIED
     assert plan.sources["eval KV cache"] == DERIVED

@@ -1,5 +1,6 @@
 """Every phase's allocator reserve (training step, evaluation, generation), and the allocator in force: the plan
 against the recorded H100 rows, and the command line with PYTORCH_CUDA_ALLOC_CONF set."""
+
 import importlib.util
 import json
 import os
@@ -8,15 +9,14 @@ import sys
 from dataclasses import replace
 
 import pytest
+from helpers import REPO
 
 from glmtune.config import parse_config
-from glmtune.models import released_config
 from glmtune.config.units import GIB
+from glmtune.models import released_config
 from glmtune.plan.estimate import RunShape, estimate
 from glmtune.plan.planner import make_plan, run_shape
 from glmtune.plan.reserve import RESERVE_FLOOR, RESERVE_PER_LARGEST, allocator_in_force
-
-from helpers import REPO
 
 
 def _gpu_memory_bench():
@@ -39,8 +39,13 @@ def test_every_phase_of_the_32k_a100_plan_fits_with_its_own_reserve(monkeypatch)
     alone is eval_batch x 32,768 x 27,392 x 2 B (7.2 GB at 4), so evaluation at batch 4 does not fit on its own
     terms; the plan lowers the eval batch until every phase's tensors plus its reserve fit."""
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    run = parse_config({"model": {"name": "glm4_9b_chat"}, "data": {"max_length": 32768, "val_file": "data/samples/val.jsonl"},
-                        "hw": {"name": "a100_40g", "memory_gib": 39.4}})
+    run = parse_config(
+        {
+            "model": {"name": "glm4_9b_chat"},
+            "data": {"max_length": 32768, "val_file": "data/samples/val.jsonl"},
+            "hw": {"name": "a100_40g", "memory_gib": 39.4},
+        }
+    )
     arch = released_config("glm4_9b_chat")
     plan = make_plan(run, arch, 1, user_set_max_length=True)
     assert plan.fits and 1 <= plan.choices.eval_batch_size < 4
@@ -82,9 +87,23 @@ def test_plan_with_another_allocator_setting_plans_more_and_says_why(tmp_path):
         env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
         if conf:
             env["PYTORCH_CUDA_ALLOC_CONF"] = conf
-        out = subprocess.run([sys.executable, "-m", "glmtune", "mode=plan", "model=glm4_9b_chat", "+hw=a100_40g",
-                              "data.max_length=8192", f"hydra.run.dir={tmp_path / str(conf)}"], cwd=REPO, env=env,
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "glmtune",
+                "mode=plan",
+                "model=glm4_9b_chat",
+                "+hw=a100_40g",
+                "data.max_length=8192",
+                f"hydra.run.dir={tmp_path / str(conf)}",
+            ],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 0, out.stderr[-2000:]
         return out.stdout, json.loads((tmp_path / str(conf) / "plan.json").read_text())
 
@@ -104,7 +123,17 @@ def test_cpu_estimates_have_no_reserve():
 @pytest.mark.parametrize("allocator", ["expandable", "default"])
 def test_generation_phase_gets_its_own_reserve(allocator):
     arch = released_config("glm4_9b_chat")
-    shape = RunShape(gpu_family="hopper", seq_len=4096, eval_batch=2, eval_max_new_tokens=512, allocator=allocator,
-                     gradient_checkpointing=True, loss_chunk_tokens=1024, autocast=True)
+    shape = RunShape(
+        gpu_family="hopper",
+        seq_len=4096,
+        eval_batch=2,
+        eval_max_new_tokens=512,
+        allocator=allocator,
+        gradient_checkpointing=True,
+        loss_chunk_tokens=1024,
+        autocast=True,
+    )
     est = estimate(arch, shape)
-    assert est.reserves["generate"] >= RESERVE_FLOOR + int(RESERVE_PER_LARGEST * 2 * 4096 * 2 * arch.ffn_hidden_size * 2)
+    assert est.reserves["generate"] >= RESERVE_FLOOR + int(
+        RESERVE_PER_LARGEST * 2 * 4096 * 2 * arch.ffn_hidden_size * 2
+    )

@@ -1,12 +1,13 @@
 """DoRA, rsLoRA and the 8-bit optimizer: the estimator's terms (plan/variants.py) against live tensor bytes on CPU,
 as tests/plan/test_memory.py checks plain LoRA, and the config keys reaching peft and the Trainer."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from glmtune.config import ConfigError, LoraConfig, RunConfig, TrainConfig, parse_config
-from glmtune.models import GLMConfig, ChatGLMForConditionalGeneration
+from glmtune.config import ConfigError, LoraConfig, parse_config
+from glmtune.models import ChatGLMForConditionalGeneration, GLMConfig
 from glmtune.models.loading import TINY_ARCH
 from glmtune.plan.estimate import RunShape, estimate
 from glmtune.plan.variants import optimizer_state_bytes
@@ -28,11 +29,13 @@ def _check(**kw):
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("ckpt", [False, True])
-@pytest.mark.parametrize("seq,batch,targets,rank", [(64, 1, ("query_key_value",), 8), (256, 2, ALL, 16),
-                                                     (128, 1, ALL, 4)])
+@pytest.mark.parametrize(
+    "seq,batch,targets,rank", [(64, 1, ("query_key_value",), 8), (256, 2, ALL, 16), (128, 1, ALL, 4)]
+)
 def test_dora_within_the_cpu_grid_bound(dtype, ckpt, seq, batch, targets, rank):
-    kw = dict(dtype=dtype, gradient_checkpointing=ckpt, seq_len=seq, micro_batch=batch, lora_targets=targets,
-              lora_r=rank)
+    kw = dict(
+        dtype=dtype, gradient_checkpointing=ckpt, seq_len=seq, micro_batch=batch, lora_targets=targets, lora_r=rank
+    )
     with_dora = _check(use_dora=True, **kw)
     assert with_dora > estimate(TINY, RunShape(device="cpu", **kw)).peak_bytes  # the terms are counted
 
@@ -59,12 +62,24 @@ def test_8bit_optimizer_states_byte_for_byte(targets, rank):
 def test_variant_keys_reach_peft_and_are_validated():
     model = apply_lora(ChatGLMForConditionalGeneration(TINY), LoraConfig(r=4, alpha=8, use_dora=True, use_rslora=True))
     layer = model.base_model.model.transformer.encoder.layers[0].self_attention.query_key_value
-    assert layer.use_dora["default"] and layer.scaling["default"] == pytest.approx(8 / 4 ** 0.5)
+    assert layer.use_dora["default"] and layer.scaling["default"] == pytest.approx(8 / 4**0.5)
     with pytest.raises(ConfigError) as err:
-        parse_config({"train": {"lr_scheduler": "cosine_annealing", "warmup_ratio": 1.5, "optimizer": "sgd",
-                                "report_to": ["neptune"]}})
-    for fragment in ("train.lr_scheduler='cosine_annealing'", "warmup_ratio must be in [0, 1)",
-                     "train.optimizer='sgd'", "'neptune'"):
+        parse_config(
+            {
+                "train": {
+                    "lr_scheduler": "cosine_annealing",
+                    "warmup_ratio": 1.5,
+                    "optimizer": "sgd",
+                    "report_to": ["neptune"],
+                }
+            }
+        )
+    for fragment in (
+        "train.lr_scheduler='cosine_annealing'",
+        "warmup_ratio must be in [0, 1)",
+        "train.optimizer='sgd'",
+        "'neptune'",
+    ):
         assert fragment in str(err.value)
 
 
@@ -75,14 +90,22 @@ def test_cli_trains_with_cosine_warmup_8bit_adamw_and_dora(tmp_path):
     pytest.importorskip("bitsandbytes")
     import json
 
+    from helpers.cli import glmtune
     from transformers import get_cosine_schedule_with_warmup
 
-    from helpers.cli import glmtune
-
     run = tmp_path / "run"
-    proc = glmtune("train.lr_scheduler=cosine", "train.warmup_ratio=0.1", "train.optimizer=adamw_8bit",
-                   "lora.use_dora=true", "lora.use_rslora=true", "train.max_steps=10", "train.logging_steps=1",
-                   "train.learning_rate=1e-3", "data.val_file=null", f"hydra.run.dir={run}")
+    proc = glmtune(
+        "train.lr_scheduler=cosine",
+        "train.warmup_ratio=0.1",
+        "train.optimizer=adamw_8bit",
+        "lora.use_dora=true",
+        "lora.use_rslora=true",
+        "train.max_steps=10",
+        "train.logging_steps=1",
+        "train.learning_rate=1e-3",
+        "data.val_file=null",
+        f"hydra.run.dir={run}",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     rates = {row["step"]: row["learning_rate"] for row in logged if "learning_rate" in row}

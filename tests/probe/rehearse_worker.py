@@ -2,6 +2,7 @@
 probe_stage), either as one rank of a real launch (`torchrun --nproc_per_node N rehearse_worker.py CASES OUT`, gloo)
 or as one process rehearsing every case's world in turn (`python rehearse_worker.py CASES OUT`: probe.rehearse=auto
 with dist.nproc_per_node=N). CASES: {name: [overrides]}; rank 0 writes {name: probe.json} to OUT."""
+
 from __future__ import annotations
 
 import json

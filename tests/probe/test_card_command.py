@@ -5,13 +5,15 @@ non-reentrant checkpoint to stop early, packed rows with a chunked loss train an
 and off, the probe and the run hand their batches to the same collate and loss code, the evaluation batch is
 halved before any training rung, and a crash during training is one line, exit 1, the traceback in the log.
 """
+
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
+from helpers import REPO
+from helpers.cli import glmtune_in_process
 
 from glmtune.config import DataConfig, RunConfig, TrainConfig
 from glmtune.data.packing import decide_packing
@@ -23,9 +25,6 @@ from glmtune.probe.probe import run_probe
 from glmtune.train import lora_trainer
 from glmtune.train.trainer import train
 
-from helpers import REPO
-from helpers.cli import glmtune_in_process
-
 
 def test_the_loss_chunks_and_blocks_never_stop_their_recomputation_early():
     """Early stop raises from inside a C++ op in backward; under the run's allocator history that exception was
@@ -34,9 +33,11 @@ def test_the_loss_chunks_and_blocks_never_stop_their_recomputation_early():
     model.loss_chunk_tokens = 8
     seen = []
     model.transformer.output_layer.register_forward_hook(
-        lambda *_: seen.append(("head", torch_checkpoint._enable_checkpoint_early_stop)))
+        lambda *_: seen.append(("head", torch_checkpoint._enable_checkpoint_early_stop))
+    )
     model.transformer.encoder.layers[0].register_forward_hook(
-        lambda *_: seen.append(("block", torch_checkpoint._enable_checkpoint_early_stop)))
+        lambda *_: seen.append(("block", torch_checkpoint._enable_checkpoint_early_stop))
+    )
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     ids = torch.randint(0, 1000, (1, 40))
@@ -51,8 +52,9 @@ def packed_data():
     model_dir = ensure_tiny("glm4")
     tok = load_tokenizer(model_dir)
     samples = REPO / "data" / "samples"
-    data_cfg = DataConfig(train_file=str(samples / "train.jsonl"), val_file=str(samples / "val.jsonl"),
-                          packing="on", pack_length=600)
+    data_cfg = DataConfig(
+        train_file=str(samples / "train.jsonl"), val_file=str(samples / "val.jsonl"), packing="on", pack_length=600
+    )
     data = build_datasets(data_cfg, tok)
     packing = decide_packing(data_cfg, data.train, 0, 4, on_gpu=False)
     assert packing.enabled
@@ -62,12 +64,19 @@ def packed_data():
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_packed_rows_with_a_chunked_loss_train_and_evaluate(tmp_path, packed_data, checkpointing):
     model_dir, tok, data_cfg, data, packing = packed_data
-    run = RunConfig(data=data_cfg, train=TrainConfig(max_steps=2, eval_steps=1, logging_steps=1, save_minutes=0,
-                                                     use_reentrant=not checkpointing))
-    choices = replace(make_plan(run, load_config(model_dir), 1, user_set_max_length=False).choices,
-                      loss_chunk_tokens=64, gradient_checkpointing=checkpointing, micro_batch_size=4)
-    metrics, _ = train(run, choices, tmp_path, model_dir, data.train, data.val, DataCollator(tok.pad_token_id),
-                       packer=packing.packer())
+    run = RunConfig(
+        data=data_cfg,
+        train=TrainConfig(max_steps=2, eval_steps=1, logging_steps=1, save_minutes=0, use_reentrant=not checkpointing),
+    )
+    choices = replace(
+        make_plan(run, load_config(model_dir), 1, user_set_max_length=False).choices,
+        loss_chunk_tokens=64,
+        gradient_checkpointing=checkpointing,
+        micro_batch_size=4,
+    )
+    metrics, _ = train(
+        run, choices, tmp_path, model_dir, data.train, data.val, DataCollator(tok.pad_token_id), packer=packing.packer()
+    )
     assert metrics["steps"] == 2 and metrics["eval_loss"] > 0
     assert set(metrics["phase_peak_bytes"]) == {"train", "eval", "save"}
     evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -84,13 +93,26 @@ def test_the_probe_and_the_run_batch_through_the_same_collate_and_loss(tmp_path,
         kind = "probe" if self.args.output_dir.endswith("probe") else "run"
         training = "step_tokens" in inputs
         glm = self.glm
-        seen.append((kind, training, tuple(sorted((k, str(v.dtype), v.dim()) for k, v in inputs.items())),
-                     type(self.data_collator).__name__, glm.loss_chunk_tokens))
+        seen.append(
+            (
+                kind,
+                training,
+                tuple(sorted((k, str(v.dtype), v.dim()) for k, v in inputs.items())),
+                type(self.data_collator).__name__,
+                glm.loss_chunk_tokens,
+            )
+        )
         return compute_loss(self, model, inputs, return_outputs)
 
     monkeypatch.setattr(lora_trainer.LoraTrainer, "compute_loss", record)
-    out = glmtune_in_process("data.packing=on", "data.pack_length=600", "train.max_steps=2", "train.eval_steps=1",
-                             f"hydra.run.dir={tmp_path / 'run'}", cwd=repo)
+    out = glmtune_in_process(
+        "data.packing=on",
+        "data.pack_length=600",
+        "train.max_steps=2",
+        "train.eval_steps=1",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        cwd=repo,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     for training in (True, False):
         probe = {s[2:] for s in seen if s[0] == "probe" and s[1] == training}
@@ -120,8 +142,15 @@ def test_evaluation_over_budget_halves_the_evaluation_batch_before_any_training_
     # A budget between the two: training fits, evaluation does not.
     budget = (peaks["train"] + peaks["eval"]) // 2
     report = run_probe(run, replace(plan, budget_bytes=budget), *args, evaluates=True)
-    rungs = [(a.choices["eval_batch_size"], a.choices["micro_batch_size"], a.choices["loss_chunk_tokens"],
-              a.choices["gradient_checkpointing"]) for a in report.attempts]
+    rungs = [
+        (
+            a.choices["eval_batch_size"],
+            a.choices["micro_batch_size"],
+            a.choices["loss_chunk_tokens"],
+            a.choices["gradient_checkpointing"],
+        )
+        for a in report.attempts
+    ]
     assert report.fits and rungs[0] == (8, 1, 0, False)
     assert all(r[1:] == (1, 0, False) for r in rungs), rungs  # no training rung was taken
     assert rungs[-1][0] < 8 and "evaluation was the phase over budget" in report.attempts[0].detail["next_rung"]
@@ -142,7 +171,7 @@ def test_a_crash_in_training_is_one_line_exit_1_traceback_in_the_log(tmp_path, r
     run_dir = tmp_path / "run"
     out = glmtune_in_process("train.max_steps=3", f"hydra.run.dir={run_dir}", cwd=repo)
     assert out.returncode == 1
-    lines = [line[line.index("glmtune: error"):] for line in out.stderr.splitlines() if "glmtune: error" in line]
+    lines = [line[line.index("glmtune: error") :] for line in out.stderr.splitlines() if "glmtune: error" in line]
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr  # besides it: the progress bar only
     assert lines[0].startswith("glmtune: error: training failed in step 2: SystemError: <built-in function")
     assert str(run_dir / "rank0.log") in lines[0]
@@ -178,7 +207,6 @@ def test_the_estimate_counts_the_packed_rows_mask_as_the_attention_keeps_it():
 
     measured = after_forward(torch.zeros(1, seq, dtype=torch.long)) - after_forward(None)
     shape = RunShape(dtype="fp32", seq_len=seq, lora_dropout=0.0, device="cpu")
-    planned = (estimate(arch, replace(shape, document_mask=True)).phases["loss"]
-               - estimate(arch, shape).phases["loss"])
+    planned = estimate(arch, replace(shape, document_mask=True)).phases["loss"] - estimate(arch, shape).phases["loss"]
     assert planned == arch.num_layers * seq * seq * 4
     assert measured == pytest.approx(planned, abs=8192), (measured, planned)

@@ -1,25 +1,24 @@
 """The probe on CPU: measured peak, step-down under a budget, no effect on the run, failure diagnosis."""
+
 import json
-from pathlib import Path
 from dataclasses import replace
 
 import pytest
 import torch
+from helpers import REPO
+from helpers.cli import glmtune_in_process
 from safetensors.torch import load_file
 
 from glmtune.config import DataConfig, RunConfig, TrainConfig
 from glmtune.data.pipeline import DataCollator, build_datasets, longest_length
-from glmtune.probe.diagnose import EXIT, diagnosed
-from glmtune.plan.estimate import estimate
-from glmtune.probe.track import measure_lora_step
 from glmtune.models import load_config, load_tokenizer
 from glmtune.models.presets import ensure_tiny
+from glmtune.plan.estimate import estimate
 from glmtune.plan.planner import make_plan, run_shape
+from glmtune.probe.diagnose import EXIT, diagnosed
 from glmtune.probe.probe import run_probe
+from glmtune.probe.track import measure_lora_step
 from glmtune.train.trainer import train
-
-from helpers import REPO
-from helpers.cli import glmtune_in_process
 
 
 def run_cli(*args, cwd):
@@ -28,12 +27,22 @@ def run_cli(*args, cwd):
 
 def test_probe_json_measured_peak_matches_an_independent_measurement(tmp_path, repo):
     out = tmp_path / "probe"
-    proc = run_cli("mode=probe", "data.val_file=null", "train.per_device_batch_size=2", f"hydra.run.dir={out}",
-                   cwd=repo)
+    proc = run_cli(
+        "mode=probe", "data.val_file=null", "train.per_device_batch_size=2", f"hydra.run.dir={out}", cwd=repo
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "probe.json").read_text())
-    assert set(report) >= {"device", "emulated", "budget_bytes", "predicted_peak_bytes", "measured_peak_bytes",
-                           "per_rank", "attempts", "final", "seconds"}
+    assert set(report) >= {
+        "device",
+        "emulated",
+        "budget_bytes",
+        "predicted_peak_bytes",
+        "measured_peak_bytes",
+        "per_rank",
+        "attempts",
+        "final",
+        "seconds",
+    }
     assert report["device"] == "cpu" and report["emulated"] is False and len(report["attempts"]) == 1
     assert not (out / "adapter").exists()  # mode=probe does not train
     # the host's side (issue 30): every rank's peak resident set, here one process with torch loaded (> 200 MiB)
@@ -44,6 +53,7 @@ def test_probe_json_measured_peak_matches_an_independent_measurement(tmp_path, r
     run = RunConfig(train=TrainConfig(per_device_batch_size=2))
     final = report["final"]
     from glmtune.plan.planner import Choices
+
     shape = replace(run_shape(run, arch, Choices(**final), data_max_tokens=500), device="cpu", gpu_family=None)
     independent, _ = measure_lora_step(arch, shape)
     assert report["measured_peak_bytes"] == pytest.approx(independent, rel=0.05)
@@ -123,11 +133,15 @@ class FailingCollator(DataCollator):
 
 ERRORS = {
     "oom": torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 214.00 MiB (GPU 0; 39.39 GiB total)"),
-    "nvml_oom": RuntimeError("r.nvmlDeviceGetNvLinkRemoteDeviceType_ INTERNAL ASSERT FAILED at "
-                             "\"../c10/cuda/driver_api.cpp\":27, please report a bug to PyTorch."),
+    "nvml_oom": RuntimeError(
+        "r.nvmlDeviceGetNvLinkRemoteDeviceType_ INTERNAL ASSERT FAILED at "
+        '"../c10/cuda/driver_api.cpp":27, please report a bug to PyTorch.'
+    ),
     "nccl": torch.distributed.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error"),
-    "transformers_version": TypeError("GenerationMixin._extract_past_from_model_output() got an unexpected "
-                                      "keyword argument 'standardize_cache_format'"),
+    "transformers_version": TypeError(
+        "GenerationMixin._extract_past_from_model_output() got an unexpected "
+        "keyword argument 'standardize_cache_format'"
+    ),
 }
 
 
@@ -143,8 +157,12 @@ def test_each_failure_class_inside_a_training_step_is_diagnosed(kind, tmp_path, 
     assert exited.value.code == EXIT[kind]
     err = capsys.readouterr().err
     assert f"glmtune: {kind}: " in err and "try: " in err and "Traceback" not in err
-    expected = {"oom": "train.gradient_checkpointing=on", "nvml_oom": "out-of-memory in disguise",
-                "nccl": "NCCL_DEBUG=INFO", "transformers_version": "model.trust_remote_code=false"}[kind]
+    expected = {
+        "oom": "train.gradient_checkpointing=on",
+        "nvml_oom": "out-of-memory in disguise",
+        "nccl": "NCCL_DEBUG=INFO",
+        "transformers_version": "model.trust_remote_code=false",
+    }[kind]
     assert expected in err
     if kind in ("oom", "nvml_oom"):
         assert "planned memory (GiB): frozen weights 0.00" in err
@@ -156,8 +174,15 @@ def test_unrecognised_errors_propagate_unchanged(tmp_path, tiny_inputs):
     choices = make_plan(run, load_config(model_dir), 1, False).choices
     with pytest.raises(KeyError, match="not a memory problem"):
         with diagnosed(tmp_path, {}, choices.to_dict(), probe_enabled=True):
-            train(run, choices, tmp_path, model_dir, train_set, None,
-                  FailingCollator(tok.pad_token_id, KeyError("not a memory problem")))
+            train(
+                run,
+                choices,
+                tmp_path,
+                model_dir,
+                train_set,
+                None,
+                FailingCollator(tok.pad_token_id, KeyError("not a memory problem")),
+            )
 
 
 def test_probe_on_the_tiny_vision_model_includes_the_image(tmp_path, repo):
@@ -175,19 +200,42 @@ def test_probe_shortfall_names_measurement_and_what_would_fit():
     import yaml
 
     from glmtune.config import HwConfig
-    from glmtune.models import released_config
     from glmtune.plan.planner import Choices
     from glmtune.probe.report import Attempt, ProbeReport, probe_shortfall
 
-    run = RunConfig(hw=HwConfig(**yaml.safe_load((REPO / "conf/hw/rtx4090_24g.yaml").read_text())),
-                    data=DataConfig(max_length=65536))
-    final = Choices(dtype="bf16", gradient_checkpointing=True, zero_stage=0, offload_params=False,
-                    offload_optimizer=False, micro_batch_size=1, grad_accum=1, max_length=65536, world_size=1,
-                    eval_batch_size=1, loss_chunk_tokens=256, offload_checkpoints=True)
+    run = RunConfig(
+        hw=HwConfig(**yaml.safe_load((REPO / "conf/hw/rtx4090_24g.yaml").read_text())),
+        data=DataConfig(max_length=65536),
+    )
+    final = Choices(
+        dtype="bf16",
+        gradient_checkpointing=True,
+        zero_stage=0,
+        offload_params=False,
+        offload_optimizer=False,
+        micro_batch_size=1,
+        grad_accum=1,
+        max_length=65536,
+        world_size=1,
+        eval_batch_size=1,
+        loss_chunk_tokens=256,
+        offload_checkpoints=True,
+    )
     measured, budget = 30 * 2**30, int(23.6 * 0.9 * 2**30)
     attempt = Attempt(final.to_dict(), "over budget", 19 * 2**30, measured, [measured], 1.0)
-    report = ProbeReport("gpu", True, "test", budget, attempt.predicted_peak_bytes, measured, [measured],
-                         [attempt], final.to_dict(), False, 1.0)
+    report = ProbeReport(
+        "gpu",
+        True,
+        "test",
+        budget,
+        attempt.predicted_peak_bytes,
+        measured,
+        [measured],
+        [attempt],
+        final.to_dict(),
+        False,
+        1.0,
+    )
     line = probe_shortfall(report, run)
     assert "measured 30.00 GiB at best" in line and "budget 21.24 GiB" in line
     assert "+hw=a100_40g" in line and "+hw=rtx3090_24g" not in line and not line.rstrip().endswith(":")

@@ -1,5 +1,6 @@
 """probe.rehearse (issue 42): mode=probe in one process measures rank 0 of the planned world, over a process group
 whose collectives move no data (probe/rehearse.py, train/rehearsal.py) — against rank 0 of real gloo launches."""
+
 from __future__ import annotations
 
 import json
@@ -10,7 +11,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-
 from helpers import REPO
 from helpers.cli import glmtune, glmtune_in_process
 
@@ -18,8 +18,11 @@ WORKER = Path(__file__).with_name("rehearse_worker.py")
 PACKED = ["data.packing=on", "train.per_device_batch_size=4"]
 MODELS = {"glm4": [], "glm4v": ["model=glm4v_tiny", "data=samples_vision"]}
 SHAPES = {  # world: {case: overrides}; the acceptance's layouts, each on packed rows (eval included: the samples' val set)
-    2: {"SP 2": ["dist.sequence_parallel=2"], "ZeRO-3 2": ["dist.strategy=zero3"],
-        "ZeRO-3 + SP 2": ["dist.strategy=zero3", "dist.sequence_parallel=2"]},
+    2: {
+        "SP 2": ["dist.sequence_parallel=2"],
+        "ZeRO-3 2": ["dist.strategy=zero3"],
+        "ZeRO-3 + SP 2": ["dist.strategy=zero3", "dist.sequence_parallel=2"],
+    },
     4: {"SP 4": ["dist.sequence_parallel=4"], "DP 2 x SP 2": ["dist.sequence_parallel=2"]},
 }
 # Per-document attention reads the gathered seq ids (train/rehearsal.py): rank 0's shard repeated would split a
@@ -28,15 +31,24 @@ EXTRA = {2: {"glm4 SP 2, per-document attention": ["dist.sequence_parallel=2", "
 
 
 def cases(world: int) -> dict[str, list[str]]:
-    out = {f"{model} {name}": [*args, *PACKED, *extra, f"dist.nproc_per_node={world}"]
-           for model, args in MODELS.items() for name, extra in SHAPES[world].items()}
-    out.update({name: [*PACKED, *extra, f"dist.nproc_per_node={world}"] for name, extra in EXTRA.get(world, {}).items()})
+    out = {
+        f"{model} {name}": [*args, *PACKED, *extra, f"dist.nproc_per_node={world}"]
+        for model, args in MODELS.items()
+        for name, extra in SHAPES[world].items()
+    }
+    out.update(
+        {name: [*PACKED, *extra, f"dist.nproc_per_node={world}"] for name, extra in EXTRA.get(world, {}).items()}
+    )
     return out
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
-            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }
 
 
 @pytest.mark.slow  # ~3 min on 2 cores: 2 torchrun launches (2 and 4 gloo ranks) and 1 process rehearsing all 13 cases
@@ -48,13 +60,32 @@ def test_rehearsed_rank0_peak_matches_a_real_launch(tmp_path):
         (tmp_path / f"cases{world}.json").write_text(json.dumps(cases(world)))
         every.update(cases(world))
     (tmp_path / "all.json").write_text(json.dumps(every))
-    rehearsal = subprocess.Popen([sys.executable, str(WORKER), str(tmp_path / "all.json"), str(tmp_path / "rehearsed.json")],
-                                 cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rehearsal = subprocess.Popen(
+        [sys.executable, str(WORKER), str(tmp_path / "all.json"), str(tmp_path / "rehearsed.json")],
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     real = {}
     for world in SHAPES:  # one launch per world shape, measuring each of its cases in turn
-        out = subprocess.run(["torchrun", "--standalone", "--nproc_per_node", str(world), str(WORKER),
-                              str(tmp_path / f"cases{world}.json"), str(tmp_path / f"real{world}.json")],
-                             cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
+        out = subprocess.run(
+            [
+                "torchrun",
+                "--standalone",
+                "--nproc_per_node",
+                str(world),
+                str(WORKER),
+                str(tmp_path / f"cases{world}.json"),
+                str(tmp_path / f"real{world}.json"),
+            ],
+            cwd=REPO,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         real.update(json.loads((tmp_path / f"real{world}.json").read_text()))
     log = rehearsal.communicate(timeout=900)[0]
@@ -81,8 +112,9 @@ def test_mode_probe_rehearses_the_planned_world_in_this_process(tmp_path):
     import torch.distributed as dist
 
     run = tmp_path / "r"
-    proc = glmtune_in_process("mode=probe", "dist.nproc_per_node=4", "dist.sequence_parallel=2", "data.val_file=null",
-                              f"hydra.run.dir={run}")
+    proc = glmtune_in_process(
+        "mode=probe", "dist.nproc_per_node=4", "dist.sequence_parallel=2", "data.val_file=null", f"hydra.run.dir={run}"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rehearsed: 4 ranks on 1 device" in proc.stdout and "links' speed" in " ".join(proc.stdout.split())
     report = json.loads((run / "probe.json").read_text())
@@ -93,17 +125,21 @@ def test_mode_probe_rehearses_the_planned_world_in_this_process(tmp_path):
     assert not dist.is_initialized() and "WORLD_SIZE" not in os.environ  # the fake world is gone with the probe
     # probe.rehearse=false: the plan is for the processes running, as before rehearsals existed
     single = tmp_path / "s"
-    proc = glmtune_in_process("mode=probe", "dist.nproc_per_node=4", "probe.rehearse=false", "data.val_file=null",
-                              f"hydra.run.dir={single}")
+    proc = glmtune_in_process(
+        "mode=probe", "dist.nproc_per_node=4", "probe.rehearse=false", "data.val_file=null", f"hydra.run.dir={single}"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((single / "probe.json").read_text())
     assert report["rehearsed"] == 0 and report["final"]["world_size"] == 1 and "rehearsed" not in proc.stdout
 
 
-@pytest.mark.parametrize("args, words", [
-    (["mode=probe", "probe.rehearse=maybe"], "probe.rehearse='maybe': use auto, true or false"),
-    (["probe.rehearse=true"], "true rehearses a multi-GPU plan in mode=probe only"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["mode=probe", "probe.rehearse=maybe"], "probe.rehearse='maybe': use auto, true or false"),
+        (["probe.rehearse=true"], "true rehearses a multi-GPU plan in mode=probe only"),
+    ],
+)
 def test_bad_rehearse_settings_are_one_line(args, words):
     out = glmtune_in_process(*args)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and words in out.stderr, out.stderr
@@ -122,8 +158,12 @@ def test_a_rehearsal_over_budget_takes_the_next_rung(tmp_path):
 
     model_dir = ensure_tiny("glm4")
     tok, arch = load_tokenizer(model_dir), load_config(model_dir)
-    run = RunConfig(mode="probe", data=DataConfig(val_file=None), train=TrainConfig(per_device_batch_size=4),
-                    dist=DistConfig(nproc_per_node=2, sequence_parallel=2))
+    run = RunConfig(
+        mode="probe",
+        data=DataConfig(val_file=None),
+        train=TrainConfig(per_device_batch_size=4),
+        dist=DistConfig(nproc_per_node=2, sequence_parallel=2),
+    )
     _, _, stats = build_datasets(run.data, tok)
     plan = make_plan(run, arch, 2, user_set_max_length=False, data_max_tokens=longest_length(stats))
     args = (arch, model_dir, longest_length(stats), tok, DataCollator(tok.pad_token_id), tmp_path, 1)
@@ -166,9 +206,15 @@ def test_sequence_groups_gather_the_real_row_layout():
 
 def long_rows(path: Path, words: int) -> Path:
     """Two conversations of a short prompt and a `words`-word answer (~3.7 tiny-tokenizer tokens a word)."""
-    rows = [{"messages": [{"role": "user", "content": "summarise this"},
-                          {"role": "assistant", "content": " ".join(f"w{(i + j) % 997}" for j in range(words))}]}
-            for i in range(2)]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": "summarise this"},
+                {"role": "assistant", "content": " ".join(f"w{(i + j) % 997}" for j in range(words))},
+            ]
+        }
+        for i in range(2)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -182,9 +228,17 @@ def test_issue_command_rehearses_four_ranks_in_one_process(tmp_path):
     README, plan/longctx.py)."""
     data = long_rows(tmp_path / "long.jsonl", 2200)
     run = tmp_path / "r"
-    out = glmtune("mode=probe", "model=glm4_tiny", "+hw=rtx4090_24g", "dist.nproc_per_node=4",
-                  "data.max_length=131072", f"data.train_file={data}", "data.val_file=null",
-                  "dist.sequence_parallel=4", f"hydra.run.dir={run}")
+    out = glmtune(
+        "mode=probe",
+        "model=glm4_tiny",
+        "+hw=rtx4090_24g",
+        "dist.nproc_per_node=4",
+        "data.max_length=131072",
+        f"data.train_file={data}",
+        "data.val_file=null",
+        "dist.sequence_parallel=4",
+        f"hydra.run.dir={run}",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "rehearsed: 4 ranks on 1 device" in out.stdout
     report = json.loads((run / "probe.json").read_text())

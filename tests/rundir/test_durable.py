@@ -4,6 +4,7 @@ killed half-way is never resumed from, run dirs never mix, a diverged run fails,
 The reference for "same" is an uninterrupted run of the same command: the resumed run must log the same loss
 at every step and end with the same adapter fingerprint (sha256 of every LoRA tensor).
 """
+
 import json
 import os
 import re
@@ -15,23 +16,35 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import REPO
 
 from glmtune.models.presets import ensure_tiny
 from glmtune.train.checkpoints import is_complete
 
-from helpers import REPO
-
 STEPS = 30
 # All-linear adapters at a high learning rate: the loss moves a lot per step, so a wrong data order, RNG state,
 # optimizer or scheduler state after the resume shows up in the curve at once.
-ARGS = ["lora=all_linear", "train.learning_rate=1e-2", f"train.max_steps={STEPS}", "train.logging_steps=1",
-        "probe.enabled=false", f"data.train_file={REPO / 'data/samples/train.jsonl'}", "data.val_file=null"]
+ARGS = [
+    "lora=all_linear",
+    "train.learning_rate=1e-2",
+    f"train.max_steps={STEPS}",
+    "train.logging_steps=1",
+    "probe.enabled=false",
+    f"data.train_file={REPO / 'data/samples/train.jsonl'}",
+    "data.val_file=null",
+]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
 def start(*args, cwd=REPO, env=ENV) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "glmtune", *args], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-m", "glmtune", *args],
+        cwd=cwd,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def finish(proc: subprocess.Popen, timeout=600):
@@ -69,7 +82,9 @@ def error_line(stderr: str) -> str:
     assert "Traceback" not in stderr, stderr[-3000:]
     # A line may start with a progress bar's last update (tqdm ends its lines with \r, not \n).
     # glmtune's one line: an error, or a stop that saved its checkpoint ("glmtune: stopped by ...", not an error)
-    lines = [line[m.start():] for line in stderr.splitlines() if (m := re.search(r"glmtune: (error: |stopped by )", line))]
+    lines = [
+        line[m.start() :] for line in stderr.splitlines() if (m := re.search(r"glmtune: (error: |stopped by )", line))
+    ]
     assert len(lines) == 1, stderr[-3000:]
     return lines[0]
 
@@ -189,8 +204,15 @@ def test_ctrl_c_before_training_is_one_line(tmp_path):
 def test_a_diverged_run_fails_with_exit_8_and_no_adapter(tmp_path):
     ensure_tiny("glm4")
     out = tmp_path / "run"
-    code, _, stderr = run("lora=all_linear", "train.learning_rate=1e30", "train.max_steps=10", "probe.enabled=false",
-                          "data.val_file=null", "train.save_steps=1", f"hydra.run.dir={out}")
+    code, _, stderr = run(
+        "lora=all_linear",
+        "train.learning_rate=1e30",
+        "train.max_steps=10",
+        "probe.enabled=false",
+        "data.val_file=null",
+        "train.save_steps=1",
+        f"hydra.run.dir={out}",
+    )
     assert code == 8, stderr[-3000:]
     line = error_line(stderr)
     assert "training diverged at step" in line
@@ -207,8 +229,7 @@ def test_a_diverged_run_fails_with_exit_8_and_no_adapter(tmp_path):
 def can_mount_tmpfs() -> bool:
     if not shutil.which("unshare"):
         return False
-    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"],
-                           capture_output=True)
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"], capture_output=True)
     return probe.returncode == 0
 
 
@@ -221,17 +242,21 @@ def test_a_full_disk_mid_run_is_one_line_and_leaves_no_empty_files(tmp_path):
     disk = tmp_path / "disk"
     disk.mkdir()
     out = disk / "run"
-    command = " ".join([sys.executable, "-m", "glmtune", *ARGS, "train.max_steps=100000", "train.save_steps=1",
-                        f"hydra.run.dir={out}"])
-    script = (f"mount -t tmpfs -o size=32m tmpfs {disk} && ({command} & pid=$!; "
-              f"while [ -z \"$(find {out} -name COMPLETE 2>/dev/null)\" ] && kill -0 $pid 2>/dev/null; do sleep 0.05; "
-              "done; "
-              f"cat /dev/zero > {disk}/filler 2>/dev/null; wait $pid; echo exit=$? >&2; "
-              f"for f in $(find {out} -name '*.json' -o -name '*.yaml'); do [ -s $f ] || echo EMPTY $f >&2; done; "
-              f"find {out}/checkpoints -name COMPLETE | sed 's/^/MARKED /' >&2; "
-              f"grep -o '\"status\": *\"[a-z]*\"' {out}/run_state.json | sed 's/^/STATE /' >&2)")
-    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=REPO, env=ENV, capture_output=True, text=True,
-                          timeout=600)
+    command = " ".join(
+        [sys.executable, "-m", "glmtune", *ARGS, "train.max_steps=100000", "train.save_steps=1", f"hydra.run.dir={out}"]
+    )
+    script = (
+        f"mount -t tmpfs -o size=32m tmpfs {disk} && ({command} & pid=$!; "
+        f'while [ -z "$(find {out} -name COMPLETE 2>/dev/null)" ] && kill -0 $pid 2>/dev/null; do sleep 0.05; '
+        "done; "
+        f"cat /dev/zero > {disk}/filler 2>/dev/null; wait $pid; echo exit=$? >&2; "
+        f"for f in $(find {out} -name '*.json' -o -name '*.yaml'); do [ -s $f ] || echo EMPTY $f >&2; done; "
+        f"find {out}/checkpoints -name COMPLETE | sed 's/^/MARKED /' >&2; "
+        f"grep -o '\"status\": *\"[a-z]*\"' {out}/run_state.json | sed 's/^/STATE /' >&2)"
+    )
+    proc = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600
+    )
     assert "exit=2" in proc.stderr, proc.stderr[-3000:]
     line = error_line(proc.stderr)
     assert "disk full" in line and "re-run the same command" in line
@@ -242,9 +267,23 @@ def test_a_full_disk_mid_run_is_one_line_and_leaves_no_empty_files(tmp_path):
 
 
 def torchrun(*args, port: int) -> subprocess.Popen:
-    return subprocess.Popen([str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port",
-                             str(port), "-m", "glmtune", *args], cwd=REPO, env=ENV, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "torchrun"),
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(port),
+            "-m",
+            "glmtune",
+            *args,
+        ],
+        cwd=REPO,
+        env=ENV,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def last_fingerprints(run_dir: Path) -> dict[int, str]:
@@ -263,8 +302,12 @@ def test_zero3_two_ranks_sigterm_then_resume_matches_the_uninterrupted_run(tmp_p
     from helpers.launch import free_port
 
     ensure_tiny("glm4")
-    args = ["dist=zero3", *[a for a in ARGS if not a.startswith("train.max_steps")], "train.max_steps=12",
-            "train.per_device_batch_size=2"]
+    args = [
+        "dist=zero3",
+        *[a for a in ARGS if not a.startswith("train.max_steps")],
+        "train.max_steps=12",
+        "train.per_device_batch_size=2",
+    ]
     ref = tmp_path / "reference"
     code, _, stderr = finish(torchrun(*args, f"hydra.run.dir={ref}", port=free_port()))
     assert code == 0, stderr[-4000:]

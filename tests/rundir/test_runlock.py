@@ -1,11 +1,12 @@
 """Run-dir decisions, the lock, atomic writes and complete-marked checkpoints, in-process (fast)."""
+
 import json
 import os
 
 import pytest
 
-from glmtune.rundir.atomic import folder_as_one_unit, write_text
 from glmtune.config import ConfigError
+from glmtune.rundir.atomic import folder_as_one_unit, write_text
 from glmtune.rundir.lock import RunDirLock, decide, trim_metrics, write_state
 from glmtune.train.checkpoints import last_complete, mark_complete, remove_incomplete, rotate
 
@@ -43,11 +44,14 @@ def test_fresh_dir_starts_and_an_interrupted_run_resumes_with_its_choices(tmp_pa
     assert start.resume_from == last and start.choices == {"micro_batch_size": 2}
 
 
-@pytest.mark.parametrize("status,mode,config,fragment", [
-    ("done", "auto", CONFIG, "holds a finished run"),
-    ("diverged", "auto", CONFIG, "holds a diverged run"),
-    ("interrupted", "auto", {**CONFIG, "lora": {"r": 16}}, "another config (lora.r: 8 -> 16)"),
-])
+@pytest.mark.parametrize(
+    "status,mode,config,fragment",
+    [
+        ("done", "auto", CONFIG, "holds a finished run"),
+        ("diverged", "auto", CONFIG, "holds a diverged run"),
+        ("interrupted", "auto", {**CONFIG, "lora": {"r": 16}}, "another config (lora.r: 8 -> 16)"),
+    ],
+)
 def test_refusals_name_the_way_out(tmp_path, status, mode, config, fragment):
     write_state(tmp_path, status=status, mode="train", config=CONFIG)
     last = checkpoint(tmp_path, 4)

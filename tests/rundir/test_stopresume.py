@@ -3,6 +3,7 @@ interrupted run, and the command printed at the stop, pasted into a shell as it 
 
 "Resumes" means: the run ends in the interrupted run's dir with the adapter fingerprint of an uninterrupted run.
 """
+
 import json
 import os
 import re
@@ -13,20 +14,27 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import REPO
 
 from glmtune.models.presets import ensure_tiny
 
-from helpers import REPO
-
 STEPS = 24
-ARGS = ["lora=all_linear", "train.learning_rate=1e-2", f"train.max_steps={STEPS}", "train.logging_steps=1",
-        "probe.enabled=false", f"data.train_file={REPO / 'data/samples/train.jsonl'}", "data.val_file=null"]
+ARGS = [
+    "lora=all_linear",
+    "train.learning_rate=1e-2",
+    f"train.max_steps={STEPS}",
+    "train.logging_steps=1",
+    "probe.enabled=false",
+    f"data.train_file={REPO / 'data/samples/train.jsonl'}",
+    "data.val_file=null",
+]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
 def start(cmd, cwd) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=cwd, env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            shell=isinstance(cmd, str))
+    return subprocess.Popen(
+        cmd, cwd=cwd, env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, shell=isinstance(cmd, str)
+    )
 
 
 def run_dirs(cwd: Path) -> list[Path]:
@@ -34,8 +42,11 @@ def run_dirs(cwd: Path) -> list[Path]:
 
 
 def logged_steps(cwd: Path) -> int:
-    return sum(sum('"loss"' in line for line in (d / "metrics.jsonl").read_text().splitlines())
-               for d in run_dirs(cwd) if (d / "metrics.jsonl").exists())
+    return sum(
+        sum('"loss"' in line for line in (d / "metrics.jsonl").read_text().splitlines())
+        for d in run_dirs(cwd)
+        if (d / "metrics.jsonl").exists()
+    )
 
 
 def stop_after(proc: subprocess.Popen, cwd: Path, steps: int) -> tuple[int, str, str]:
@@ -52,7 +63,9 @@ def stop_after(proc: subprocess.Popen, cwd: Path, steps: int) -> tuple[int, str,
 def stop_line(stderr: str) -> str:
     assert "Traceback" not in stderr, stderr[-3000:]
     # glmtune's one line: an error, or a stop that saved its checkpoint ("glmtune: stopped by ...", not an error)
-    lines = [line[m.start():] for line in stderr.splitlines() if (m := re.search(r"glmtune: (error: |stopped by )", line))]
+    lines = [
+        line[m.start() :] for line in stderr.splitlines() if (m := re.search(r"glmtune: (error: |stopped by )", line))
+    ]
     assert len(lines) == 1, stderr[-3000:]
     return lines[0]
 
@@ -65,8 +78,14 @@ def fingerprint(run_dir: Path) -> str:
 def test_the_same_command_and_the_printed_command_both_resume(tmp_path):
     ensure_tiny("glm4")
     cmd = [sys.executable, "-m", "glmtune", *ARGS]
-    reference = subprocess.run([*cmd, f"hydra.run.dir={tmp_path / 'reference'}"], cwd=tmp_path, env=ENV,
-                               capture_output=True, text=True, timeout=600)
+    reference = subprocess.run(
+        [*cmd, f"hydra.run.dir={tmp_path / 'reference'}"],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert reference.returncode == 0, reference.stderr[-3000:]
     work = tmp_path / "work"
     work.mkdir()
@@ -93,8 +112,9 @@ def test_the_same_command_and_the_printed_command_both_resume(tmp_path):
     assert json.loads((first / "run_state.json").read_text())["status"] == "done"
 
     # A finished run is never picked up again: the same command now trains a new run from step 0.
-    code = subprocess.run([*cmd, "train.max_steps=2"], cwd=work, env=ENV, capture_output=True, text=True,
-                          timeout=600).returncode
+    code = subprocess.run(
+        [*cmd, "train.max_steps=2"], cwd=work, env=ENV, capture_output=True, text=True, timeout=600
+    ).returncode
     assert code == 0 and len(run_dirs(work)) == 2
 
 
@@ -111,8 +131,9 @@ def test_torchrun_script_stops_with_exit_7_one_line_and_the_same_command_resumes
     env = {**ENV, "PYTHON": sys.executable}
     work = tmp_path / "work"
     work.mkdir()
-    proc = subprocess.Popen(torchrun_sh(f"dist={dist}"), cwd=work, env=env, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        torchrun_sh(f"dist={dist}"), cwd=work, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     code, _, err = stop_after(proc, work, 3)
     assert code == 7, err[-3000:]
     line = stop_line(err)  # exactly one glmtune line, no traceback
@@ -121,12 +142,19 @@ def test_torchrun_script_stops_with_exit_7_one_line_and_the_same_command_resumes
     assert "stopped by SIGTERM" in (first / "rank1.log").read_text()
     assert json.loads((first / "run_state.json").read_text())["status"] == "interrupted"
 
-    resumed = subprocess.run(torchrun_sh(f"dist={dist}"), cwd=work, env=env, capture_output=True, text=True,
-                             timeout=900)
+    resumed = subprocess.run(
+        torchrun_sh(f"dist={dist}"), cwd=work, env=env, capture_output=True, text=True, timeout=900
+    )
     assert f"continuing {first}" in resumed.stdout and "resuming from" in resumed.stdout, resumed.stderr[-3000:]
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    reference = subprocess.run(torchrun_sh(f"dist={dist}", f"hydra.run.dir={tmp_path / 'reference'}"), cwd=work,
-                               env=env, capture_output=True, text=True, timeout=900)
+    reference = subprocess.run(
+        torchrun_sh(f"dist={dist}", f"hydra.run.dir={tmp_path / 'reference'}"),
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert reference.returncode == 0, reference.stderr[-3000:]
     assert fingerprint(first) == fingerprint(tmp_path / "reference")
 
@@ -142,20 +170,33 @@ def test_a_changed_data_file_is_refused_on_resume_and_plan_or_probe_never_rewrit
     code, _, err = stop_after(start(cmd, work), work, 2)
     assert code == 7, err[-3000:]
     [run_dir] = run_dirs(work)
-    files = {p: p.read_bytes() for p in [run_dir / ".hydra/config.yaml", run_dir / "plan.json",
-                                         run_dir / "versions.json", run_dir / "run_state.json"]}
+    files = {
+        p: p.read_bytes()
+        for p in [
+            run_dir / ".hydra/config.yaml",
+            run_dir / "plan.json",
+            run_dir / "versions.json",
+            run_dir / "run_state.json",
+        ]
+    }
 
     # mode=plan and mode=probe into the training run's dir: refused, nothing rewritten
     for mode in ("plan", "probe"):
-        proc = subprocess.run([*cmd, f"mode={mode}", f"hydra.run.dir={run_dir}"], cwd=work, env=ENV,
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [*cmd, f"mode={mode}", f"hydra.run.dir={run_dir}"],
+            cwd=work,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 2 and "holds a training run" in stop_line(proc.stderr), proc.stderr[-3000:]
         assert {p: p.read_bytes() for p in files} == files
 
     # The data edited in place: same size, same mtime, other text (two letters swapped in the first answer).
     stat, text = data.stat(), data.read_text()
     at = text.index('"assistant", "content": "') + len('"assistant", "content": "')
-    data.write_text(text[:at] + text[at + 1] + text[at] + text[at + 2:])
+    data.write_text(text[:at] + text[at + 1] + text[at] + text[at + 2 :])
     os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert data.stat().st_size == stat.st_size and data.read_text() != text
     proc = subprocess.run(cmd, cwd=work, env=ENV, capture_output=True, text=True, timeout=600)
@@ -173,9 +214,22 @@ def test_a_crash_during_training_leaves_run_state_failed(tmp_path):
     data = tmp_path / "data"
     shutil.copytree(REPO / "data/samples_vision", data)
     run_dir = tmp_path / "run"
-    proc = start([sys.executable, "-m", "glmtune", "model=glm4v_tiny", "data=samples_vision", "probe.enabled=false",
-                  f"data.train_file={data / 'train.jsonl'}", "data.val_file=null", "train.max_steps=40",
-                  "train.logging_steps=1", f"hydra.run.dir={run_dir}"], tmp_path)
+    proc = start(
+        [
+            sys.executable,
+            "-m",
+            "glmtune",
+            "model=glm4v_tiny",
+            "data=samples_vision",
+            "probe.enabled=false",
+            f"data.train_file={data / 'train.jsonl'}",
+            "data.val_file=null",
+            "train.max_steps=40",
+            "train.logging_steps=1",
+            f"hydra.run.dir={run_dir}",
+        ],
+        tmp_path,
+    )
     deadline = time.monotonic() + 300
     while not (run_dir / "metrics.jsonl").exists() or '"loss"' not in (run_dir / "metrics.jsonl").read_text():
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:] if proc.poll() else ""
@@ -192,8 +246,9 @@ def test_a_corrupted_cache_entry_is_built_again_never_trained_on(tmp_path):
     ensure_tiny("glm4")
     cache = tmp_path / "cache"
     cmd = [sys.executable, "-m", "glmtune", *ARGS, "train.max_steps=1", f"data.cache_dir={cache}"]
-    first = subprocess.run([*cmd, f"hydra.run.dir={tmp_path / 'a'}"], cwd=tmp_path, env=ENV, capture_output=True,
-                           text=True, timeout=600)
+    first = subprocess.run(
+        [*cmd, f"hydra.run.dir={tmp_path / 'a'}"], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600
+    )
     assert first.returncode == 0, first.stderr[-3000:]
     [entry] = [p for p in cache.iterdir() if p.is_dir()]
     recorded = json.loads((entry / "meta.json").read_text())["files_sha256"]
@@ -202,15 +257,20 @@ def test_a_corrupted_cache_entry_is_built_again_never_trained_on(tmp_path):
     raw[len(raw) // 2] ^= 0x10  # one bit flipped in the middle of the token data
     arrow.write_bytes(bytes(raw))
 
-    second = subprocess.run([*cmd, f"hydra.run.dir={tmp_path / 'b'}"], cwd=tmp_path, env=ENV, capture_output=True,
-                            text=True, timeout=600)
+    second = subprocess.run(
+        [*cmd, f"hydra.run.dir={tmp_path / 'b'}"], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     assert "is damaged" in second.stdout + second.stderr and "building it again" in second.stdout + second.stderr
     from glmtune.data.cache import damage, files_sha256
 
     assert damage(entry) is None and files_sha256(entry) == recorded  # the same rows as first built
-    losses = [json.loads(line)["loss"] for run in ("a", "b")
-              for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    losses = [
+        json.loads(line)["loss"]
+        for run in ("a", "b")
+        for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        if '"loss"' in line
+    ]
     assert losses[0] == losses[1]  # trained on the rebuilt entry, not the flipped bit
 
 
@@ -241,8 +301,11 @@ def wait_for_workers(proc: subprocess.Popen, cache: Path, count: int = 2) -> lis
 def gone(pids: list[int], timeout: float = 10) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not any(Path(f"/proc/{pid}").exists() and "(Z)" not in Path(f"/proc/{pid}/stat").read_text()
-                   for pid in pids if Path(f"/proc/{pid}").exists()):
+        if not any(
+            Path(f"/proc/{pid}").exists() and "(Z)" not in Path(f"/proc/{pid}/stat").read_text()
+            for pid in pids
+            if Path(f"/proc/{pid}").exists()
+        ):
             return True
         time.sleep(0.1)
     return False
@@ -252,8 +315,16 @@ def gone(pids: list[int], timeout: float = 10) -> bool:
 def test_a_signal_during_a_multi_process_cache_build_stops_within_seconds(tmp_path):
     ensure_tiny("glm4")
     data, cache = big_data(tmp_path), tmp_path / "cache"
-    cmd = [sys.executable, "-m", "glmtune", "mode=probe", f"data.train_file={data}", "data.val_file=null",
-           "data.num_proc=2", f"data.cache_dir={cache}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "glmtune",
+        "mode=probe",
+        f"data.train_file={data}",
+        "data.val_file=null",
+        "data.num_proc=2",
+        f"data.cache_dir={cache}",
+    ]
     for attempt, sig in enumerate([signal.SIGTERM, signal.SIGINT, signal.SIGTERM, signal.SIGINT, signal.SIGTERM]):
         proc = start(cmd, tmp_path)
         workers = wait_for_workers(proc, cache)
@@ -271,8 +342,17 @@ def test_a_signal_during_a_multi_process_cache_build_stops_within_seconds(tmp_pa
 def test_kill_9_during_a_multi_process_cache_build_leaves_no_orphan_and_the_same_command_trains(tmp_path):
     ensure_tiny("glm4")
     data, cache = big_data(tmp_path), tmp_path / "cache"
-    cmd = [sys.executable, "-m", "glmtune", f"data.train_file={data}", "data.val_file=null", "data.num_proc=2",
-           f"data.cache_dir={cache}", "train.max_steps=1", "probe.enabled=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "glmtune",
+        f"data.train_file={data}",
+        "data.val_file=null",
+        "data.num_proc=2",
+        f"data.cache_dir={cache}",
+        "train.max_steps=1",
+        "probe.enabled=false",
+    ]
     proc = start(cmd, tmp_path)
     workers = wait_for_workers(proc, cache)
     proc.kill()

@@ -9,6 +9,7 @@
   same adapter; with one worker process killed mid-run, Ray restarts the group and glmtune resumes to it; a bad
   input ends in the rank's line and exit 2.
 """
+
 from __future__ import annotations
 
 import http.server
@@ -26,18 +27,29 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from helpers import REPO
 from helpers.cli import glmtune_in_process
 
 pytest.importorskip("kubeflow_trainer_api", reason='the kubeflow extra: pip install -e ".[kubeflow]"')
 
 STEPS = 16
-ARGS = ["lora=all_linear", "train.learning_rate=1e-2", f"train.max_steps={STEPS}", "train.save_steps=4",
-        "train.logging_steps=1", "probe.enabled=false", f"data.train_file={REPO / 'data/samples/train.jsonl'}",
-        "data.val_file=null"]
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
-       "RAY_USAGE_STATS_ENABLED": "0"}
+ARGS = [
+    "lora=all_linear",
+    "train.learning_rate=1e-2",
+    f"train.max_steps={STEPS}",
+    "train.save_steps=4",
+    "train.logging_steps=1",
+    "probe.enabled=false",
+    f"data.train_file={REPO / 'data/samples/train.jsonl'}",
+    "data.val_file=null",
+]
+ENV = {
+    **os.environ,
+    "PYTHONUNBUFFERED": "1",
+    "OMP_NUM_THREADS": "1",
+    "PYTHONPATH": str(REPO),
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
 TOKEN = "a-projected-service-account-jwt"
 
 
@@ -72,20 +84,33 @@ def reference(tmp_path_factory) -> dict:
 
     ensure_tiny("glm4")
     run_dir = tmp_path_factory.mktemp("reference") / "run"
-    proc = subprocess.run([str(REPO / "scripts" / "torchrun.sh"), "2", *ARGS, f"hydra.run.dir={run_dir}"],
-                          env={**ENV, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [str(REPO / "scripts" / "torchrun.sh"), "2", *ARGS, f"hydra.run.dir={run_dir}"],
+        env={**ENV, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return adapter(run_dir)
 
 
 # --- Kubeflow Trainer v2: the TrainJob's command, launched as the torch-distributed runtime launches it ---------
 
+
 @pytest.fixture(scope="module")
 def trainjob(tmp_path_factory) -> dict:
     """The TrainJob mode=plan emits for ARGS on 2 nodes of 1 process (this machine's CPU plan)."""
     work = tmp_path_factory.mktemp("emit")
-    proc = glmtune_in_process("mode=plan", "dist.nnodes=2", "dist.nproc_per_node=1", "plan.emit=trainjob",
-                              "plan.name=tiny-lora", *ARGS, cwd=work)
+    proc = glmtune_in_process(
+        "mode=plan",
+        "dist.nnodes=2",
+        "dist.nproc_per_node=1",
+        "plan.emit=trainjob",
+        "plan.name=tiny-lora",
+        *ARGS,
+        cwd=work,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     [path] = work.glob("outputs/*/*/trainjob.yaml")
     return yaml.safe_load(path.read_text())
@@ -101,11 +126,26 @@ def start_nodes(job: dict, volume: Path, extra_env: dict) -> list[subprocess.Pop
     the PET_* variables the torch plugin injects. The volume's cache is the test session's (tiny model, data)."""
     trainer = job["spec"]["trainer"]
     command = [sys.executable if c == "python" else c for c in trainer["command"]] + trainer["args"]
-    env = {**ENV, **{e["name"]: e["value"] for e in trainer["env"] if e["name"] != "GLMTUNE_CACHE"}, **extra_env,
-           "PET_NNODES": str(trainer["numNodes"]), "PET_NPROC_PER_NODE": str(trainer["numProcPerNode"]),
-           "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(free_port())}
-    return [subprocess.Popen(command, cwd=volume, env={**env, "PET_NODE_RANK": str(node)}, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for node in range(trainer["numNodes"])]
+    env = {
+        **ENV,
+        **{e["name"]: e["value"] for e in trainer["env"] if e["name"] != "GLMTUNE_CACHE"},
+        **extra_env,
+        "PET_NNODES": str(trainer["numNodes"]),
+        "PET_NPROC_PER_NODE": str(trainer["numProcPerNode"]),
+        "PET_MASTER_ADDR": "127.0.0.1",
+        "PET_MASTER_PORT": str(free_port()),
+    }
+    return [
+        subprocess.Popen(
+            command,
+            cwd=volume,
+            env={**env, "PET_NODE_RANK": str(node)},
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for node in range(trainer["numNodes"])
+    ]
 
 
 class StatusServer(http.server.ThreadingHTTPServer):
@@ -134,18 +174,47 @@ def make_certs(folder: Path) -> Path:
     """A CA and a server certificate for 127.0.0.1 that it signed (openssl), as the controller's webhook CA."""
     folder.mkdir()
     run = lambda *a: subprocess.run(["openssl", *a], cwd=folder, check=True, capture_output=True)  # noqa: E731
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
-        "-subj", "/CN=test trainer CA")
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=test trainer CA",
+    )
     run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1")
     (folder / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
-    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-out",
-        "server.crt", "-days", "2", "-extfile", "san.ext")
+    run(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.crt",
+        "-days",
+        "2",
+        "-extfile",
+        "san.ext",
+    )
     return folder
 
 
 @pytest.mark.slow
-def test_two_nodes_as_the_runtime_launches_them_train_torchruns_adapter_and_report_progress(tmp_path, trainjob,
-                                                                                          reference):
+def test_two_nodes_as_the_runtime_launches_them_train_torchruns_adapter_and_report_progress(
+    tmp_path, trainjob, reference
+):
     from kubeflow_trainer_api.models import TrainerV1alpha1UpdateTrainJobStatusRequest as Request
 
     server = StatusServer(make_certs(tmp_path / "certs"))
@@ -155,9 +224,15 @@ def test_two_nodes_as_the_runtime_launches_them_train_torchruns_adapter_and_repo
     url = f"https://127.0.0.1:{server.server_address[1]}{path}"
     volume = tmp_path / "volume"
     volume.mkdir()
-    nodes = start_nodes(trainjob, volume, {"KUBEFLOW_TRAINER_SERVER_URL": url,
-                                           "KUBEFLOW_TRAINER_SERVER_TOKEN": str(tmp_path / "token"),
-                                           "KUBEFLOW_TRAINER_SERVER_CA_CERT": str(tmp_path / "certs" / "ca.crt")})
+    nodes = start_nodes(
+        trainjob,
+        volume,
+        {
+            "KUBEFLOW_TRAINER_SERVER_URL": url,
+            "KUBEFLOW_TRAINER_SERVER_TOKEN": str(tmp_path / "token"),
+            "KUBEFLOW_TRAINER_SERVER_CA_CERT": str(tmp_path / "certs" / "ca.crt"),
+        },
+    )
     outs = [node.communicate(timeout=900) for node in nodes]
     server.shutdown()
     assert [node.returncode for node in nodes] == [0, 0], [err[-3000:] for _, err in outs]
@@ -188,13 +263,16 @@ def test_two_nodes_as_the_runtime_launches_them_train_torchruns_adapter_and_repo
 
 
 @pytest.mark.slow
-def test_sigterm_to_both_nodes_exits_7_within_the_grace_period_and_the_same_commands_resume(tmp_path, trainjob,
-                                                                                          reference):
+def test_sigterm_to_both_nodes_exits_7_within_the_grace_period_and_the_same_commands_resume(
+    tmp_path, trainjob, reference
+):
     """Kueue's pre-emption: SIGTERM to every pod's main process, SIGKILL after terminationGracePeriodSeconds. The
     progress endpoint is dead throughout (nothing listens on its port): one warning, training unaffected."""
     (tmp_path / "token").write_text(TOKEN)
-    dead = {"KUBEFLOW_TRAINER_SERVER_URL": f"http://127.0.0.1:{free_port()}/status",
-            "KUBEFLOW_TRAINER_SERVER_TOKEN": str(tmp_path / "token")}
+    dead = {
+        "KUBEFLOW_TRAINER_SERVER_URL": f"http://127.0.0.1:{free_port()}/status",
+        "KUBEFLOW_TRAINER_SERVER_TOKEN": str(tmp_path / "token"),
+    }
     volume = tmp_path / "volume"
     volume.mkdir()
     run_dir = volume / "outputs" / "tiny-lora"
@@ -226,6 +304,7 @@ def test_sigterm_to_both_nodes_exits_7_within_the_grace_period_and_the_same_comm
 
 # --- Ray Train V2 on a local cluster -------------------------------------------------------------------------------
 
+
 def session_processes(sid: int) -> list[int]:
     found = []
     for entry in os.listdir("/proc"):
@@ -246,12 +325,27 @@ def ray_cluster(tmp_path_factory):
     pytest.importorskip("ray.train", reason='the ray extra: pip install -e ".[ray]"')
     port = free_port()
     temp = tmp_path_factory.mktemp("ray")
-    head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
-                             "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2", "--num-gpus=0",
-                             "--object-store-memory=100000000", "--include-dashboard=false",
-                             "--disable-usage-stats", f"--temp-dir={temp}"],
-                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    head = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "ray"),
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--port={port}",
+            "--num-cpus=2",
+            "--num-gpus=0",
+            "--object-store-memory=100000000",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            f"--temp-dir={temp}",
+        ],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     started = time.monotonic()
     for line in head.stdout:
         if "Ray runtime started" in line:
@@ -272,8 +366,13 @@ def ray_cluster(tmp_path_factory):
 
 
 def ray_run(env: dict, storage: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "glmtune.ray", "--workers", "2", "--storage", str(storage), *args],
-                            env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-m", "glmtune.ray", "--workers", "2", "--storage", str(storage), *args],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def own_lines(stderr: str) -> list[str]:
@@ -307,8 +406,7 @@ def rank_process(run_dir: Path, rank: int) -> int | None:
 
 
 @pytest.mark.slow
-def test_ray_restarts_the_group_after_a_worker_process_is_killed_and_glmtune_resumes(tmp_path, ray_cluster,
-                                                                                    reference):
+def test_ray_restarts_the_group_after_a_worker_process_is_killed_and_glmtune_resumes(tmp_path, ray_cluster, reference):
     env, _ = ray_cluster
     run_dir = tmp_path.resolve() / "killed" / "glmtune"  # as the driver names it
     proc = ray_run(env, tmp_path, "--name", "killed", "--max-failures", "1", *ARGS)
@@ -331,8 +429,16 @@ def test_ray_restarts_the_group_after_a_worker_process_is_killed_and_glmtune_res
 @pytest.mark.slow
 def test_ray_a_rank_that_refuses_its_input_ends_the_run_with_its_line_and_exit_2(tmp_path, ray_cluster):
     env, _ = ray_cluster
-    proc = ray_run(env, tmp_path, "--name", "bad", "--max-failures", "2", *ARGS[:-2],
-                   f"data.train_file={tmp_path / 'missing.jsonl'}")
+    proc = ray_run(
+        env,
+        tmp_path,
+        "--name",
+        "bad",
+        "--max-failures",
+        "2",
+        *ARGS[:-2],
+        f"data.train_file={tmp_path / 'missing.jsonl'}",
+    )
     out, err = proc.communicate(timeout=900)
     assert proc.returncode == 2, (out[-2000:], err[-3000:])
     [line] = own_lines(err)
@@ -341,8 +447,23 @@ def test_ray_a_rank_that_refuses_its_input_ends_the_run_with_its_line_and_exit_2
 
 
 def test_ray_command_line_mistakes_are_one_line_and_exit_2_before_ray_starts(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "glmtune.ray", "--workers", "3-2", "--storage", "s3://bucket/runs",
-                           "train.lrr=1", "hydra.run.dir=x"], env=ENV, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "glmtune.ray",
+            "--workers",
+            "3-2",
+            "--storage",
+            "s3://bucket/runs",
+            "train.lrr=1",
+            "hydra.run.dir=x",
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     [line] = proc.stderr.splitlines()
     for says in ("--workers '3-2'", "--storage s3://bucket/runs", "hydra.run.dir", "unknown key 'train.lrr'"):

@@ -2,6 +2,7 @@
 back through the official SDK's models (kubeflow_trainer_api); its resources per node are the plan's. The runs of
 what the TrainJob runs (ranks launched with the runtime's PET_* variables, SIGTERM, progress) are in
 test_scaleout.py."""
+
 from __future__ import annotations
 
 import json
@@ -10,13 +11,18 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from helpers.cli import glmtune_in_process
 
 k = pytest.importorskip("kubeflow_trainer_api.models", reason='the kubeflow extra: pip install -e ".[kubeflow]"')
 
-PLAN = ["mode=plan", "model=glm4_9b_chat", "+hw=a100_80g", "dist.nnodes=2", "dist.nproc_per_node=8",
-        "plan.emit=trainjob"]
+PLAN = [
+    "mode=plan",
+    "model=glm4_9b_chat",
+    "+hw=a100_80g",
+    "dist.nnodes=2",
+    "dist.nproc_per_node=8",
+    "plan.emit=trainjob",
+]
 
 
 def emitted(cwd: Path) -> list[Path]:
@@ -71,28 +77,36 @@ def test_the_trainjob_asks_for_what_the_plan_needs_and_the_sdk_reads_it_back_unc
     assert all(len(line) <= 120 for line in said if str(tmp_path) not in line)  # a log's width (test_console.py)
 
     # A longer step (32K tokens, 8 micro-batches a step) needs a longer grace period: it comes from the plan.
-    longer = glmtune_in_process(*PLAN, "data.max_length=32768", "train.grad_accum=8", "plan.name=glm4-32k",
-                                cwd=tmp_path)
+    longer = glmtune_in_process(
+        *PLAN, "data.max_length=32768", "train.grad_accum=8", "plan.name=glm4-32k", cwd=tmp_path
+    )
     assert longer.returncode == 0, longer.stderr[-3000:]
-    [job] = [j for j in map(yaml.safe_load, (p.read_text() for p in emitted(tmp_path)))
-             if j["metadata"]["name"] == "glm4-32k"]
+    [job] = [
+        j
+        for j in map(yaml.safe_load, (p.read_text() for p in emitted(tmp_path)))
+        if j["metadata"]["name"] == "glm4-32k"
+    ]
     pod = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
     assert pod["template"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > grace
 
 
 def test_a_plan_that_does_not_fit_emits_nothing(tmp_path):
-    proc = glmtune_in_process("mode=plan", "model=glm4_9b_chat", "+hw=t4_16g", "hw.memory_gib=4",
-                              "plan.emit=trainjob", cwd=tmp_path)
+    proc = glmtune_in_process(
+        "mode=plan", "model=glm4_9b_chat", "+hw=t4_16g", "hw.memory_gib=4", "plan.emit=trainjob", cwd=tmp_path
+    )
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert emitted(tmp_path) == [] and not list(tmp_path.rglob("glmtune-torch.yaml"))
 
 
-@pytest.mark.parametrize("args, says", [
-    (["plan.emit=k8s"], "plan.emit='k8s' is not one of trainjob"),
-    (["plan.name=GLM_4"], "plan.name='GLM_4' must be lowercase letters"),
-    (["plan.queue=team a"], "is not a Kueue LocalQueue name"),
-    (["mode=train"], "use it with mode=plan"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["plan.emit=k8s"], "plan.emit='k8s' is not one of trainjob"),
+        (["plan.name=GLM_4"], "plan.name='GLM_4' must be lowercase letters"),
+        (["plan.queue=team a"], "is not a Kueue LocalQueue name"),
+        (["mode=train"], "use it with mode=plan"),
+    ],
+)
 def test_plan_options_a_cluster_would_refuse_are_one_line_and_exit_2(tmp_path, args, says):
     proc = glmtune_in_process("mode=plan", "plan.emit=trainjob", *args, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -124,9 +138,18 @@ def test_the_progress_callback_reports_percent_time_left_and_logged_metrics_as_t
     assert status.estimated_remaining_seconds == 60  # 20 steps left at this launch's 3 s a step
     assert status.last_updated_time.tzinfo is not None
     metrics = {m.name: m.value for m in status.metrics}
-    assert metrics == {"loss": "1.25", "learning_rate": "0.0005", "grad_norm": "0.5", "epoch": "0.5", "step": "20",
-                       "total_steps": "40"}
+    assert metrics == {
+        "loss": "1.25",
+        "learning_rate": "0.0005",
+        "grad_norm": "0.5",
+        "epoch": "0.5",
+        "step": "20",
+        "total_steps": "40",
+    }
     state.global_step = 40
     assert callback.status(state, done=True) | {"lastUpdatedTime": None} == {
-        "lastUpdatedTime": None, "progressPercentage": 100, "estimatedRemainingSeconds": 0,
-        "metrics": [{"name": n, "value": v} for n, v in {**metrics, "step": "40"}.items()]}
+        "lastUpdatedTime": None,
+        "progressPercentage": 100,
+        "estimatedRemainingSeconds": 0,
+        "metrics": [{"name": n, "value": v} for n, v in {**metrics, "step": "40"}.items()],
+    }

@@ -8,6 +8,7 @@ Issue 39, on the same module server (started twice at the same instant on one po
 before loading anything): a path-valued `image` is a 400 that leaves the file as it was; a web page's request
 (foreign Origin, text/plain) and a foreign Host are refused; a 100 MB chunked body is a 413 with the server's RSS
 flat; /health answers while a 50 MB body is refused; SIGTERM mid-stream ends the stream with an error and [DONE]."""
+
 import hashlib
 import json
 import signal
@@ -21,14 +22,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import REPO
+from helpers.cli import glmtune_in_process
 
 from glmtune.config import InferConfig
 from glmtune.infer.generate import generate, save_merged
 from glmtune.models import load_model, load_tokenizer
 from glmtune.models.presets import ensure_tiny
-
-from helpers import REPO
-from helpers.cli import glmtune_in_process
 
 # Real server processes (~25 s each to start on a busy 2-core host) and signals: the edit-test loop skips them.
 pytestmark = pytest.mark.slow
@@ -37,23 +37,46 @@ httpx = pytest.importorskip("httpx")
 
 KEY = "sk-glmtune-test"
 APP = "http://app.example"  # the one web page origin the module's server lets call it
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                           "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 # (OpenAI request: messages, tools) and the GLM messages mode=infer is given for the same conversation.
 CASES = [
-    ([{"role": "user", "content": "What is the capital of France?"}], None,
-     [{"role": "user", "content": "What is the capital of France?"}]),
-    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "你好，介绍一下你自己"}], None,
-     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "你好，介绍一下你自己"}]),
-    ([{"role": "user", "content": "Weather in Paris?"}], [WEATHER],
-     [{"role": "system", "content": "", "tools": [WEATHER]}, {"role": "user", "content": "Weather in Paris?"}]),
-    ([{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
-      {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 20}'}], [WEATHER],
-     [{"role": "system", "content": "", "tools": [WEATHER]}, {"role": "user", "content": "Weather in Paris?"},
-      {"role": "assistant", "metadata": "get_weather", "content": '{"city": "Paris"}'},
-      {"role": "observation", "content": '{"temperature": 20}'}]),
+    (
+        [{"role": "user", "content": "What is the capital of France?"}],
+        None,
+        [{"role": "user", "content": "What is the capital of France?"}],
+    ),
+    (
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "你好，介绍一下你自己"}],
+        None,
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "你好，介绍一下你自己"}],
+    ),
+    (
+        [{"role": "user", "content": "Weather in Paris?"}],
+        [WEATHER],
+        [{"role": "system", "content": "", "tools": [WEATHER]}, {"role": "user", "content": "Weather in Paris?"}],
+    ),
+    (
+        [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [CALL]},
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 20}'},
+        ],
+        [WEATHER],
+        [
+            {"role": "system", "content": "", "tools": [WEATHER]},
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "metadata": "get_weather", "content": '{"city": "Paris"}'},
+            {"role": "observation", "content": '{"temperature": 20}'},
+        ],
+    ),
 ]
 NEW_TOKENS = 12
 
@@ -70,12 +93,18 @@ class Server:
 
     def __init__(self, run_dir, *args, port=0, wait=True):
         self.run_dir = run_dir
-        self.proc = subprocess.Popen([sys.executable, "-m", "glmtune", "mode=serve", f"serve.port={port}",
-                                      f"hydra.run.dir={run_dir}", *args], cwd=REPO, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "glmtune", "mode=serve", f"serve.port={port}", f"hydra.run.dir={run_dir}", *args],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.lines, self.err, self.arrived = [], [], {}
-        self.readers = [threading.Thread(target=self._read, args=(stream, into), daemon=True)
-                        for stream, into in ((self.proc.stdout, self.lines), (self.proc.stderr, self.err))]
+        self.readers = [
+            threading.Thread(target=self._read, args=(stream, into), daemon=True)
+            for stream, into in ((self.proc.stdout, self.lines), (self.proc.stderr, self.err))
+        ]
         for reader in self.readers:
             reader.start()
         if wait:
@@ -126,8 +155,10 @@ def adapter(tmp_path_factory):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
-    model = get_peft_model(load_model(ensure_tiny("glm4")), LoraConfig(
-        r=4, lora_alpha=16, target_modules=["query_key_value", "dense_h_to_4h"], init_lora_weights=False))
+    model = get_peft_model(
+        load_model(ensure_tiny("glm4")),
+        LoraConfig(r=4, lora_alpha=16, target_modules=["query_key_value", "dense_h_to_4h"], init_lora_weights=False),
+    )
     folder = tmp_path_factory.mktemp("adapter")
     model.save_pretrained(str(folder))
     return folder
@@ -137,8 +168,13 @@ def adapter(tmp_path_factory):
 def race(tmp_path_factory, adapter):
     """Two identical servers started at the same instant on one port: (the one that serves, the other)."""
     root, port = tmp_path_factory.mktemp("serve"), free_port()
-    args = (f"infer.adapter={adapter}", f"infer.max_new_tokens={NEW_TOKENS}", f"serve.api_key={KEY}",
-            f"serve.allow_origins=[{APP}]", "serve.stop_grace_s=2")
+    args = (
+        f"infer.adapter={adapter}",
+        f"infer.max_new_tokens={NEW_TOKENS}",
+        f"serve.api_key={KEY}",
+        f"serve.allow_origins=[{APP}]",
+        "serve.stop_grace_s=2",
+    )
     both = [Server(root / f"run{i}", *args, port=port, wait=False) for i in range(2)]
     started = [srv.wait() for srv in both]
     assert started.count(True) == 1, ["".join(srv.lines + srv.err)[-2000:] for srv in both]
@@ -158,16 +194,23 @@ def expected(tmp_path_factory, adapter):
     folder = tmp_path_factory.mktemp("infer")
     prompts = folder / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"messages": glm}, ensure_ascii=False) + "\n" for *_, glm in CASES))
-    proc = glmtune_in_process("mode=infer", f"infer.prompts_file={prompts}", f"infer.adapter={adapter}",
-                              f"infer.max_new_tokens={NEW_TOKENS}", f"hydra.run.dir={folder / 'run'}", cwd=REPO)
+    proc = glmtune_in_process(
+        "mode=infer",
+        f"infer.prompts_file={prompts}",
+        f"infer.adapter={adapter}",
+        f"infer.max_new_tokens={NEW_TOKENS}",
+        f"hydra.run.dir={folder / 'run'}",
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line)["output"] for line in (folder / "run" / "predictions.jsonl").read_text().splitlines()]
 
 
 def ask(client, messages, tools=None, stream=False, **options):
     extra = {"tools": tools} if tools else {}
-    reply = client.chat.completions.create(model="glm4_tiny-lora", messages=messages, stream=stream,
-                                           max_tokens=NEW_TOKENS, **extra, **options)
+    reply = client.chat.completions.create(
+        model="glm4_tiny-lora", messages=messages, stream=stream, max_tokens=NEW_TOKENS, **extra, **options
+    )
     if not stream:
         return reply
     chunks = list(reply)
@@ -175,7 +218,7 @@ def ask(client, messages, tools=None, stream=False, **options):
 
 
 def test_start_line_and_models(server):
-    assert "model \"glm4_tiny-lora\"" in server.start_line and "API key required" in server.start_line
+    assert 'model "glm4_tiny-lora"' in server.start_line and "API key required" in server.start_line
     assert [m.id for m in server.client().models.list().data] == ["glm4_tiny-lora"]
 
 
@@ -190,12 +233,18 @@ def test_replies_equal_mode_infer_streamed_or_not(server, expected):
         assert reply.usage.prompt_tokens == len(tok.apply_chat_template(glm, add_generation_prompt=True))
         text, chunks = ask(client, messages, tools, stream=True)  # the server's default sampling: greedy
         assert text == infer_output
-        assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason == \
-            choice.finish_reason
+        assert (
+            chunks[0].choices[0].delta.role == "assistant"
+            and chunks[-1].choices[0].finish_reason == choice.finish_reason
+        )
     # the adapter is applied: the base model alone answers otherwise
     base = load_model(ensure_tiny("glm4")).eval()
-    alone = generate(base, load_tokenizer(ensure_tiny("glm4")), [glm for *_, glm in CASES],
-                     InferConfig(max_new_tokens=NEW_TOKENS, batch_size=1))
+    alone = generate(
+        base,
+        load_tokenizer(ensure_tiny("glm4")),
+        [glm for *_, glm in CASES],
+        InferConfig(max_new_tokens=NEW_TOKENS, batch_size=1),
+    )
     assert alone != expected
 
 
@@ -211,11 +260,15 @@ def test_two_concurrent_requests(server, expected):
 def test_bad_requests_get_openai_errors(server):
     client = server.client()
     user = [{"role": "user", "content": "hi"}]
-    cases = [(dict(messages=[]), 400, "messages"), (dict(messages=[{"role": "bot", "content": "x"}]), 400, "messages"),
-             (dict(messages=user, n=2), 400, "n"), (dict(messages=user, max_tokens=10**9), 400, "max_tokens"),
-             (dict(messages=[{"role": "user", "content": "hello " * 9000}]), 400, "messages"),
-             (dict(messages=user, temperature=5), 400, "temperature"),
-             (dict(messages=user, model="gpt-4o"), 404, "model")]
+    cases = [
+        (dict(messages=[]), 400, "messages"),
+        (dict(messages=[{"role": "bot", "content": "x"}]), 400, "messages"),
+        (dict(messages=user, n=2), 400, "n"),
+        (dict(messages=user, max_tokens=10**9), 400, "max_tokens"),
+        (dict(messages=[{"role": "user", "content": "hello " * 9000}]), 400, "messages"),
+        (dict(messages=user, temperature=5), 400, "temperature"),
+        (dict(messages=user, model="gpt-4o"), 404, "model"),
+    ]
     for kwargs, status, param in cases:
         kwargs = {"model": "glm4_tiny-lora", **kwargs}
         with pytest.raises(openai.APIStatusError) as err:
@@ -231,11 +284,13 @@ def test_bad_requests_get_openai_errors(server):
     # Python's json takes NaN/Infinity (they would pass every range check) and lone surrogates (every reply
     # echoing them would fail to encode): refused as the JSON they are not; a message that is no object says so
     body = {"model": "glm4_tiny-lora", "messages": user}
-    for text, says in [(json.dumps({**body, "temperature": float("nan")}), "NaN is not a JSON number"),
-                       (json.dumps({**body, "top_p": float("nan")}), "NaN is not a JSON number"),
-                       (json.dumps({**body, "max_tokens": float("inf")}), "Infinity is not a JSON number"),
-                       ('{"model": "\\ud800", "messages": []}', "lone UTF-16 surrogate"),
-                       (json.dumps({**body, "messages": ["hi"]}), "messages[0] is a string, not an object")]:
+    for text, says in [
+        (json.dumps({**body, "temperature": float("nan")}), "NaN is not a JSON number"),
+        (json.dumps({**body, "top_p": float("nan")}), "NaN is not a JSON number"),
+        (json.dumps({**body, "max_tokens": float("inf")}), "Infinity is not a JSON number"),
+        ('{"model": "\\ud800", "messages": []}', "lone UTF-16 surrogate"),
+        (json.dumps({**body, "messages": ["hi"]}), "messages[0] is a string, not an object"),
+    ]:
         raw = httpx.post(server.url + "/chat/completions", content=text.encode(), headers=auth)
         assert raw.status_code == 400 and says in raw.json()["error"]["message"], (text, raw.text)
     raw = httpx.post(server.url + "/chat/completions", json={"messages": user}, headers=auth)  # no model
@@ -265,8 +320,9 @@ def test_a_path_valued_image_is_a_400_that_touches_no_file(server, tmp_path):
     messages = []
     for path in (victim, tmp_path / "missing.png", tmp_path):
         with pytest.raises(openai.BadRequestError) as err:
-            server.client().chat.completions.create(model="glm4_tiny-lora", messages=[
-                {"role": "user", "content": "describe it", "image": str(path)}])
+            server.client().chat.completions.create(
+                model="glm4_tiny-lora", messages=[{"role": "user", "content": "describe it", "image": str(path)}]
+            )
         assert err.value.body["param"] == "messages[0].image" and "data:image/png;base64" in err.value.body["message"]
         messages.append(err.value.body["message"])
     assert len(set(messages)) == 1 and str(tmp_path) not in messages[0]
@@ -278,26 +334,39 @@ def test_browser_pages_and_foreign_hosts_are_refused(server):
     body = json.dumps({"model": "glm4_tiny-lora", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     auth = {"Authorization": f"Bearer {KEY}"}
     # a page on another site: a "simple" text/plain POST (no preflight) is refused before the route runs
-    raw = httpx.post(chat, content=body, headers={**auth, "Content-Type": "text/plain", "Origin": "http://evil.example"})
+    raw = httpx.post(
+        chat, content=body, headers={**auth, "Content-Type": "text/plain", "Origin": "http://evil.example"}
+    )
     assert raw.status_code == 403 and raw.json()["error"]["code"] == "origin_not_allowed"
     assert "access-control-allow-origin" not in raw.headers
     raw = httpx.post(chat, content=body, headers={**auth, "Content-Type": "text/plain"})  # not from a page: 415
     assert raw.status_code == 415 and raw.json()["error"]["code"] == "unsupported_media_type"
     # DNS rebinding: the page's requests name the attacker's host
     for path in ("/health", "/chat/completions"):
-        raw = httpx.post(url + path, content=body, headers={**auth, "Host": "evil.example",
-                                                            "Content-Type": "application/json"})
+        raw = httpx.post(
+            url + path, content=body, headers={**auth, "Host": "evil.example", "Content-Type": "application/json"}
+        )
         assert raw.status_code == 421 and raw.json()["error"]["code"] == "misdirected_request"
     assert httpx.get(url + "/models", headers={**auth, "Host": "localhost:1"}).status_code == 200
     # serve.allow_origins: that page's preflight is answered and it may read the replies
-    raw = httpx.options(chat, headers={"Origin": APP, "Access-Control-Request-Method": "POST",
-                                       "Access-Control-Request-Headers": "authorization, content-type"})
+    raw = httpx.options(
+        chat,
+        headers={
+            "Origin": APP,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        },
+    )
     assert raw.status_code == 204 and raw.headers["access-control-allow-origin"] == APP
     assert "authorization" in raw.headers["access-control-allow-headers"]
     raw = httpx.post(chat, content=body, headers={**auth, "Content-Type": "application/json", "Origin": APP})
     assert raw.status_code == 200 and raw.headers["access-control-allow-origin"] == APP
-    assert httpx.options(chat, headers={"Origin": "http://evil.example",
-                                        "Access-Control-Request-Method": "POST"}).status_code == 403
+    assert (
+        httpx.options(
+            chat, headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"}
+        ).status_code
+        == 403
+    )
 
 
 def big_body(megabytes: int, sent: threading.Event, pause_s: float = 0.0):
@@ -332,9 +401,12 @@ def refuse_big_body(server, megabytes: int, pause_s: float = 0.0):
     for thread in threads:
         thread.start()
     try:
-        response = httpx.post(server.url + "/chat/completions", content=big_body(megabytes, sent, pause_s),
-                              headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
-                              timeout=120)
+        response = httpx.post(
+            server.url + "/chat/completions",
+            content=big_body(megabytes, sent, pause_s),
+            headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+            timeout=120,
+        )
     finally:
         done.set()
         for thread in threads:
@@ -358,8 +430,13 @@ def test_sigterm_mid_stream_ends_it_with_an_error_and_done_then_exit_0(server):
     """A stop during a streamed reply: once serve.stop_grace_s (2 s here) is over, a reply still decoding gets
     an error event and [DONE]; the server exits 0 without a traceback."""
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-    body = {"model": "glm4_tiny-lora", "messages": [{"role": "user", "content": "Tell me a long story."}],
-            "stream": True, "max_tokens": 8000, "temperature": 0}  # the whole context: far longer than the grace
+    body = {
+        "model": "glm4_tiny-lora",
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "stream": True,
+        "max_tokens": 8000,
+        "temperature": 0,
+    }  # the whole context: far longer than the grace
     lines, first = [], threading.Event()
 
     def stream():
@@ -376,7 +453,7 @@ def test_sigterm_mid_stream_ends_it_with_an_error_and_done_then_exit_0(server):
     assert not reader.is_alive()
     events = [line for line in lines if line]
     assert events[-1] == "data: [DONE]", events[-3:]
-    error = json.loads(events[-2][len("data: "):])["error"]
+    error = json.loads(events[-2][len("data: ") :])["error"]
     assert error["code"] == "server_shutdown" and "not finished" in error["message"]
     assert all(json.loads(e[6:])["choices"][0]["finish_reason"] is None for e in events[:-2])  # cut, not finished
     assert server.proc.wait(60) == 0
@@ -425,8 +502,10 @@ def test_tool_call_round_trip_with_a_model_that_calls(tmp_path):
         assert streamed.function.name == "get_weather" and json.loads(streamed.function.arguments) == {"city": "Paris"}
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
         # the call goes back with its result, as an OpenAI client sends it; the model answers (it calls again)
-        messages += [choice.message.model_dump(exclude_none=True),
-                     {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 20}'}]
+        messages += [
+            choice.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 20}'},
+        ]
         again = client.chat.completions.create(model="caller", messages=messages, tools=[WEATHER])
         assert again.choices[0].message.tool_calls[0].function.name == "get_weather"
         assert again.usage.prompt_tokens > reply.usage.prompt_tokens  # the call and its result are in the prompt
@@ -452,19 +531,43 @@ def test_glm4v_image_part_through_the_api(tmp_path):
     try:
         client = openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=120)
         with pytest.raises(openai.BadRequestError) as err:
-            client.chat.completions.create(model="glm4v_tiny", messages=[
-                {"role": "user", "content": "What shape is this?", "image": str(victim)}])
+            client.chat.completions.create(
+                model="glm4v_tiny", messages=[{"role": "user", "content": "What shape is this?", "image": str(victim)}]
+            )
         assert err.value.body["param"] == "messages[0].image"
         assert victim.read_bytes() == png.read_bytes()
-        reply = client.chat.completions.create(model="glm4v_tiny", messages=[{"role": "user", "content": [
-            {"type": "text", "text": "What shape is this?"}, {"type": "image_url", "image_url": {"url": url}}]}])
+        reply = client.chat.completions.create(
+            model="glm4v_tiny",
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What shape is this?"},
+                        {"type": "image_url", "image_url": {"url": url}},
+                    ],
+                }
+            ],
+        )
         with pytest.raises(openai.BadRequestError):  # GLM-4V takes one image per conversation
-            client.chat.completions.create(model="glm4v_tiny", messages=[{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": url}}, {"type": "image_url", "image_url": {"url": url}}]}])
+            client.chat.completions.create(
+                model="glm4v_tiny",
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image_url", "image_url": {"url": url}},
+                            {"type": "image_url", "image_url": {"url": url}},
+                        ],
+                    }
+                ],
+            )
     finally:
         assert srv.stop() == 0
     folder = ensure_tiny("glm4v")
-    (expected,) = generate(load_model(folder).eval(), load_tokenizer(folder),
-                           [[{"role": "user", "content": "What shape is this?", "image": str(png)}]],
-                           InferConfig(max_new_tokens=NEW_TOKENS, batch_size=1))
+    (expected,) = generate(
+        load_model(folder).eval(),
+        load_tokenizer(folder),
+        [[{"role": "user", "content": "What shape is this?", "image": str(png)}]],
+        InferConfig(max_new_tokens=NEW_TOKENS, batch_size=1),
+    )
     assert reply.choices[0].message.content == expected

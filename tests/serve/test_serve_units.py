@@ -2,6 +2,7 @@
 text however the tokens fall, OpenAI messages rendered exactly as the GLM messages they stand for, the batching
 engine on the real tiny models (text and GLM-4V image rows in one batch) against generate(), and the config and
 port checks before any weights load. tests/serve/test_serve.py talks to real servers."""
+
 import asyncio
 import base64
 import json
@@ -9,6 +10,7 @@ import random
 import socket
 
 import pytest
+from helpers.cli import glmtune_in_process
 
 from glmtune.config import InferConfig
 from glmtune.infer.generate import generate
@@ -17,11 +19,14 @@ from glmtune.models.presets import ensure_tiny
 from glmtune.serve.protocol import ApiError, parse_chat
 from glmtune.serve.reply import ReplyText, parse_tool_call
 
-from helpers.cli import glmtune_in_process
-
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                           "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 
 
 def stream(text: str, tools=(), stops=(), seed=0):
@@ -37,11 +42,14 @@ def stream(text: str, tools=(), stops=(), seed=0):
 
 def test_glm4_tool_call_format_is_parsed():
     call = parse_tool_call('get_weather\n{"city":   "北京"}', {"get_weather"})
-    assert (call.name, json.loads(call.arguments), call.arguments) == ("get_weather", {"city": "北京"},
-                                                                       '{"city": "北京"}')
+    assert (call.name, json.loads(call.arguments), call.arguments) == (
+        "get_weather",
+        {"city": "北京"},
+        '{"city": "北京"}',
+    )
     assert call.openai(index=0)["function"] == {"name": "get_weather", "arguments": '{"city": "北京"}'}
     assert call.openai()["id"].startswith("call_") and call.openai()["type"] == "function"
-    assert parse_tool_call('get_weather\nnot json', {"get_weather"}).arguments == "not json"  # the client decides
+    assert parse_tool_call("get_weather\nnot json", {"get_weather"}).arguments == "not json"  # the client decides
     assert parse_tool_call("\nIt is sunny.", {"get_weather"}) is None  # GLM-4's empty metadata line: text
     assert parse_tool_call('search\n{"q": 1}', {"get_weather"}) is None  # not one of the request's functions
     assert parse_tool_call("get_weather", {"get_weather"}) is None
@@ -62,18 +70,33 @@ def test_streamed_text_equals_the_final_text(seed):
 
 
 def test_openai_messages_render_as_the_glm_messages_they_stand_for(tok):
-    body = {"model": "m", "tools": [WEATHER], "messages": [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Paris?"}]},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 20}'}]}
+    body = {
+        "model": "m",
+        "tools": [WEATHER],
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Paris?"}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 20}'},
+        ],
+    }
     request = parse_chat(body, InferConfig(), tok, vision=False)
-    glm = [{"role": "system", "content": "Be brief.", "tools": [WEATHER]},
-           {"role": "user", "content": "Weather in Paris?"},
-           {"role": "assistant", "metadata": "get_weather", "content": '{"city": "Paris"}'},
-           {"role": "observation", "content": '{"temperature": 20}'}]
+    glm = [
+        {"role": "system", "content": "Be brief.", "tools": [WEATHER]},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "metadata": "get_weather", "content": '{"city": "Paris"}'},
+        {"role": "observation", "content": '{"temperature": 20}'},
+    ]
     assert request.ids == tok.apply_chat_template(glm, add_generation_prompt=True)
     assert request.tool_names == {"get_weather"} and not request.settings.do_sample
     # tool_choice=none: the model is not told about the tools
@@ -82,20 +105,43 @@ def test_openai_messages_render_as_the_glm_messages_they_stand_for(tok):
 
 def test_sampling_options_and_refusals(tok):
     user = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-    request = parse_chat({**user, "temperature": 0.7, "top_p": 0.5, "seed": 3, "stop": "x", "max_tokens": 9},
-                         InferConfig(), tok, False)
+    request = parse_chat(
+        {**user, "temperature": 0.7, "top_p": 0.5, "seed": 3, "stop": "x", "max_tokens": 9}, InferConfig(), tok, False
+    )
     s = request.settings
-    assert (s.do_sample, s.temperature, s.top_p, request.seed, request.stops, request.max_tokens) == \
-        (True, 0.7, 0.5, 3, ["x"], 9)
+    assert (s.do_sample, s.temperature, s.top_p, request.seed, request.stops, request.max_tokens) == (
+        True,
+        0.7,
+        0.5,
+        3,
+        ["x"],
+        9,
+    )
     greedy = parse_chat({**user, "temperature": 0}, InferConfig(do_sample=True), tok, False)
     assert not greedy.settings.do_sample
-    for extra, param in [({"n": 2}, "n"), ({"temperature": 3}, "temperature"), ({"top_p": 0}, "top_p"),
-                         ({"max_tokens": 0}, "max_tokens"), ({"stop": ["a"] * 5}, "stop"),
-                         ({"logprobs": True}, "logprobs"), ({"presence_penalty": 1}, "presence_penalty"),
-                         ({"tool_choice": "required"}, "tool_choice"), ({"messages": []}, "messages"),
-                         ({"messages": [{"role": "bot", "content": "x"}]}, "messages"),
-                         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
-                             "url": "https://example.com/a.png"}}]}]}, "messages[0].content[0]")]:
+    for extra, param in [
+        ({"n": 2}, "n"),
+        ({"temperature": 3}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"stop": ["a"] * 5}, "stop"),
+        ({"logprobs": True}, "logprobs"),
+        ({"presence_penalty": 1}, "presence_penalty"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "bot", "content": "x"}]}, "messages"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}],
+                    }
+                ]
+            },
+            "messages[0].content[0]",
+        ),
+    ]:
         with pytest.raises(ApiError) as err:
             parse_chat({**user, **extra}, InferConfig(), tok, vision=True)
         assert err.value.status == 400 and err.value.param == param, (extra, err.value.message)
@@ -128,9 +174,11 @@ def run_engine(model, tok, bodies, vision=False, max_tokens=10):
 def test_engine_batches_concurrent_requests_like_generate(tok):
     folder = ensure_tiny("glm4")
     model = load_model(folder).eval()
-    prompts = [[{"role": "user", "content": "What is the capital of France?"}],
-               [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "你好"}],
-               [{"role": "user", "content": "Add 2 and 3."}]]
+    prompts = [
+        [{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "你好"}],
+        [{"role": "user", "content": "Add 2 and 3."}],
+    ]
     replies, batches = run_engine(model, tok, [{"messages": p} for p in prompts])
     assert batches == 1  # three waiting requests, one generate() call
     assert replies == generate(model, tok, prompts, InferConfig(max_new_tokens=10, batch_size=1))
@@ -141,13 +189,30 @@ def test_engine_takes_glm4v_images_as_data_urls(repo):
     model, tok = load_model(folder).eval(), load_tokenizer(folder)
     png = repo / "data" / "samples_vision" / "images" / "red_square.png"
     url = "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode()
-    bodies = [{"messages": [{"role": "user", "content": [{"type": "text", "text": "What shape is this?"},
-                                                         {"type": "image_url", "image_url": {"url": url}}]}]},
-              {"messages": [{"role": "user", "content": "Who are you?"}]}]
+    bodies = [
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What shape is this?"},
+                        {"type": "image_url", "image_url": {"url": url}},
+                    ],
+                }
+            ]
+        },
+        {"messages": [{"role": "user", "content": "Who are you?"}]},
+    ]
     replies, _ = run_engine(model, tok, bodies, vision=True)
-    expected = generate(model, tok, [[{"role": "user", "content": "What shape is this?", "image": str(png)}],
-                                     [{"role": "user", "content": "Who are you?"}]],
-                        InferConfig(max_new_tokens=10, batch_size=1))
+    expected = generate(
+        model,
+        tok,
+        [
+            [{"role": "user", "content": "What shape is this?", "image": str(png)}],
+            [{"role": "user", "content": "Who are you?"}],
+        ],
+        InferConfig(max_new_tokens=10, batch_size=1),
+    )
     assert replies == expected and all(replies)
 
 
@@ -160,12 +225,25 @@ def test_port_in_use_and_bad_serve_keys_exit_2_before_loading(tmp_path, repo):
         proc = glmtune_in_process("mode=serve", f"serve.port={port}", f"hydra.run.dir={tmp_path / 'a'}", cwd=repo)
     assert proc.returncode == 2 and f"serve.port={port}" in proc.stderr and "in use" in proc.stderr
     assert "Traceback" not in proc.stderr
-    proc = glmtune_in_process("mode=serve", "serve.port=70000", "serve.max_batch=0", "serve.max_body_mib=0",
-                              "serve.stop_grace_s=-1", "serve.allow_origins=[*]", "serve.allow_hosts=[http://x/]",
-                              f"hydra.run.dir={tmp_path / 'b'}", cwd=repo)
+    proc = glmtune_in_process(
+        "mode=serve",
+        "serve.port=70000",
+        "serve.max_batch=0",
+        "serve.max_body_mib=0",
+        "serve.stop_grace_s=-1",
+        "serve.allow_origins=[*]",
+        "serve.allow_hosts=[http://x/]",
+        f"hydra.run.dir={tmp_path / 'b'}",
+        cwd=repo,
+    )
     assert proc.returncode == 2 and "serve.port must be in 0..65535" in proc.stderr
-    for says in ("serve.max_batch must be > 0", "serve.max_body_mib must be in", "serve.stop_grace_s must be in",
-                 "serve.allow_origins has '*'", "serve.allow_hosts has 'http://x/'"):
+    for says in (
+        "serve.max_batch must be > 0",
+        "serve.max_body_mib must be in",
+        "serve.stop_grace_s must be in",
+        "serve.allow_origins has '*'",
+        "serve.allow_hosts has 'http://x/'",
+    ):
         assert says in proc.stderr, (says, proc.stderr)
 
 
@@ -173,13 +251,20 @@ def test_a_server_open_to_the_network_needs_a_key_and_an_address_of_this_machine
     """serve.host other than loopback without serve.api_key: one line, exit 2, nothing bound or loaded; an
     address this machine does not have names serve.host (not serve.port) as the key to change."""
     pytest.importorskip("uvicorn")
-    proc = glmtune_in_process("mode=serve", "serve.host=0.0.0.0", "serve.port=0", f"hydra.run.dir={tmp_path / 'a'}",
-                              cwd=repo)
+    proc = glmtune_in_process(
+        "mode=serve", "serve.host=0.0.0.0", "serve.port=0", f"hydra.run.dir={tmp_path / 'a'}", cwd=repo
+    )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "serve.host=0.0.0.0 opens the server to the network without a key" in proc.stderr
     assert "serve.allow_unauthenticated=true" in proc.stderr and "Traceback" not in proc.stderr
-    proc = glmtune_in_process("mode=serve", "serve.host=10.255.255.1", "serve.api_key=k", "serve.port=0",
-                              f"hydra.run.dir={tmp_path / 'c'}", cwd=repo)
+    proc = glmtune_in_process(
+        "mode=serve",
+        "serve.host=10.255.255.1",
+        "serve.api_key=k",
+        "serve.port=0",
+        f"hydra.run.dir={tmp_path / 'c'}",
+        cwd=repo,
+    )
     assert proc.returncode == 2 and "serve.host=10.255.255.1 is not an address of this machine" in proc.stderr
     assert "serve.port" not in proc.stderr
 
@@ -188,8 +273,13 @@ def test_host_names_a_server_answers_to():
     pytest.importorskip("starlette")
     from glmtune.serve.guard import Hosts, host_name
 
-    assert [host_name(h) for h in ("[::1]:8000", "LocalHost:80", "example.com.", "::1", "10.0.0.2")] == \
-        ["::1", "localhost", "example.com", "::1", "10.0.0.2"]
+    assert [host_name(h) for h in ("[::1]:8000", "LocalHost:80", "example.com.", "::1", "10.0.0.2")] == [
+        "::1",
+        "localhost",
+        "example.com",
+        "::1",
+        "10.0.0.2",
+    ]
     loopback = Hosts.for_bind("127.0.0.1", [])
     assert all(loopback.allows(h) for h in ("127.0.0.1:8000", "localhost", "[::1]:1"))
     assert not any(loopback.allows(h) for h in ("evil.example", "10.0.0.2", "127.0.0.1.evil.example", "", None))

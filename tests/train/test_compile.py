@@ -1,9 +1,13 @@
 """train.compile: compiled blocks compute what eager blocks compute (losses and LoRA gradients), packed or not,
 with and without checkpointing; the auto rule."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers import REPO
+from helpers.lora import lora_model as _lora_model
+from helpers.lora import loss_and_grads as _loss_and_grads
 
 from glmtune.config import DataConfig, TrainConfig
 from glmtune.data.packing import pack
@@ -13,16 +17,15 @@ from glmtune.models.presets import ensure_tiny
 from glmtune.train import compile as compile_mod
 from glmtune.train.compile import compile_blocks, resolve_compile, resolve_packed_attention
 from glmtune.train.lora import trainable_parameters
-from helpers import REPO
-from helpers.lora import lora_model as _lora_model, loss_and_grads as _loss_and_grads
 
 
 @pytest.mark.slow  # ~50 s of dynamo tracing on 2 CPU cores
 def test_compiled_blocks_match_eager(checkpointing=True):
     model_dir = ensure_tiny("glm4")
     tok = load_tokenizer(model_dir)
-    train, _, _ = build_datasets(DataConfig(train_file=str(REPO / "data/samples/train.jsonl"), val_file=None,
-                                            max_length=100), tok)
+    train, _, _ = build_datasets(
+        DataConfig(train_file=str(REPO / "data/samples/train.jsonl"), val_file=None, max_length=100), tok
+    )
     collator = DataCollator(tok.pad_token_id)
     batches = [collator(train[:3]), collator(pack(train[:8], 300))]  # padded (mask None) and packed (mask)
     eager = _lora_model(model_dir)

@@ -5,6 +5,7 @@ resumed with another number of processes or engine. It must end with the uninter
 (rtol 1e-4), log the same loss at every step, and train every example exactly once per epoch — checked by the
 example ids each rank records (GLMTUNE_EXAMPLE_LOG).
 """
+
 from __future__ import annotations
 
 import json
@@ -16,29 +17,45 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import BIN, REPO
+from helpers.launch import ranks_env
 from safetensors.torch import load_file
+from test_same_math import assert_same_adapter
 
 from glmtune.models.presets import ensure_tiny
 from glmtune.train.checkpoints import all_checkpoints, is_complete
-from test_same_math import assert_same_adapter
-
-from helpers import BIN, REPO
-from helpers.launch import ranks_env
 
 pytestmark = pytest.mark.slow
 
 STEPS, EXAMPLES, GLOBAL_BATCH = 14, 51, 4  # data/samples/train.jsonl: 13 steps an epoch, the 13th padded
-ARGS = ["lora=all_linear", "lora.dropout=0", "train.learning_rate=5e-3", "train.logging_steps=1",
-        f"train.max_steps={STEPS}", "train.save_steps=3", "probe.enabled=false", "data.val_file=null"]
+ARGS = [
+    "lora=all_linear",
+    "lora.dropout=0",
+    "train.learning_rate=5e-3",
+    "train.logging_steps=1",
+    f"train.max_steps={STEPS}",
+    "train.save_steps=3",
+    "probe.enabled=false",
+    "data.val_file=null",
+]
 
 
 def launch(out: Path, nproc: int, *extra: str, log: Path) -> subprocess.Popen:
     env = ranks_env(GLMTUNE_EXAMPLE_LOG=str(log), PYTHONUNBUFFERED="1")
     log.mkdir(parents=True, exist_ok=True)
-    launcher = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(nproc), "-m", "glmtune"] \
-        if nproc > 1 else [sys.executable, "-m", "glmtune"]
-    return subprocess.Popen([*launcher, *ARGS, *extra, f"hydra.run.dir={out}"], cwd=REPO, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    launcher = (
+        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(nproc), "-m", "glmtune"]
+        if nproc > 1
+        else [sys.executable, "-m", "glmtune"]
+    )
+    return subprocess.Popen(
+        [*launcher, *ARGS, *extra, f"hydra.run.dir={out}"],
+        cwd=REPO,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def ranks_of(proc: subprocess.Popen, nproc: int) -> list[int]:
@@ -89,15 +106,23 @@ def reference(tmp_path_factory):
     root = tmp_path_factory.mktemp("elastic")
     out = root / "reference"
     finish(out, 2, "train.per_device_batch_size=1", "train.grad_accum=2", log=root / "reference-ids")
-    return out, step_losses(out), load_file(str(out / "adapter" / "adapter_model.safetensors")), \
-        trained_ids(root / "reference-ids")
+    return (
+        out,
+        step_losses(out),
+        load_file(str(out / "adapter" / "adapter_model.safetensors")),
+        trained_ids(root / "reference-ids"),
+    )
 
 
-@pytest.mark.parametrize("first,then", [
-    ((2, ["train.per_device_batch_size=1", "train.grad_accum=2"]), (1, [])),
-    ((1, ["train.per_device_batch_size=2", "train.grad_accum=2"]), (2, [])),
-    ((2, ["dist=zero3", "train.per_device_batch_size=1", "train.grad_accum=2"]), (1, ["dist=ddp"])),
-], ids=["2-to-1-process", "1-to-2-processes", "zero3-to-ddp"])
+@pytest.mark.parametrize(
+    "first,then",
+    [
+        ((2, ["train.per_device_batch_size=1", "train.grad_accum=2"]), (1, [])),
+        ((1, ["train.per_device_batch_size=2", "train.grad_accum=2"]), (2, [])),
+        ((2, ["dist=zero3", "train.per_device_batch_size=1", "train.grad_accum=2"]), (1, ["dist=ddp"])),
+    ],
+    ids=["2-to-1-process", "1-to-2-processes", "zero3-to-ddp"],
+)
 def test_a_stopped_run_resumes_on_other_hardware_to_the_same_adapter(reference, tmp_path, first, then):
     ref_dir, ref_losses, ref_adapter, ref_ids = reference
     out, log = tmp_path / "run", tmp_path / "ids"
@@ -125,11 +150,30 @@ def test_a_resume_that_changes_the_training_math_is_refused(reference, tmp_path)
     out, log = tmp_path / "run", tmp_path / "ids"
     stop_after_first_checkpoint(out, 1, "train.per_device_batch_size=2", "train.grad_accum=2", log=log)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    changed = subprocess.run([sys.executable, "-m", "glmtune", *ARGS, "lora.r=16", f"hydra.run.dir={out}"], cwd=REPO,
-                             env=env, capture_output=True, text=True, timeout=300)
+    changed = subprocess.run(
+        [sys.executable, "-m", "glmtune", *ARGS, "lora.r=16", f"hydra.run.dir={out}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert changed.returncode == 2 and "Traceback" not in changed.stderr
     assert "lora.r" in changed.stderr
-    batch = subprocess.run([sys.executable, "-m", "glmtune", *ARGS, "train.per_device_batch_size=3",
-                            "train.grad_accum=1", f"hydra.run.dir={out}"], cwd=REPO, env=env, capture_output=True,
-                           text=True, timeout=300)
+    batch = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "glmtune",
+            *ARGS,
+            "train.per_device_batch_size=3",
+            "train.grad_accum=1",
+            f"hydra.run.dir={out}",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert batch.returncode == 2 and "Traceback" not in batch.stderr and "global batch" in batch.stderr

@@ -1,10 +1,10 @@
 """eval.generate end to end on the tiny model, the best adapter, early stopping, and the plan's generate phase."""
+
 import json
 import subprocess
 import sys
 
 import pytest
-
 from helpers.cli import glmtune_in_process, glmtune_inspected
 from transformers import TrainerControl
 
@@ -21,14 +21,30 @@ def test_eval_generate_writes_metrics_keeps_best_and_stops_early(tmp_path, repo)
     run = tmp_path / "run"
     # Exact match stays 0 on an untrained tiny model: the first evaluation (step 2) is the best, the second
     # (step 4) is not better, and patience 1 ends the 10-step run there.
-    proc = glmtune_in_process(f"data.val_file={VAL}", "eval.generate=true", "eval.max_new_tokens=8",
-                              "eval.max_examples=4", "train.max_steps=10", "train.eval_steps=2",
-                              "eval.metric_for_best=eval_exact_match", "eval.early_stopping_patience=1",
-                              "probe.enabled=false", f"hydra.run.dir={run}", cwd=repo)
+    proc = glmtune_in_process(
+        f"data.val_file={VAL}",
+        "eval.generate=true",
+        "eval.max_new_tokens=8",
+        "eval.max_examples=4",
+        "train.max_steps=10",
+        "train.eval_steps=2",
+        "eval.metric_for_best=eval_exact_match",
+        "eval.early_stopping_patience=1",
+        "probe.enabled=false",
+        f"hydra.run.dir={run}",
+        cwd=repo,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads((run / "metrics.json").read_text())
-    for key in ("eval_loss", "eval_perplexity", "eval_rouge-1", "eval_rouge-2", "eval_rouge-l", "eval_bleu-4",
-                "eval_exact_match"):
+    for key in (
+        "eval_loss",
+        "eval_perplexity",
+        "eval_rouge-1",
+        "eval_rouge-2",
+        "eval_rouge-l",
+        "eval_bleu-4",
+        "eval_exact_match",
+    ):
         assert isinstance(metrics[key], float), key
     assert metrics["steps"] == 4
     assert metrics["best"]["step"] == 2 and metrics["best"]["stopped_early"]
@@ -65,8 +81,12 @@ def test_best_tracker():
     assert tracker.update({"eval_loss": 1.5}, 30, control)
     tracker.update({"eval_loss": 1.6}, 40, control)
     tracker.update({"eval_loss": 1.5}, 50, control)  # equal is not better
-    assert control.should_training_stop and tracker.summary() == {"metric": "eval_loss", "value": 1.5, "step": 30,
-                                                                  "stopped_early": True}
+    assert control.should_training_stop and tracker.summary() == {
+        "metric": "eval_loss",
+        "value": 1.5,
+        "step": 30,
+        "stopped_early": True,
+    }
     higher = BestTracker(EvalConfig(generate=True, metric_for_best="eval_rouge-l"))
     higher.update({"eval_rouge-l": 10.0}, 1)
     assert higher.update({"eval_rouge-l": 12.0}, 2) and higher.step == 2
@@ -81,8 +101,12 @@ def test_generation_metric_for_best_needs_eval_generate():
 def test_plan_counts_the_generate_phase():
     base = {"data": {"val_file": VAL}, "hw": {"name": "a100_80g", "memory_gib": 80.0}}
     plain = make_plan(parse_config(base), released_config("glm4_9b_chat"), 1, user_set_max_length=False)
-    gen = make_plan(parse_config({**base, "eval": {"generate": True, "max_new_tokens": 512}}),
-                    released_config("glm4_9b_chat"), 1, user_set_max_length=False)
+    gen = make_plan(
+        parse_config({**base, "eval": {"generate": True, "max_new_tokens": 512}}),
+        released_config("glm4_9b_chat"),
+        1,
+        user_set_max_length=False,
+    )
     assert "eval KV cache" not in plain.breakdown
     # 40 layers x 2 groups x 128 x K,V x 2 B = 40,960 B per token, for eval batch x (prompt + 512 new tokens)
     c = gen.choices
@@ -95,11 +119,29 @@ def test_eval_generate_under_zero3_on_two_ranks(tmp_path, repo):
     from pathlib import Path
 
     out = tmp_path / "z3"
-    proc = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "2",
-                           "-m", "glmtune", "dist=zero3", f"data.val_file={VAL}", "eval.generate=true",
-                           "eval.max_new_tokens=6", "eval.max_examples=3", "train.max_steps=2",
-                           "train.eval_batch_size=2", "probe.enabled=false", f"hydra.run.dir={out}"],
-                          cwd=repo, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "torchrun"),
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "glmtune",
+            "dist=zero3",
+            f"data.val_file={VAL}",
+            "eval.generate=true",
+            "eval.max_new_tokens=6",
+            "eval.max_examples=3",
+            "train.max_steps=2",
+            "train.eval_batch_size=2",
+            "probe.enabled=false",
+            f"hydra.run.dir={out}",
+        ],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     metrics = json.loads((out / "metrics.json").read_text())
     assert {"eval_rouge-1", "eval_bleu-4", "eval_exact_match"} <= set(metrics)
@@ -120,8 +162,12 @@ def test_a_users_own_train_file_is_evaluated_on_no_bundled_sample_file(tmp_path,
     own.parent.mkdir()
     own.write_text((repo / "data/samples/train.jsonl").read_text(encoding="utf-8"), encoding="utf-8")
     run = tmp_path / "run"
-    code, opened, stdout = glmtune_inspected([f"data.train_file={own}", "train.max_steps=2", f"hydra.run.dir={run}"],
-                                             repo, report="sorted(opened)", setup=_OPENS)
+    code, opened, stdout = glmtune_inspected(
+        [f"data.train_file={own}", "train.max_steps=2", f"hydra.run.dir={run}"],
+        repo,
+        report="sorted(opened)",
+        setup=_OPENS,
+    )
     assert code == 0, stdout[-3000:]
     assert str(own) in opened  # the hook sees the data files the run reads
     samples = [repo / "data" / name for name in ("samples", "samples_vision")]

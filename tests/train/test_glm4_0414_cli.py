@@ -5,12 +5,12 @@ heads); each layout against one process: the same examples per step, step losses
 1e-5, and every adapter tensor within 1e-5 of its norm (Adam's step on an element whose gradient is float noise is
 itself noise, so the largest single element is not the measure; the norm is); the resumed run's adapter fingerprint
 and losses are the uninterrupted run's, bit for bit."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
-
 from test_sequence_parallel import adapter, ids_per_rank, launch, logged, steps_of, stop_at_checkpoint
 
 STEPS = 4
@@ -28,10 +28,13 @@ def one_process(reference, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name, args", [
-    ("sp2", ["dist.sequence_parallel=2", "train.per_device_batch_size=4"]),
-    ("zero3", ["dist=zero3", "dist.sequence_parallel=1", "train.per_device_batch_size=2"]),
-])
+@pytest.mark.parametrize(
+    "name, args",
+    [
+        ("sp2", ["dist.sequence_parallel=2", "train.per_device_batch_size=4"]),
+        ("zero3", ["dist=zero3", "dist.sequence_parallel=1", "train.per_device_batch_size=2"]),
+    ],
+)
 def test_a_two_rank_layout_trains_what_one_process_trains(reference, one_process, tmp_path, name, args):
     out = tmp_path / name
     launch(out, 2, *model_args(reference), f"train.max_steps={STEPS}", *args)
@@ -58,4 +61,4 @@ def test_a_stopped_run_resumes_bit_identically(reference, tmp_path):
     launch(out, 1, *args)  # the same command into the same run dir resumes
     fingerprint = [json.loads((d / "metrics.json").read_text())["adapter_sha256"] for d in (out, whole)]
     assert fingerprint[0] == fingerprint[1]
-    assert logged(out)[-(8 - stopped_at):] == logged(whole)[-(8 - stopped_at):]
+    assert logged(out)[-(8 - stopped_at) :] == logged(whole)[-(8 - stopped_at) :]

@@ -1,4 +1,5 @@
 """Generation metrics against values worked out by hand (and, where installed, the demo's own packages)."""
+
 import math
 
 import pytest
@@ -45,8 +46,13 @@ def test_edges():
         generation_metrics([], [])
 
 
-PAIRS = [("今天天气很好。我们去公园吧！", "今天天气不错，我们去公园。"), ("Paris is the capital of France.",
-         "The capital of France is Paris."), ("x y", "z w"), ("a", "a b c d e"), ("我爱北京天安门", "我爱北京的天安门广场")]
+PAIRS = [
+    ("今天天气很好。我们去公园吧！", "今天天气不错，我们去公园。"),
+    ("Paris is the capital of France.", "The capital of France is Paris."),
+    ("x y", "z w"),
+    ("a", "a b c d e"),
+    ("我爱北京天安门", "我爱北京的天安门广场"),
+]
 
 
 def test_same_numbers_as_the_demo_packages():
@@ -60,4 +66,5 @@ def test_same_numbers_as_the_demo_packages():
         for key in ("rouge-1", "rouge-2", "rouge-l"):
             assert got[key] == pytest.approx(want[key]["f"] * 100, abs=1e-5), (pred, key)
         assert got["bleu-4"] == pytest.approx(
-            bleu.sentence_bleu([lt], pt, smoothing_function=bleu.SmoothingFunction().method3), rel=1e-9)
+            bleu.sentence_bleu([lt], pt, smoothing_function=bleu.SmoothingFunction().method3), rel=1e-9
+        )

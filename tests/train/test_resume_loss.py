@@ -4,19 +4,26 @@ The stop is a real SIGTERM that the run sends itself at the end of a chosen opti
 step-end hook, before the guard reads the signal flag), so the stop step is exact; the rest is the command line
 in this process (helpers/cli.py glmtune_in_process): the guard's save, exit 7, and the same command resuming.
 """
+
 import json
 import os
 import signal
 from pathlib import Path
 
 import pytest
-
 from helpers import REPO
 from helpers.cli import glmtune_in_process
 
 STEPS, LOG_EVERY, STOP_AT = 24, 5, 17  # 17: two steps after the log at 15, three before the one at 20
-ARGS = ["lora=all_linear", "train.learning_rate=1e-2", f"train.max_steps={STEPS}", f"train.logging_steps={LOG_EVERY}",
-        "probe.enabled=false", f"data.train_file={REPO / 'data/samples/train.jsonl'}", "data.val_file=null"]
+ARGS = [
+    "lora=all_linear",
+    "train.learning_rate=1e-2",
+    f"train.max_steps={STEPS}",
+    f"train.logging_steps={LOG_EVERY}",
+    "probe.enabled=false",
+    f"data.train_file={REPO / 'data/samples/train.jsonl'}",
+    "data.val_file=null",
+]
 
 
 def rows(run_dir: Path) -> list[dict]:

@@ -4,6 +4,7 @@ The same global batch split as micro-batch × accumulation × processes, with ch
 or off, under DDP or ZeRO-3, must give the same step losses, the same LoRA gradients and (after 14 steps)
 the same adapter, up to floating-point order. LoRA dropout is 0: a split draws its dropout masks differently.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import BIN, REPO
+from helpers.launch import ranks_env
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
@@ -27,11 +30,14 @@ from glmtune.models.presets import arch_config, ensure_tiny, resolve_model_dir
 from glmtune.plan.planner import make_plan
 from glmtune.train.trainer import build_model, make_trainer, training_args
 
-from helpers import BIN, REPO
-from helpers.launch import ranks_env
-
-COMMON = ["lora=all_linear", "lora.dropout=0", "train.learning_rate=5e-3", "train.logging_steps=1",
-          "probe.enabled=false", "data.val_file=null"]
+COMMON = [
+    "lora=all_linear",
+    "lora.dropout=0",
+    "train.learning_rate=5e-3",
+    "train.logging_steps=1",
+    "probe.enabled=false",
+    "data.val_file=null",
+]
 ENV = ranks_env()
 
 
@@ -78,8 +84,13 @@ def one_step(split: tuple[int, int], checkpointing: bool, chunk: int, normalizat
     tokenizer = load_tokenizer(model_dir)
     data = build_datasets(run.data, tokenizer, None)
     plan = make_plan(run, arch_config(run.model), 1, False)
-    choices = replace(plan.choices, micro_batch_size=split[0], grad_accum=split[1], gradient_checkpointing=checkpointing,
-                      loss_chunk_tokens=chunk)
+    choices = replace(
+        plan.choices,
+        micro_batch_size=split[0],
+        grad_accum=split[1],
+        gradient_checkpointing=checkpointing,
+        loss_chunk_tokens=chunk,
+    )
     run.train.max_steps = steps
     args = training_args(run.train, choices, Path(os.environ.get("TMPDIR", "/tmp")) / "same-math", has_eval=False)
     args.report_to, args.save_strategy = [], "no"
@@ -92,8 +103,15 @@ def one_step(split: tuple[int, int], checkpointing: bool, chunk: int, normalizat
             if logs and "loss" in logs:
                 losses.append(logs["loss"])
 
-    trainer = make_trainer(args, model, data.train, None, DataCollator(tokenizer.pad_token_id),
-                           callbacks=[grads, Losses()], normalization=normalization)
+    trainer = make_trainer(
+        args,
+        model,
+        data.train,
+        None,
+        DataCollator(tokenizer.pad_token_id),
+        callbacks=[grads, Losses()],
+        normalization=normalization,
+    )
     trainer.train()
     return losses, grads.steps
 
@@ -103,10 +121,13 @@ def reference():
     return one_step((4, 1), checkpointing=False, chunk=0, steps=2)
 
 
-@pytest.mark.parametrize("split,checkpointing,chunk", [((1, 4), False, 0), ((2, 2), False, 0), ((1, 4), True, 0),
-                                                         ((2, 2), True, 16), ((4, 1), False, 16)])
+@pytest.mark.parametrize(
+    "split,checkpointing,chunk",
+    [((1, 4), False, 0), ((2, 2), False, 0), ((1, 4), True, 0), ((2, 2), True, 16), ((4, 1), False, 16)],
+)
 def test_one_optimizer_step_has_the_same_loss_and_lora_gradient_however_the_batch_is_split(
-        reference, split, checkpointing, chunk):
+    reference, split, checkpointing, chunk
+):
     ref_losses, ref_grads = reference
     losses, grads = one_step(split, checkpointing, chunk, steps=2)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
@@ -130,10 +151,19 @@ def test_the_demo_normalization_weighs_micro_batches_and_differs_when_split():
 
 
 def cli(out: Path, *args: str, nproc: int = 1, timeout=900) -> subprocess.CompletedProcess:
-    launcher = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(nproc), "-m", "glmtune"] \
-        if nproc > 1 else [sys.executable, "-m", "glmtune"]
-    return subprocess.run([*launcher, *COMMON, *args, f"hydra.run.dir={out}"], cwd=REPO, env=ENV, capture_output=True,
-                          text=True, timeout=timeout)
+    launcher = (
+        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(nproc), "-m", "glmtune"]
+        if nproc > 1
+        else [sys.executable, "-m", "glmtune"]
+    )
+    return subprocess.run(
+        [*launcher, *COMMON, *args, f"hydra.run.dir={out}"],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def step_losses(run_dir: Path, key: str = "loss") -> list[float]:
@@ -154,8 +184,14 @@ def test_ten_steps_agree_across_processes_and_zero3(tmp_path):
     for name, (extra, nproc) in runs.items():
         micro, accum = name.split()[-1].split("x")[:2]
         out = tmp_path / name.replace(" ", "-")
-        proc = cli(out, "train.max_steps=14", f"train.per_device_batch_size={micro}", f"train.grad_accum={accum}",
-                   *extra, nproc=nproc)
+        proc = cli(
+            out,
+            "train.max_steps=14",
+            f"train.per_device_batch_size={micro}",
+            f"train.grad_accum={accum}",
+            *extra,
+            nproc=nproc,
+        )
         assert proc.returncode == 0, (name, proc.stderr[-3000:])
         results[name] = (step_losses(out), adapter(out), step_losses(out, "grad_norm"))
     ref_losses, ref_adapter, ref_norms = results["4x1x1"]

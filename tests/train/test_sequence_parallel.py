@@ -6,10 +6,10 @@ ids in every step (each sequence-parallel group's ranks alike, the groups togeth
 losses and gradient norms within rtol 1e-5, the adapter within 1e-4 of each tensor's largest value. Then a run
 stopped under SP 2 resumes in one process with the uninterrupted run's adapter.
 """
+
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,17 +18,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import REPO
+from helpers.launch import ranks_env
 from safetensors.torch import load_file
 
-from glmtune.train.sequence import shard_batch
 from glmtune.models.kernels.ulysses import SequenceGroup
-
-from helpers import BIN, REPO
-from helpers.launch import ranks_env
+from glmtune.train.sequence import shard_batch
 
 STEPS = 4
-COMMON = ["train.precision=fp32", "lora.dropout=0", "train.logging_steps=1", "probe.enabled=false",
-          "data.val_file=null", "train.report_to=[]", f"data.train_file={REPO / 'data/samples/train.jsonl'}"]
+COMMON = [
+    "train.precision=fp32",
+    "lora.dropout=0",
+    "train.logging_steps=1",
+    "probe.enabled=false",
+    "data.val_file=null",
+    "train.report_to=[]",
+    f"data.train_file={REPO / 'data/samples/train.jsonl'}",
+]
 
 
 def launch(out: Path, nproc: int, *args: str, wait: bool = True):
@@ -36,7 +42,7 @@ def launch(out: Path, nproc: int, *args: str, wait: bool = True):
     log.mkdir(parents=True, exist_ok=True)
     env = ranks_env(GLMTUNE_EXAMPLE_LOG=str(log))
     # scripts/torchrun.sh: the supervisor carries a stop's exit 7 (plain torchrun turns SIGTERM into exit 1)
-    launcher = ([str(REPO / "scripts" / "torchrun.sh"), str(nproc)] if nproc > 1 else [sys.executable, "-m", "glmtune"])
+    launcher = [str(REPO / "scripts" / "torchrun.sh"), str(nproc)] if nproc > 1 else [sys.executable, "-m", "glmtune"]
     env["PYTHON"] = sys.executable
     cmd = [*launcher, *COMMON, *args, f"hydra.run.dir={out}"]
     if not wait:
@@ -103,14 +109,20 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, nproc, args", [
-    ("sp2", 2, ["dist.sequence_parallel=2", "train.per_device_batch_size=4"]),
-    ("dp2 x sp2", 4, ["dist.sequence_parallel=2", "train.per_device_batch_size=2"]),
-    ("sp4, KV groups replicated", 4, ["dist.sequence_parallel=4", "train.per_device_batch_size=4"]),
-    ("zero3 + sp2", 2, ["dist.sequence_parallel=2", "dist=zero3", "train.per_device_batch_size=2",
-                        "train.grad_accum=2"]),
-    ("packed sp2", 2, ["dist.sequence_parallel=2", "data.packing=on", "train.per_device_batch_size=4"]),
-])
+@pytest.mark.parametrize(
+    "name, nproc, args",
+    [
+        ("sp2", 2, ["dist.sequence_parallel=2", "train.per_device_batch_size=4"]),
+        ("dp2 x sp2", 4, ["dist.sequence_parallel=2", "train.per_device_batch_size=2"]),
+        ("sp4, KV groups replicated", 4, ["dist.sequence_parallel=4", "train.per_device_batch_size=4"]),
+        (
+            "zero3 + sp2",
+            2,
+            ["dist.sequence_parallel=2", "dist=zero3", "train.per_device_batch_size=2", "train.grad_accum=2"],
+        ),
+        ("packed sp2", 2, ["dist.sequence_parallel=2", "data.packing=on", "train.per_device_batch_size=4"]),
+    ],
+)
 def test_a_layout_trains_what_one_process_trains(reference, tmp_path, name, nproc, args):
     out = tmp_path / name.split(",")[0].replace(" ", "-")
     launch(out, nproc, f"train.max_steps={STEPS}", *args)
@@ -139,8 +151,11 @@ def test_a_run_stopped_under_sp2_resumes_in_one_process(tmp_path):
 
 def test_shard_batch_shifts_before_cutting_and_pads_to_a_multiple():
     """A row of 5 over 2 ranks: targets shifted on the whole row, one padded position with no target."""
-    batch = {"input_ids": torch.tensor([[10, 11, 12, 13, 14]]), "labels": torch.tensor([[-100, 11, 12, 13, 14]]),
-             "attention_mask": torch.ones(1, 5, dtype=torch.long)}
+    batch = {
+        "input_ids": torch.tensor([[10, 11, 12, 13, 14]]),
+        "labels": torch.tensor([[-100, 11, 12, 13, 14]]),
+        "attention_mask": torch.ones(1, 5, dtype=torch.long),
+    }
     first, second = (shard_batch(batch, SequenceGroup(None, 2, r)) for r in (0, 1))
     assert first["input_ids"].tolist() == [[10, 11, 12]] and second["input_ids"].tolist() == [[13, 14, 0]]
     # position 2 (token 12) predicts token 13, the first token of the other shard
@@ -152,14 +167,35 @@ def test_the_plan_counts_groups_and_keeps_the_global_batch(tmp_path):
     """4 processes sharing rows in pairs: the plan's width is 2 groups (global batch micro x accum x 2), said
     in the header; a degree that does not divide the processes is one line, exit 2."""
     run = tmp_path / "plan"
-    out = subprocess.run([sys.executable, "-m", "glmtune", "mode=plan", "model=glm4_9b_chat", "+hw=a100_80g",
-                          "dist.nproc_per_node=4", "dist.sequence_parallel=2", "train.per_device_batch_size=2",
-                          f"hydra.run.dir={run}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "glmtune",
+            "mode=plan",
+            "model=glm4_9b_chat",
+            "+hw=a100_80g",
+            "dist.nproc_per_node=4",
+            "dist.sequence_parallel=2",
+            "train.per_device_batch_size=2",
+            f"hydra.run.dir={run}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     choices = json.loads((run / "plan.json").read_text())["choices"]
     assert choices["world_size"] == 2
     assert "x 2 group(s) of 2 GPUs sharing each row (dist.sequence_parallel) = global batch " in " ".join(
-        out.stdout.split())
-    bad = subprocess.run([sys.executable, "-m", "glmtune", "mode=plan", "dist.nproc_per_node=3",
-                          "dist.sequence_parallel=2"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        out.stdout.split()
+    )
+    bad = subprocess.run(
+        [sys.executable, "-m", "glmtune", "mode=plan", "dist.nproc_per_node=3", "dist.sequence_parallel=2"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "must divide the 3 processes" in bad.stderr

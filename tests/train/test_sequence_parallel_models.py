@@ -11,29 +11,36 @@ Evaluation: the Trainer's eval loss (the mean of per-batch mean token losses, tr
 (DDP or ZeRO-3) is one process's; under DP 2 x SP 2 it is a 2-process data-parallel run's. An eval batch of 3
 over the 8 val examples leaves a short last batch, so the loader's remainder bookkeeping is compared too.
 """
+
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-
-from glmtune.train.steps import NULL, StepSampler
+from helpers import REPO
+from helpers.launch import ranks_env
 from test_sequence_parallel import adapter, assert_same_adapter, ids_per_rank, logged, steps_of
 
-from helpers import BIN, REPO
-from helpers.launch import ranks_env
+from glmtune.train.steps import NULL, StepSampler
 
 STEPS = 5
-COMMON = ["train.precision=fp32", "lora.dropout=0", "probe.enabled=false", "train.report_to=[]",
-          "train.per_device_batch_size=4"]
+COMMON = [
+    "train.precision=fp32",
+    "lora.dropout=0",
+    "probe.enabled=false",
+    "train.report_to=[]",
+    "train.per_device_batch_size=4",
+]
 TEXT = [f"data.train_file={REPO / 'data/samples/train.jsonl'}", f"data.val_file={REPO / 'data/samples/val.jsonl'}"]
-MODELS = {"glm4": ["model=glm4_tiny", *TEXT], "chatglm3": ["model=chatglm3_tiny", *TEXT],
-          "glm4v": ["model=glm4v_tiny", "data=samples_vision"]}
+MODELS = {
+    "glm4": ["model=glm4_tiny", *TEXT],
+    "chatglm3": ["model=chatglm3_tiny", *TEXT],
+    "glm4v": ["model=glm4v_tiny", "data=samples_vision"],
+}
 
 
 def launch(out: Path, nproc: int, *args: str) -> None:
@@ -41,8 +48,14 @@ def launch(out: Path, nproc: int, *args: str) -> None:
     log.mkdir(parents=True, exist_ok=True)
     env = ranks_env(GLMTUNE_EXAMPLE_LOG=str(log), PYTHON=sys.executable)
     launcher = [str(REPO / "scripts" / "torchrun.sh"), str(nproc)] if nproc > 1 else [sys.executable, "-m", "glmtune"]
-    proc = subprocess.run([*launcher, *COMMON, *args, f"hydra.run.dir={out}"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [*launcher, *COMMON, *args, f"hydra.run.dir={out}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, (out.name, proc.stderr[-3000:])
 
 
@@ -54,9 +67,17 @@ def references(tmp_path_factory):
     def get(model: str) -> Path:
         if model not in made:
             made[model] = tmp_path_factory.mktemp("sp-models") / f"{model}-reference"
-            launch(made[model], 1, *MODELS[model], "data.packing=on", f"train.max_steps={STEPS}",
-                   f"train.eval_steps={STEPS}", "train.logging_steps=1")
+            launch(
+                made[model],
+                1,
+                *MODELS[model],
+                "data.packing=on",
+                f"train.max_steps={STEPS}",
+                f"train.eval_steps={STEPS}",
+                "train.logging_steps=1",
+            )
         return made[model]
+
     return get
 
 
@@ -66,8 +87,16 @@ def references(tmp_path_factory):
 def test_each_family_trains_and_evaluates_under_sp_as_one_process(references, tmp_path, model, sp):
     reference = references(model)
     out = tmp_path / f"{model}-sp{sp}"
-    launch(out, sp, *MODELS[model], "data.packing=on", f"train.max_steps={STEPS}", f"train.eval_steps={STEPS}",
-           "train.logging_steps=1", f"dist.sequence_parallel={sp}")
+    launch(
+        out,
+        sp,
+        *MODELS[model],
+        "data.packing=on",
+        f"train.max_steps={STEPS}",
+        f"train.eval_steps={STEPS}",
+        "train.logging_steps=1",
+        f"dist.sequence_parallel={sp}",
+    )
     ref_ids = steps_of(ids_per_rank(reference), 1)
     assert len(ref_ids) == STEPS and steps_of(ids_per_rank(out), sp) == ref_ids
     assert all(loss > 0 for loss in logged(reference)), "a step without targets compares nothing"
@@ -83,12 +112,22 @@ def test_the_eval_loss_under_sp_is_the_one_without(tmp_path):
     """Evaluations at steps 2 and 4 with an eval batch of 3 (8 val examples: batches of 3, 3 and 2). One log, at
     step 3: the final train_loss adds step 4's loss, under SP the mean over the ranks, not rank 0's shard's share
     (plain data parallel keeps the Trainer's rank-0 figure for that tail)."""
-    args = [*MODELS["glm4"], "train.max_steps=4", "train.eval_steps=2", "train.eval_batch_size=3",
-            "train.per_device_batch_size=2", "train.logging_steps=3"]
+    args = [
+        *MODELS["glm4"],
+        "train.max_steps=4",
+        "train.eval_steps=2",
+        "train.eval_batch_size=3",
+        "train.per_device_batch_size=2",
+        "train.logging_steps=3",
+    ]
     runs = {}
-    for name, nproc, extra in [("one", 1, ["train.grad_accum=2"]), ("sp2", 2, ["dist.sequence_parallel=2",
-                               "train.grad_accum=2"]), ("dp2", 2, []), ("dp2xsp2", 4, ["dist.sequence_parallel=2"]),
-                              ("zero3sp2", 2, ["dist=zero3", "dist.sequence_parallel=2", "train.grad_accum=2"])]:
+    for name, nproc, extra in [
+        ("one", 1, ["train.grad_accum=2"]),
+        ("sp2", 2, ["dist.sequence_parallel=2", "train.grad_accum=2"]),
+        ("dp2", 2, []),
+        ("dp2xsp2", 4, ["dist.sequence_parallel=2"]),
+        ("zero3sp2", 2, ["dist=zero3", "dist.sequence_parallel=2", "train.grad_accum=2"]),
+    ]:
         runs[name] = tmp_path / name
         launch(runs[name], nproc, *args, *extra)
     one, dp2 = logged(runs["one"], "eval_loss"), logged(runs["dp2"], "eval_loss")
@@ -114,7 +153,7 @@ def test_an_sp_epoch_is_the_epoch_each_micro_batch_repeated():
     plain, repeated = StepSampler(counts, 4, 0, 2), StepSampler(counts, 4, 0, 2, repeat=2)
     once, twice = list(plain), list(repeated)
     assert len(twice) == len(repeated) == 2 * len(once) == 16
-    pairs = [twice[i:i + 2] for i in range(0, 16, 2)]
+    pairs = [twice[i : i + 2] for i in range(0, 16, 2)]
     assert [p for k, p in enumerate(pairs) if k % 2 == 0] == [p for k, p in enumerate(pairs) if k % 2 == 1]
     assert [x for k, p in enumerate(pairs) if k % 2 == 0 for x in p] == once
     assert sum(index == NULL for index, _ in once) == 1
@@ -122,9 +161,24 @@ def test_an_sp_epoch_is_the_epoch_each_micro_batch_repeated():
 
 def test_the_plan_says_the_eval_loss_is_sharded_and_generation_is_not(tmp_path):
     run = tmp_path / "plan"
-    out = subprocess.run([sys.executable, "-m", "glmtune", "mode=plan", "model=glm4_9b_chat", "+hw=a100_80g",
-                          "dist.nproc_per_node=4", "dist.sequence_parallel=2", "eval.generate=true",
-                          f"hydra.run.dir={run}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "glmtune",
+            "mode=plan",
+            "model=glm4_9b_chat",
+            "+hw=a100_80g",
+            "dist.nproc_per_node=4",
+            "dist.sequence_parallel=2",
+            "eval.generate=true",
+            f"hydra.run.dir={run}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     why = json.loads((run / "plan.json").read_text())["reasons"]["eval_batch_size"]
     assert "eval loss is sharded over each group's 2 GPUs" in why and "eval.generate decodes whole rows" in why

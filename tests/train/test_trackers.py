@@ -4,6 +4,7 @@ interval's measured peak) at their step, read back from what each tracker wrote;
 launch, named like the run dir, with glmtune's settings as parameters (lora.r, the plan's choices and estimate,
 the probe's peak) and the final evaluation in that same run. A real CLI run in a subprocess: the trackers keep
 global state (wandb.run, mlflow's active run) that must not outlive it."""
+
 import json
 import os
 import shutil
@@ -13,11 +14,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from glmtune.config.units import GIB
-
 from helpers import REPO
 from helpers.cli import glmtune_in_process
+
+from glmtune.config.units import GIB
 
 MEMORY = ("memory/planned_peak_gib", "memory/probe_peak_gib", "memory/step_peak_gib")
 
@@ -28,11 +28,11 @@ def leveldb_records(path: Path, header: int = 7, block: int = 32768) -> list[byt
     data, pos, out, parts = path.read_bytes(), header, [], b""
     while pos + 7 <= len(data):
         left = block - pos % block
-        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
         if left < 7 or (length == 0 and kind == 0):  # a block's zero-filled tail
             pos += left
             continue
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         if kind in (1, 2):
             parts = chunk
         else:
@@ -55,29 +55,60 @@ def wandb_records(run_file: Path, kind: str) -> list:
 
 
 def wandb_history(run_file: Path) -> list[dict]:
-    return [{it.key or "/".join(it.nested_key): json.loads(it.value_json) for it in history.item}
-            for history in wandb_records(run_file, "history")]
+    return [
+        {it.key or "/".join(it.nested_key): json.loads(it.value_json) for it in history.item}
+        for history in wandb_records(run_file, "history")
+    ]
 
 
 # The launch's own settings every tracker must hold (the command line set lora.r=6; the rest are defaults).
-PARAMS = {"lora.r": 6, "lora.alpha": 32, "lora.target_modules": "query_key_value", "model.name": "glm4_tiny",
-          "data.train_file": "data/samples/train.jsonl", "plan.micro_batch_size": 1, "plan.dtype": "fp32"}
+PARAMS = {
+    "lora.r": 6,
+    "lora.alpha": 32,
+    "lora.target_modules": "query_key_value",
+    "model.name": "glm4_tiny",
+    "data.train_file": "data/samples/train.jsonl",
+    "plan.micro_batch_size": 1,
+    "plan.dtype": "fp32",
+}
 
 
 @pytest.fixture(scope="module")
 def tracked(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("trackers")
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp), "WANDB_SILENT": "true",
-           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp}/mlflow.db", "SWANLAB_MODE": "local",
-           "SWANLAB_LOG_DIR": str(tmp / "swanlab")}
+    env = {
+        **os.environ,
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": str(tmp),
+        "WANDB_SILENT": "true",
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp}/mlflow.db",
+        "SWANLAB_MODE": "local",
+        "SWANLAB_LOG_DIR": str(tmp / "swanlab"),
+    }
     run = tmp / "run"
-    proc = subprocess.run([sys.executable, "-m", "glmtune", "train.report_to=[tensorboard,wandb,mlflow,swanlab]",
-                           "train.max_steps=4", "train.logging_steps=2", "lora.r=6",
-                           f"hydra.run.dir={run}"], cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "glmtune",
+            "train.report_to=[tensorboard,wandb,mlflow,swanlab]",
+            "train.max_steps=4",
+            "train.logging_steps=2",
+            "lora.r=6",
+            f"hydra.run.dir={run}",
+        ],
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     probe = json.loads((run / "probe.json").read_text())
-    expected = {"memory/planned_peak_gib": json.loads((run / "plan.json").read_text())["peak_bytes"] / GIB,
-                "memory/probe_peak_gib": probe["measured_peak_bytes"] / GIB}
+    expected = {
+        "memory/planned_peak_gib": json.loads((run / "plan.json").read_text())["peak_bytes"] / GIB,
+        "memory/probe_peak_gib": probe["measured_peak_bytes"] / GIB,
+    }
     assert json.loads((run / "metrics.json").read_text())["eval_loss"] > 0  # the launch evaluated at its end
     return tmp, run, expected
 
@@ -116,8 +147,11 @@ def test_tensorboard_s_hparams_tab_gets_glmtune_s_settings(tracked):
     _, run, expected = tracked
     acc = EventAccumulator(str(run / "tensorboard"))
     acc.Reload()
-    (start,) = [c for c in acc.PluginTagToContent("hparams").values()
-                if plugin_data_pb2.HParamsPluginData.FromString(c).HasField("session_start_info")]
+    (start,) = [
+        c
+        for c in acc.PluginTagToContent("hparams").values()
+        if plugin_data_pb2.HParamsPluginData.FromString(c).HasField("session_start_info")
+    ]
     hparams = plugin_data_pb2.HParamsPluginData.FromString(start).session_start_info.hparams
     values = {k: getattr(v, v.WhichOneof("kind")) for k, v in hparams.items()}
     _check_params({k: int(v) if isinstance(v, float) and v.is_integer() else v for k, v in values.items()}, expected)
@@ -215,5 +249,8 @@ def test_launches_in_one_process_are_one_run_each_closed_with_their_outcome(trac
     client = MlflowClient(uri)
     runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("in-process").experiment_id])}
     assert {name: (r.info.status, r.data.params["lora.r"]) for name, r in runs.items()} == {
-        "sweep/0": ("FINISHED", "4"), "sweep/1": ("KILLED", "8"), "sweep/2": ("FAILED", "16")}
+        "sweep/0": ("FINISHED", "4"),
+        "sweep/1": ("KILLED", "8"),
+        "sweep/2": ("FAILED", "16"),
+    }
     assert runs["sweep/0"].data.metrics == {"eval_loss": 1.5} and len(runs["sweep/0"].data.params["run_dir"]) < 10_000

@@ -1,11 +1,13 @@
 """End-to-end training on the tiny model: the loss falls, the adapter reloads, the run dir is complete."""
+
 import json
 import math
 import re
 from dataclasses import replace
 
-import pytest
 import torch
+from helpers.cli import glmtune_in_process
+from helpers.files import write_fixed
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from peft import PeftModel
@@ -14,24 +16,29 @@ from glmtune.config import CONF_DIR, DataConfig, HwConfig, LoraConfig, ModelConf
 from glmtune.data.pipeline import DataCollator, build_datasets
 from glmtune.models import load_config, load_model, load_tokenizer
 from glmtune.models.presets import arch_config, ensure_tiny
-from glmtune.plan.planner import make_plan
 from glmtune.modes.report import optimizer_steps
+from glmtune.plan.planner import make_plan
 from glmtune.train.trainer import train
 
-from helpers.files import write_fixed
-from helpers.cli import glmtune_in_process
 
 def test_finetune_drives_loss_far_down_and_adapter_reproduces_logits(tmp_path):
     model_dir = ensure_tiny("glm4")
-    run = RunConfig(data=DataConfig(train_file=str(write_fixed(tmp_path / "fixed.jsonl")), val_file=None),
-                    lora=LoraConfig(target_modules=["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]),
-                    train=TrainConfig(max_steps=80, learning_rate=1e-2, per_device_batch_size=4, logging_steps=1))
+    run = RunConfig(
+        data=DataConfig(train_file=str(write_fixed(tmp_path / "fixed.jsonl")), val_file=None),
+        lora=LoraConfig(target_modules=["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]),
+        train=TrainConfig(max_steps=80, learning_rate=1e-2, per_device_batch_size=4, logging_steps=1),
+    )
     tokenizer = load_tokenizer(model_dir)
     train_set, _, _ = build_datasets(run.data, tokenizer)
     choices = make_plan(run, load_config(model_dir), 1, user_set_max_length=False).choices
-    metrics, model = train(run, choices, tmp_path / "run", model_dir, train_set, None, DataCollator(tokenizer.pad_token_id))
-    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-              if "loss" in json.loads(line)]
+    metrics, model = train(
+        run, choices, tmp_path / "run", model_dir, train_set, None, DataCollator(tokenizer.pad_token_id)
+    )
+    losses = [
+        json.loads(line)["loss"]
+        for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        if "loss" in json.loads(line)
+    ]
     # A random model starts near-uniform over the 1,280-token vocabulary: ln(1280) = 7.15 nats. Memorising four
     # short replies with all-linear adapters reaches ~1.8 in 80 steps; a pipeline that does not learn (labels
     # masked wrong, no gradient reaching the adapters, optimizer over the wrong parameters) stays above 5.
@@ -55,9 +62,18 @@ def test_a_real_model_config_trains_whole_epochs_when_max_steps_is_not_set(tmp_p
     data = tmp_path / "train.jsonl"
     data.write_text(write_fixed(tmp_path / "four.jsonl").read_text() * 3, encoding="utf-8")  # 12 examples
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
-        cfg = compose(config_name="config", overrides=[
-            "model=glm4_9b_chat", "+hw=a100_40g", f"data.train_file={data}", "data.val_file=null",
-            "train.num_epochs=2", "train.per_device_batch_size=2", "train.grad_accum=2"])
+        cfg = compose(
+            config_name="config",
+            overrides=[
+                "model=glm4_9b_chat",
+                "+hw=a100_40g",
+                f"data.train_file={data}",
+                "data.val_file=null",
+                "train.num_epochs=2",
+                "train.per_device_batch_size=2",
+                "train.grad_accum=2",
+            ],
+        )
     run = parse_config(OmegaConf.to_container(cfg, resolve=True))
     assert run.train.max_steps == 0  # no step cap hidden in the defaults
     plan = make_plan(run, arch_config(run.model), 1, user_set_max_length=False)
@@ -71,7 +87,9 @@ def test_a_real_model_config_trains_whole_epochs_when_max_steps_is_not_set(tmp_p
     tokenizer = load_tokenizer(model_dir)
     train_set, _, _ = build_datasets(tiny.data, tokenizer)
     choices = make_plan(tiny, load_config(model_dir), 1, user_set_max_length=False).choices
-    metrics, _ = train(tiny, choices, tmp_path / "run", model_dir, train_set, None, DataCollator(tokenizer.pad_token_id))
+    metrics, _ = train(
+        tiny, choices, tmp_path / "run", model_dir, train_set, None, DataCollator(tokenizer.pad_token_id)
+    )
     assert (metrics["steps"], metrics["epochs"]) == (6, 2.0)
     assert metrics["tokens_per_s"] > 0 and metrics["measured_peak_bytes"] > 0
 
@@ -85,7 +103,7 @@ def test_cli_train_writes_a_complete_run_dir(trained, repo):
     assert f"adapter saved to {out / 'adapter'}" in proc.stdout
     # the header says the step count overrides the epochs; the last line sums the run up
     assert "6 optimizer steps (train.max_steps=6: 0.23 epochs of 51 examples)" in proc.stdout
-    last = proc.stdout[proc.stdout.index("\ndone in ") + 1:]  # the closing lines sum the run up
+    last = proc.stdout[proc.stdout.index("\ndone in ") + 1 :]  # the closing lines sum the run up
     assert "6 steps" in last and "train loss" in last and "eval loss" in last
     assert "tokens/s" in last and "peak" in last
     # noise silenced at its source; the probe prints its table, not the Trainer's closing metrics
@@ -96,7 +114,9 @@ def test_cli_train_writes_a_complete_run_dir(trained, repo):
     page = (repo / "docs" / "runs.md").read_text()
     section = page.split("## What a run leaves in its run dir")[1].split("\n#")[0]
     for entry in out.iterdir():
-        assert f"`{re.sub(r'rank[0-9]+', 'rank<N>', entry.name)}" in section, f"{entry.name} is not in docs/runs.md's run-dir table"
+        assert f"`{re.sub(r'rank[0-9]+', 'rank<N>', entry.name)}" in section, (
+            f"{entry.name} is not in docs/runs.md's run-dir table"
+        )
     config = (out / ".hydra" / "config.yaml").read_text()
     assert "train_file: data/samples/train.jsonl" in config
     versions = json.loads((out / "versions.json").read_text())
@@ -121,8 +141,9 @@ def test_cli_plan_for_glm4_9b_on_a100_needs_no_weights(tmp_path, repo):
 
 def test_cli_plan_that_cannot_fit_exits_3_with_advice_and_leaves_nothing(tmp_path, repo):
     # launched from another folder, no hydra.run.dir: the configs come from the package, nothing is written
-    proc = glmtune_in_process("mode=plan", "model=glm4_9b_chat", "+hw=rtx4090_24g", "data.max_length=131072",
-                              cwd=tmp_path)
+    proc = glmtune_in_process(
+        "mode=plan", "model=glm4_9b_chat", "+hw=rtx4090_24g", "data.max_length=131072", cwd=tmp_path
+    )
     assert proc.returncode == 3
     assert "does not fit" in proc.stderr and "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
     # the options: a numbered list on stdout; the line names the best one (it fits in 120 columns here)

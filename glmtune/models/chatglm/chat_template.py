@@ -15,6 +15,7 @@ GLM-4V's image prefix is not in the template (its official checkpoint renders im
 `tojson(indent=4)` is the tools' JSON: on transformers >= 4.42 the same text as glmtune's (key order kept,
 non-ASCII as is); 4.40's jinja sorts keys and escapes non-ASCII, as it does for the official template too.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,26 +31,37 @@ def _literal(text: str) -> str:
 def glm4_template(assistant_name: str = "GLM-4") -> str:
     builtins = "".join(
         f"{{% elif tool['type'] == {_literal(kind)} %}}{{{{ {_literal(chr(10) + '## ' + kind + chr(10) * 2 + text)} }}}}"
-        for kind, text in _BUILTIN_TOOLS.items())
+        for kind, text in _BUILTIN_TOOLS.items()
+    )
     tools = (
         "{% if item['tools'] is defined and item['tools'] is not none %}<|system|>"
         f"{{{{ {_literal(chr(10) + _TOOLS_INTRO.format(name=assistant_name))} }}}}"
         "{% for tool in item['tools'] %}{% if tool['type'] == 'function' %}"
         "{{ '\\n## ' ~ tool['function']['name'] ~ '\\n\\n' }}{{ tool['function'] | tojson(indent=4) }}"
-        f"{{{{ {_literal(_FUNCTION_SUFFIX)} }}}}{builtins}{{% endif %}}{{% endfor %}}{{% endif %}}")
-    message = ("{% if item['content'] %}<|{{ item['role'] }}|>{{ item['metadata'] or '' }}{{ '\\n' }}"
-               "{{ item['content'] }}{% endif %}")
-    return ("[gMASK]<sop>{% for item in messages %}" + tools + message + "{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+        f"{{{{ {_literal(_FUNCTION_SUFFIX)} }}}}{builtins}{{% endif %}}{{% endfor %}}{{% endif %}}"
+    )
+    message = (
+        "{% if item['content'] %}<|{{ item['role'] }}|>{{ item['metadata'] or '' }}{{ '\\n' }}"
+        "{{ item['content'] }}{% endif %}"
+    )
+    return (
+        "[gMASK]<sop>{% for item in messages %}" + tools + message + "{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
 
 
 def chatglm3_template() -> str:
-    content = ("{% set content = item['content'] or '' %}"
-               "{% if item['role'] == 'system' and item['tools'] is defined and item['tools'] is not none %}"
-               "{% set content = content ~ '\\n' ~ (item['tools'] | tojson(indent=4)) %}{% endif %}")
-    return ("[gMASK]sop{% for item in messages %}" + content +
-            "<|{{ item['role'] }}|>{{ item['metadata'] or '' }}{{ '\\n' }}{% if content %} {{ content }}{% endif %}"
-            "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    content = (
+        "{% set content = item['content'] or '' %}"
+        "{% if item['role'] == 'system' and item['tools'] is defined and item['tools'] is not none %}"
+        "{% set content = content ~ '\\n' ~ (item['tools'] | tojson(indent=4)) %}{% endif %}"
+    )
+    return (
+        "[gMASK]sop{% for item in messages %}"
+        + content
+        + "<|{{ item['role'] }}|>{{ item['metadata'] or '' }}{{ '\\n' }}{% if content %} {{ content }}{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
 
 
 def chat_template_for(tokenizer) -> str:

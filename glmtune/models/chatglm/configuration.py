@@ -6,10 +6,10 @@ plus a vision tower), chatglm3-6b (28 layers, vocab 65,024, RoPE base 10000).
 `RELEASED` holds those values so the planner and device maps work without any download.
 Sources: ../shared/reference/glm4-facts.md §1-§2 (third-party copies of the HF config.json files).
 """
+
 from __future__ import annotations
 
 from transformers import PretrainedConfig
-
 
 # Keys of GLM-4V only; a text checkpoint's config.json leaves them out (GLMConfig.to_dict, infer/export.py).
 TEXT_MODEL_DROPS = ("vision_config", "boi_token_id", "eoi_token_id")
@@ -105,32 +105,69 @@ class GLMConfig(PretrainedConfig):
 
 
 _GLM4_COMMON = dict(
-    num_layers=40, padded_vocab_size=151552, hidden_size=4096, ffn_hidden_size=13696, kv_channels=128,
-    num_attention_heads=32, layernorm_epsilon=1.5625e-07, rmsnorm=True, post_layer_norm=True,
-    add_bias_linear=False, add_qkv_bias=True, multi_query_attention=True, multi_query_group_num=2,
-    apply_residual_connection_post_layernorm=False, tie_word_embeddings=False, torch_dtype="bfloat16",
-    eos_token_id=[151329, 151336, 151338], pad_token_id=151329,
+    num_layers=40,
+    padded_vocab_size=151552,
+    hidden_size=4096,
+    ffn_hidden_size=13696,
+    kv_channels=128,
+    num_attention_heads=32,
+    layernorm_epsilon=1.5625e-07,
+    rmsnorm=True,
+    post_layer_norm=True,
+    add_bias_linear=False,
+    add_qkv_bias=True,
+    multi_query_attention=True,
+    multi_query_group_num=2,
+    apply_residual_connection_post_layernorm=False,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+    eos_token_id=[151329, 151336, 151338],
+    pad_token_id=151329,
 )
 
 # glm-4v-9b's vision_config, from its config.json (facts §1).
 GLM4V_VISION = dict(
-    dropout_prob=0.0, hidden_act="gelu", in_channels=3, num_hidden_layers=63, hidden_size=1792,
-    patch_size=14, num_heads=16, intermediate_size=15360, layer_norm_eps=1e-06, num_positions=6401,
-    image_size=1120, scaling_factor=8,
+    dropout_prob=0.0,
+    hidden_act="gelu",
+    in_channels=3,
+    num_hidden_layers=63,
+    hidden_size=1792,
+    patch_size=14,
+    num_heads=16,
+    intermediate_size=15360,
+    layer_norm_eps=1e-06,
+    num_positions=6401,
+    image_size=1120,
+    scaling_factor=8,
 )
 
 RELEASED: dict[str, dict] = {
     "glm4_9b_chat": dict(_GLM4_COMMON, seq_length=131072, rope_ratio=500),
     # Base model: 8K context per the README; rope_ratio 1 is the config default [unverified].
     "glm4_9b": dict(_GLM4_COMMON, seq_length=8192, rope_ratio=1),
-    "glm4v_9b": dict(_GLM4_COMMON, seq_length=2048, vision_config=GLM4V_VISION,
-                     boi_token_id=151339, eoi_token_id=151340),
+    "glm4v_9b": dict(
+        _GLM4_COMMON, seq_length=2048, vision_config=GLM4V_VISION, boi_token_id=151339, eoi_token_id=151340
+    ),
     "chatglm3_6b": dict(
-        num_layers=28, padded_vocab_size=65024, hidden_size=4096, ffn_hidden_size=13696, kv_channels=128,
-        num_attention_heads=32, seq_length=8192, layernorm_epsilon=1e-05, rmsnorm=True, post_layer_norm=True,
-        add_bias_linear=False, add_qkv_bias=True, multi_query_attention=True, multi_query_group_num=2,
-        apply_residual_connection_post_layernorm=False, tie_word_embeddings=False, torch_dtype="float16",
-        eos_token_id=2, pad_token_id=0,
+        num_layers=28,
+        padded_vocab_size=65024,
+        hidden_size=4096,
+        ffn_hidden_size=13696,
+        kv_channels=128,
+        num_attention_heads=32,
+        seq_length=8192,
+        layernorm_epsilon=1e-05,
+        rmsnorm=True,
+        post_layer_norm=True,
+        add_bias_linear=False,
+        add_qkv_bias=True,
+        multi_query_attention=True,
+        multi_query_group_num=2,
+        apply_residual_connection_post_layernorm=False,
+        tie_word_embeddings=False,
+        torch_dtype="float16",
+        eos_token_id=2,
+        pad_token_id=0,
     ),
 }
 

@@ -16,6 +16,7 @@ Differences from the reference that change no result:
   memory-efficient kernels (the reference builds a dense [B, 1, L, L] mask for any padded batch);
 - `gradient_checkpointing_enable()` really engages (the June-2024 reference silently ignores it, §5).
 """
+
 from __future__ import annotations
 
 import torch
@@ -47,8 +48,9 @@ class SelfAttention(GroupedAttention):
     def __init__(self, config: GLMConfig):
         super().__init__()
         self.heads, self.groups, self.head_dim = config.num_attention_heads, config.kv_groups, config.kv_channels
-        self.query_key_value = nn.Linear(config.hidden_size, config.qkv_out,
-                                         bias=config.add_bias_linear or config.add_qkv_bias)
+        self.query_key_value = nn.Linear(
+            config.hidden_size, config.qkv_out, bias=config.add_bias_linear or config.add_qkv_bias
+        )
         self.dense = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=config.add_bias_linear)
         self.dropout_p = config.attention_dropout
         # multi_query_attention=false (full multi-head attention) has another official row layout: per head

@@ -13,6 +13,7 @@
 Works with HF `generate()` (legacy tuple KV cache holding the un-expanded KV groups: 2 heads, not 32),
 `gradient_checkpointing_enable()` (reentrant or not, via gradient_checkpointing_kwargs), PEFT and the Trainer.
 """
+
 from __future__ import annotations
 
 import torch
@@ -82,8 +83,9 @@ class ChatGLMModel(GLMPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embedding.word_embeddings = value
 
-    def merge_images(self, input_ids, inputs_embeds, position_ids, attention_mask, labels, images, image_rows,
-                     seq_ids=None):
+    def merge_images(
+        self, input_ids, inputs_embeds, position_ids, attention_mask, labels, images, image_rows, seq_ids=None
+    ):
         """Run the vision tower on `images` (one per entry of `image_rows`; one per row when None) and splice
         its output into the embeddings. Returns (inputs_embeds, position_ids, attention_mask, labels, seq_ids).
 
@@ -102,25 +104,54 @@ class ChatGLMModel(GLMPreTrainedModel):
         features = self.vision(images.to(self.vision.conv.weight.device, tower_dtype))
         # A batch whose every row ends on a real token is left-padded (generation): pad text rows on the left.
         pad_left = attention_mask is None or bool(attention_mask[:, -1].all())
-        merged = splice_images(inputs_embeds, input_ids, position_ids, attention_mask, labels, features, image_rows,
-                               self.config.boi_token_id, self.config.eoi_token_id, pad_left, seq_ids)
+        merged = splice_images(
+            inputs_embeds,
+            input_ids,
+            position_ids,
+            attention_mask,
+            labels,
+            features,
+            image_rows,
+            self.config.boi_token_id,
+            self.config.eoi_token_id,
+            pad_left,
+            seq_ids,
+        )
         sp = self.sequence_group
         if sp is None:
             return merged
         embeds, position_ids, attention_mask, labels, seq_ids = merged
         labels = shift_labels(labels) if labels is not None else None
-        return tuple(pad_and_shard(x, PAD_FILL[key], sp) if x is not None else None for x, key in
-                     ((embeds, "inputs_embeds"), (position_ids, "position_ids"), (attention_mask, "attention_mask"),
-                      (labels, "labels"), (seq_ids, "seq_ids")))
+        return tuple(
+            pad_and_shard(x, PAD_FILL[key], sp) if x is not None else None
+            for x, key in (
+                (embeds, "inputs_embeds"),
+                (position_ids, "position_ids"),
+                (attention_mask, "attention_mask"),
+                (labels, "labels"),
+                (seq_ids, "seq_ids"),
+            )
+        )
 
-    def forward(self, input_ids=None, position_ids=None, attention_mask=None, past_key_values=None,
-                inputs_embeds=None, use_cache=False, images=None, image_rows=None, seq_ids=None):
+    def forward(
+        self,
+        input_ids=None,
+        position_ids=None,
+        attention_mask=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        use_cache=False,
+        images=None,
+        image_rows=None,
+        seq_ids=None,
+    ):
         """seq_ids [B, S]: packed rows (data/packing.py), which example each position belongs to (-1 = pad);
         attention then stays inside each example and attention_mask is not needed."""
         sp = self.sequence_group
         if images is not None and self.vision is not None and not past_key_values and len(images):
             inputs_embeds, position_ids, attention_mask, _, seq_ids = self.merge_images(
-                input_ids, inputs_embeds, position_ids, attention_mask, None, images, image_rows, seq_ids)
+                input_ids, inputs_embeds, position_ids, attention_mask, None, images, image_rows, seq_ids
+            )
         if inputs_embeds is None:
             inputs_embeds = self.embedding(input_ids)
         b, s = inputs_embeds.shape[:2]
@@ -162,33 +193,64 @@ class ChatGLMForConditionalGeneration(GLMPreTrainedModel):
     def set_output_embeddings(self, value):
         self.transformer.output_layer = value
 
-    def forward(self, input_ids=None, position_ids=None, attention_mask=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, output_attentions=None,
-                output_hidden_states=None, return_dict=None, return_last_logit=False, images=None, image_rows=None,
-                seq_ids=None):
+    def forward(
+        self,
+        input_ids=None,
+        position_ids=None,
+        attention_mask=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        output_attentions=None,
+        output_hidden_states=None,
+        return_dict=None,
+        return_last_logit=False,
+        images=None,
+        image_rows=None,
+        seq_ids=None,
+    ):
         # A cache is only useful for generation; in training it would just hold K/V of every layer.
         if use_cache is None:
             use_cache = self.config.use_cache and not self.training
         if images is not None and self.transformer.vision is not None and not past_key_values and len(images):
             # GLM-4V: 3 placeholder ids become boi + N patches + eoi; labels grow with -100 over the patches.
             inputs_embeds, position_ids, attention_mask, labels, seq_ids = self.transformer.merge_images(
-                input_ids, inputs_embeds, position_ids, attention_mask, labels, images, image_rows, seq_ids)
+                input_ids, inputs_embeds, position_ids, attention_mask, labels, images, image_rows, seq_ids
+            )
             images = None
-        hidden, presents = self.transformer(input_ids, position_ids, attention_mask, past_key_values,
-                                            inputs_embeds, use_cache, seq_ids=seq_ids)
+        hidden, presents = self.transformer(
+            input_ids, position_ids, attention_mask, past_key_values, inputs_embeds, use_cache, seq_ids=seq_ids
+        )
         if return_last_logit:
             hidden = hidden[:, -1:]
         # Under sequence parallelism each rank holds a shard of the row: the caller shifted the labels on the whole
         # row before cutting it (train/sequence.py; merge_images for rows with images), so position t's label is
         # already its target.
-        loss, logits = lm_loss(hidden, labels, self.transformer.output_layer, self.transformer.sequence_group is None,
-                               self.loss_chunk_tokens, self.loss_reduction,
-                               self.transformer.encoder._gradient_checkpointing_func)
-        return CausalLMOutputWithPast(loss=loss, logits=logits,
-                                      past_key_values=tuple(presents) if presents is not None else None)
+        loss, logits = lm_loss(
+            hidden,
+            labels,
+            self.transformer.output_layer,
+            self.transformer.sequence_group is None,
+            self.loss_chunk_tokens,
+            self.loss_reduction,
+            self.transformer.encoder._gradient_checkpointing_func,
+        )
+        return CausalLMOutputWithPast(
+            loss=loss, logits=logits, past_key_values=tuple(presents) if presents is not None else None
+        )
 
-    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
-                                      position_ids=None, use_cache=True, images=None, image_rows=None, **kwargs):
+    def prepare_inputs_for_generation(
+        self,
+        input_ids,
+        past_key_values=None,
+        attention_mask=None,
+        position_ids=None,
+        use_cache=True,
+        images=None,
+        image_rows=None,
+        **kwargs,
+    ):
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         # Image patches share one position, so text positions never count them.
@@ -204,8 +266,13 @@ class ChatGLMForConditionalGeneration(GLMPreTrainedModel):
             input_ids = input_ids[:, -1:]
             if self._image_layout is not None:  # the cache holds the spliced prompt: widen the mask to match
                 attention_mask = self._spliced_mask(attention_mask, past_key_values[0][0].shape[2] + 1)
-        return {**inputs, "input_ids": input_ids, "past_key_values": past_key_values,
-                "position_ids": position_ids, "attention_mask": attention_mask}
+        return {
+            **inputs,
+            "input_ids": input_ids,
+            "past_key_values": past_key_values,
+            "position_ids": position_ids,
+            "attention_mask": attention_mask,
+        }
 
     def _spliced_mask(self, mask: torch.Tensor, width: int) -> torch.Tensor:
         """The text mask laid out as vision.splice_images laid out the left-padded prompt: N-1 more ones

@@ -7,6 +7,7 @@
 training examples from it (data/pipeline.py: loss mask, terminator, truncation) and generation its prompts
 (generation.py), so a trained adapter sees at inference exactly the tokens it was trained on.
 """
+
 from __future__ import annotations
 
 import copy
@@ -54,8 +55,12 @@ IMAGE_PLACEHOLDERS = ("<|begin_of_image|>", "<|endoftext|>", "<|end_of_image|>")
 def image_message_ids(message: dict[str, Any], tokenizer: MessageTokenizer) -> list[int]:
     """The 4V tokenizer's build_single_message with the image prefix between role line and content."""
     placeholders = [tokenizer.get_command(t) for t in IMAGE_PLACEHOLDERS]
-    return ([tokenizer.get_command("<|user|>")] + tokenizer.encode(f"{message.get('metadata') or ''}\n")
-            + placeholders + tokenizer.encode(message.get("content") or ""))
+    return (
+        [tokenizer.get_command("<|user|>")]
+        + tokenizer.encode(f"{message.get('metadata') or ''}\n")
+        + placeholders
+        + tokenizer.encode(message.get("content") or "")
+    )
 
 
 def reference_text(message: dict) -> str:

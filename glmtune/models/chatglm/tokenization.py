@@ -6,6 +6,7 @@ The official checkpoints ship `tokenization_chatglm.py`, which `AutoTokenizer` c
 both share. Picking a family for a folder, and the tiny tokenizers, are in `tokenizer_files.py`, which imports
 both families (the families import this module, so it cannot import them back).
 """
+
 from __future__ import annotations
 
 import json
@@ -104,8 +105,9 @@ class ChatTokenizer:
             parts.append(self._decode_ordinary(run))
         return "".join(parts)
 
-    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = False,
-                            tokenize: bool = True) -> list[int] | str:
+    def apply_chat_template(
+        self, messages: list[Message], add_generation_prompt: bool = False, tokenize: bool = True
+    ) -> list[int] | str:
         """The whole conversation as the official template renders it: [gMASK]<sop>, each message, and
         `<|assistant|>` (no newline: the model writes the empty metadata line itself) when asked."""
         if tokenize:
@@ -123,12 +125,18 @@ class ChatTokenizer:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         self._write_model_file(out / "tokenizer.model")
-        (out / "tokenizer.json").write_text(json.dumps(self.tokenizer_json(), ensure_ascii=False) + "\n",
-                                            encoding="utf-8")
+        (out / "tokenizer.json").write_text(
+            json.dumps(self.tokenizer_json(), ensure_ascii=False) + "\n", encoding="utf-8"
+        )
         # PreTrainedTokenizerFast: what tokenizer.json is to every HF loader; glmtune itself reads tokenizer.model
-        config = {"family": self.family, "tokenizer_class": "PreTrainedTokenizerFast", **self._config(),
-                  "padding_side": "left", "clean_up_tokenization_spaces": False,  # decode as is, no space edits
-                  "added_tokens_decoder": {str(i): {"content": s, "special": True} for s, i in self.specials.items()}}
+        config = {
+            "family": self.family,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **self._config(),
+            "padding_side": "left",
+            "clean_up_tokenization_spaces": False,  # decode as is, no space edits
+            "added_tokens_decoder": {str(i): {"content": s, "special": True} for s, i in self.specials.items()},
+        }
         if self.chat_template is not None:
             config["chat_template"] = self.chat_template
         (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")

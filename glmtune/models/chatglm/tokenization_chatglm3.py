@@ -4,6 +4,7 @@ Message layout follows the official tokenization_chatglm.py (`build_single_messa
 `[<|role|>] + encode(f"{metadata}\\n") + encode(content)`, the two texts encoded separately, so each gets
 SentencePiece's dummy-prefix space. Unlike GLM-4's jinja template, a message with empty content still renders.
 """
+
 from __future__ import annotations
 
 import io
@@ -17,8 +18,17 @@ import sentencepiece as spm
 
 from .tokenization import ChatTokenizer, Message, checked_message
 
-SPECIAL_TOKENS = ("[MASK]", "[gMASK]", "[sMASK]", "sop", "eop", "<|system|>", "<|user|>", "<|assistant|>",
-                  "<|observation|>")
+SPECIAL_TOKENS = (
+    "[MASK]",
+    "[gMASK]",
+    "[sMASK]",
+    "sop",
+    "eop",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+)
 
 
 class ChatGLM3Tokenizer(ChatTokenizer):
@@ -40,8 +50,9 @@ class ChatGLM3Tokenizer(ChatTokenizer):
         super().__init__(chat_template)
 
     @classmethod
-    def from_bytes(cls, data: bytes, chat_template: str | None = None, source: str = "tokenizer.model"
-                   ) -> ChatGLM3Tokenizer:
+    def from_bytes(
+        cls, data: bytes, chat_template: str | None = None, source: str = "tokenizer.model"
+    ) -> ChatGLM3Tokenizer:
         return cls(data, chat_template=chat_template, source=source)
 
     @property
@@ -79,8 +90,10 @@ class ChatGLM3Tokenizer(ChatTokenizer):
         path.write_bytes(self.model_proto)
 
     def _config(self) -> dict[str, Any]:
-        return {"eos_token": self.sp.id_to_piece(self.eos_token_id),
-                "pad_token": self.sp.id_to_piece(self.pad_token_id)}
+        return {
+            "eos_token": self.sp.id_to_piece(self.eos_token_id),
+            "pad_token": self.sp.id_to_piece(self.pad_token_id),
+        }
 
     def tokenizer_json(self) -> dict[str, Any]:
         from .tokenizer_json import chatglm3_tokenizer_json
@@ -98,9 +111,25 @@ def tiny_chatglm3_tokenizer(corpus: str, vocab_size: int = 1015) -> ChatGLM3Toke
     model = io.BytesIO()
     with open(os.devnull, "w") as quiet:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter([line for line in corpus.splitlines() if line.strip()]), model_writer=model,
-            logstream=quiet, model_type="bpe", vocab_size=vocab_size, character_coverage=1.0, byte_fallback=True,
-            normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=True,
-            split_digits=True, allow_whitespace_only_pieces=True, num_threads=1, input_sentence_size=0,
-            shuffle_input_sentence=False, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, hard_vocab_limit=True)
+            sentence_iterator=iter([line for line in corpus.splitlines() if line.strip()]),
+            model_writer=model,
+            logstream=quiet,
+            model_type="bpe",
+            vocab_size=vocab_size,
+            character_coverage=1.0,
+            byte_fallback=True,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=True,
+            split_digits=True,
+            allow_whitespace_only_pieces=True,
+            num_threads=1,
+            input_sentence_size=0,
+            shuffle_input_sentence=False,
+            unk_id=0,
+            bos_id=1,
+            eos_id=2,
+            pad_id=-1,
+            hard_vocab_limit=True,
+        )
     return ChatGLM3Tokenizer(model.getvalue(), source="tiny ChatGLM3 tokenizer")

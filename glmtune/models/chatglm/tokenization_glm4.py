@@ -3,6 +3,7 @@
 `tokenizer.model` holds one "<base64 token bytes> <rank>" line per token (151,329 in the release); the 14
 special tokens take the ids after the last rank. The tiny tokenizer is a byte-level BPE trained here.
 """
+
 from __future__ import annotations
 
 import base64
@@ -21,11 +22,26 @@ import tiktoken
 from .tokenization import ChatTokenizer, Message, checked_message
 
 # The pre-tokenization regex of the official tokenization_chatglm.py (cl100k-style).
-PAT_STR = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-SPECIAL_TOKENS = ("<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
-                  "<|assistant|>", "<|observation|>", "<|begin_of_image|>", "<|end_of_image|>",
-                  "<|begin_of_video|>", "<|end_of_video|>")
+PAT_STR = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "[MASK]",
+    "[gMASK]",
+    "[sMASK]",
+    "<sop>",
+    "<eop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+    "<|begin_of_image|>",
+    "<|end_of_image|>",
+    "<|begin_of_video|>",
+    "<|end_of_video|>",
+)
 _RANK_LINE = re.compile(rb"[A-Za-z0-9+/]+={0,2} \d+")
 
 # --- the tools system block of glm-4-9b-chat's jinja chat_template (tokenizer_config.json) -------------
@@ -36,27 +52,29 @@ _RANK_LINE = re.compile(rb"[A-Za-z0-9+/]+={0,2} \d+")
 #     so each tool section starts with "\n## name" although the template text says "\n\n## name";
 #   * `tojson(indent=4)` is json.dumps(ensure_ascii=False, indent=4) in key order (transformers >= 4.42;
 #     4.40's jinja built-in sorted keys and escaped non-ASCII, an accident we do not copy).
-_TOOLS_INTRO = ("你是一个名为 {name} 的人工智能助手。你是基于智谱AI训练的语言模型 GLM-4 模型开发的，"
-                "你的任务是针对用户的问题和要求提供适当的答复和支持。\n\n# 可用工具")
+_TOOLS_INTRO = (
+    "你是一个名为 {name} 的人工智能助手。你是基于智谱AI训练的语言模型 GLM-4 模型开发的，"
+    "你的任务是针对用户的问题和要求提供适当的答复和支持。\n\n# 可用工具"
+)
 _FUNCTION_SUFFIX = "\n在调用上述函数时，请使用 Json 格式表示调用的参数。"
 _BUILTIN_TOOLS = {
     "python": "当你向 `python` 发送包含 Python 代码的消息时，该代码将会在一个有状态的 Jupyter notebook 环境中执行。\n"
-              "`python` 返回代码执行的输出，或在执行 60 秒后返回超时。\n`/mnt/data` 将会持久化存储你的文件。"
-              "在此会话中，`python` 无法访问互联网。不要使用 `python` 进行任何网络请求或者在线 API 调用，"
-              "这些在线内容的访问将不会成功。",
+    "`python` 返回代码执行的输出，或在执行 60 秒后返回超时。\n`/mnt/data` 将会持久化存储你的文件。"
+    "在此会话中，`python` 无法访问互联网。不要使用 `python` 进行任何网络请求或者在线 API 调用，"
+    "这些在线内容的访问将不会成功。",
     "simple_browser": "你可以使用 `simple_browser` 工具。该工具支持以下函数：\n`search(query: str, recency_days: int)`："
-                      "使用搜索引擎进行查询并显示结果，可以使用 `recency_days` 参数控制搜索内容的时效性。\n"
-                      "`mclick(ids: list[int])`：获取一系列指定 id 的页面内容。每次调用时，须选择3-10个页面。"
-                      "选择多个角度的页面，同时尽可能选择可信任的信息来源。考虑到部分页面是无法加载的，"
-                      "你也可以多打开一些可能有用的页面而不用担心内容过多。\n`open_url(url: str)`：打开指定的 URL。\n\n"
-                      "使用 `【{引用 id}†{引用文本}】` 来引用内容。\n\n操作步骤：1. 使用 `search` 来获得信息列表; "
-                      "2. 使用 `mclick` 来获取指定 ID 页面的内容; 3. 根据获得的内容进行回复。在回复中应当引用信息来源。\n"
-                      " 如果用户提供了 URL，也可以用 `open_url` 直接打开页面。\n"
-                      "如果初次搜索结果没有找到合适的信息，也可以再次使用 `search` 进行搜索。",
+    "使用搜索引擎进行查询并显示结果，可以使用 `recency_days` 参数控制搜索内容的时效性。\n"
+    "`mclick(ids: list[int])`：获取一系列指定 id 的页面内容。每次调用时，须选择3-10个页面。"
+    "选择多个角度的页面，同时尽可能选择可信任的信息来源。考虑到部分页面是无法加载的，"
+    "你也可以多打开一些可能有用的页面而不用担心内容过多。\n`open_url(url: str)`：打开指定的 URL。\n\n"
+    "使用 `【{引用 id}†{引用文本}】` 来引用内容。\n\n操作步骤：1. 使用 `search` 来获得信息列表; "
+    "2. 使用 `mclick` 来获取指定 ID 页面的内容; 3. 根据获得的内容进行回复。在回复中应当引用信息来源。\n"
+    " 如果用户提供了 URL，也可以用 `open_url` 直接打开页面。\n"
+    "如果初次搜索结果没有找到合适的信息，也可以再次使用 `search` 进行搜索。",
     "cogview": "如果用户的请求中包含了对图像的描述，你可以使用 `cogview` 来生成图像并展示给用户。"
-               "你需要向 `cogview` 发送图像描述，规则：\n- 发送给 `cogview` 的消息必须使用英语。用户的中文描述必须完全翻译为英语。\n"
-               "- 应当尽可能详细地描述图像生成的需求，需求描述约 100 英文单词。\n- 保持用户原始描述的意图。"
-               "不要虚构内容或者没见过的人物。\n- 如无特殊说明，所在地为中国，持有中国立场并遵循中国社会主义价值观。",
+    "你需要向 `cogview` 发送图像描述，规则：\n- 发送给 `cogview` 的消息必须使用英语。用户的中文描述必须完全翻译为英语。\n"
+    "- 应当尽可能详细地描述图像生成的需求，需求描述约 100 英文单词。\n- 保持用户原始描述的意图。"
+    "不要虚构内容或者没见过的人物。\n- 如无特殊说明，所在地为中国，持有中国立场并遵循中国社会主义价值观。",
 }
 
 
@@ -90,8 +108,9 @@ class GLM4Tokenizer(ChatTokenizer):
         n = len(mergeable_ranks)
         self.specials = {s: n + k for k, s in enumerate(SPECIAL_TOKENS)}
         self.ranks = mergeable_ranks
-        self._enc = tiktoken.Encoding(name="glmtune_glm4", pat_str=PAT_STR, mergeable_ranks=mergeable_ranks,
-                                      special_tokens=self.specials)
+        self._enc = tiktoken.Encoding(
+            name="glmtune_glm4", pat_str=PAT_STR, mergeable_ranks=mergeable_ranks, special_tokens=self.specials
+        )
         self.eos_token_id = self.pad_token_id = self.specials["<|endoftext|>"]
         self.stop_token_ids = [self.eos_token_id, self.specials["<|user|>"], self.specials["<|observation|>"]]
         found = re.search(r"你是一个名为 (\S+) 的人工智能助手", chat_template or "")
@@ -99,8 +118,9 @@ class GLM4Tokenizer(ChatTokenizer):
         super().__init__(chat_template)
 
     @classmethod
-    def from_bytes(cls, data: bytes, chat_template: str | None = None, source: str = "tokenizer.model"
-                   ) -> GLM4Tokenizer:
+    def from_bytes(
+        cls, data: bytes, chat_template: str | None = None, source: str = "tokenizer.model"
+    ) -> GLM4Tokenizer:
         ranks: dict[bytes, int] = {}
         for number, line in enumerate(data.splitlines(), 1):
             if not line.strip():
@@ -147,8 +167,10 @@ class GLM4Tokenizer(ChatTokenizer):
         return "".join(text for _, text in self._pieces(message))
 
     def _write_model_file(self, path: Path) -> None:
-        lines = (f"{base64.b64encode(token).decode()} {rank}\n"
-                 for token, rank in sorted(self.ranks.items(), key=lambda kv: kv[1]))
+        lines = (
+            f"{base64.b64encode(token).decode()} {rank}\n"
+            for token, rank in sorted(self.ranks.items(), key=lambda kv: kv[1])
+        )
         path.write_text("".join(lines))
 
     def _config(self) -> dict[str, Any]:

@@ -16,6 +16,7 @@ No post-processor: `[gMASK]<sop>` comes from the chat template, as in glmtune's 
 GLM-4 template. Merges are written as "left right" strings, which `tokenizers` 0.19 (transformers 4.40.2)
 reads as well as 0.20+ (byte-level and SentencePiece pieces never contain a plain space).
 """
+
 from __future__ import annotations
 
 import base64
@@ -50,25 +51,50 @@ def merges_from_ranks(ranks: dict[Any, int]) -> list[tuple[Any, Any]]:
 
 
 def _added(specials: dict[str, int]) -> list[dict]:
-    return [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-             "special": True} for s, i in sorted(specials.items(), key=lambda kv: kv[1])]
+    return [
+        {
+            "id": i,
+            "content": s,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for s, i in sorted(specials.items(), key=lambda kv: kv[1])
+    ]
 
 
 def glm4_tokenizer_json(ranks: dict[bytes, int], specials: dict[str, int], pattern: str) -> dict:
     chars = byte_chars()
     text = {token: "".join(chars[b] for b in token) for token in ranks}
     return {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": _added(specials),
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": _added(specials),
         "normalizer": None,
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
-            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+            ],
+        },
         "post_processor": None,
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
-                  "vocab": {text[t]: r for t, r in sorted(ranks.items(), key=lambda kv: kv[1])},
-                  "merges": [f"{text[a]} {text[b]}" for a, b in merges_from_ranks(ranks)]},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": True,
+            "vocab": {text[t]: r for t, r in sorted(ranks.items(), key=lambda kv: kv[1])},
+            "merges": [f"{text[a]} {text[b]}" for a, b in merges_from_ranks(ranks)],
+        },
     }
 
 
@@ -98,9 +124,9 @@ def _fields(data: bytes) -> dict[int, list]:
             value: Any = varint()
         elif wire == 2:
             size = varint()
-            value, i = data[i:i + size], i + size
+            value, i = data[i : i + size], i + size
         elif wire in (1, 5):
-            value, i = data[i:i + (8 if wire == 1 else 4)], i + (8 if wire == 1 else 4)
+            value, i = data[i : i + (8 if wire == 1 else 4)], i + (8 if wire == 1 else 4)
         else:
             raise ValueError(f"unexpected protobuf wire type {wire}")
         out.setdefault(number, []).append(value)
@@ -119,15 +145,19 @@ def chatglm3_tokenizer_json(sp, model_proto: bytes, specials: dict[str, int]) ->
     norm = _fields(model.get(3, [b""])[-1])
     trainer = _fields(model.get(2, [b""])[-1])
     if _flag(trainer, 24, False) or not _flag(trainer, 22, True):
-        raise ValueError("SentencePiece model with whitespace as suffix or without whitespace split: its "
-                         "word split has no tokenizer.json equivalent here")
+        raise ValueError(
+            "SentencePiece model with whitespace as suffix or without whitespace split: its "
+            "word split has no tokenizer.json equivalent here"
+        )
     normalizers: list[dict] = []
     charsmap = norm.get(2, [b""])[-1]
     if charsmap:
         normalizers.append({"type": "Precompiled", "precompiled_charsmap": base64.b64encode(charsmap).decode()})
     if _flag(norm, 4, True):  # leading/trailing spaces dropped, runs of spaces made one
-        normalizers += [{"type": "Replace", "pattern": {"Regex": "^ +| +$"}, "content": ""},
-                        {"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "}]
+        normalizers += [
+            {"type": "Replace", "pattern": {"Regex": "^ +| +$"}, "content": ""},
+            {"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "},
+        ]
     if _flag(norm, 3, True):  # each encoded text (each segment between special tokens) gets a leading space
         normalizers.append({"type": "Prepend", "prepend": "▁"})
     normalizers.append({"type": "Replace", "pattern": {"String": " "}, "content": "▁"})
@@ -135,19 +165,39 @@ def chatglm3_tokenizer_json(sp, model_proto: bytes, specials: dict[str, int]) ->
     words = "▁+[^▁]*|[^▁]+" if _flag(trainer, 26, False) else "▁[^▁]*|[^▁]+"
     n = sp.get_piece_size()
     vocab = {sp.id_to_piece(i): i for i in range(n)}
-    normal = {sp.id_to_piece(i): (-sp.get_score(i), i) for i in range(n)
-              if not (sp.is_byte(i) or sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i))}
+    normal = {
+        sp.id_to_piece(i): (-sp.get_score(i), i)
+        for i in range(n)
+        if not (sp.is_byte(i) or sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i))
+    }
     ranks = {piece: rank for rank, piece in enumerate(sorted(normal, key=normal.get))}
     return {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": _added(specials),
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": _added(specials),
         "normalizer": {"type": "Sequence", "normalizers": normalizers},
         "pre_tokenizer": {"type": "Split", "pattern": {"Regex": words}, "behavior": "Isolated", "invert": False},
         "post_processor": None,
-        "decoder": {"type": "Sequence", "decoders": [
-            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "}, {"type": "ByteFallback"},
-            {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
-        "model": {"type": "BPE", "dropout": None, "unk_token": sp.id_to_piece(sp.unk_id()),
-                  "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": True,
-                  "byte_fallback": True, "ignore_merges": False, "vocab": vocab,
-                  "merges": [f"{a} {b}" for a, b in merges_from_ranks(ranks)]},
+        "decoder": {
+            "type": "Sequence",
+            "decoders": [
+                {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+                {"type": "ByteFallback"},
+                {"type": "Fuse"},
+                {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+            ],
+        },
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": sp.id_to_piece(sp.unk_id()),
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": True,
+            "byte_fallback": True,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": [f"{a} {b}" for a, b in merges_from_ranks(ranks)],
+        },
     }

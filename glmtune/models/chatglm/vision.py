@@ -13,6 +13,7 @@ The tower turns one image into boi + N patch embeddings + eoi (N = (image_size /
 1,600 at 1120 px), divided by scaling_factor. `splice_images` puts them where the tokenizer left the three
 placeholder ids `<|begin_of_image|> <|endoftext|> <|end_of_image|>`: the sequence grows by N - 1 tokens.
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -132,17 +133,26 @@ class EVA2CLIPModel(nn.Module):
         """images [B, 3, S, S] (normalised) -> [B, 2 + N, hidden]: boi, N patch embeddings, eoi."""
         x = self.transformer(self.patch_embedding(images))[:, 1:]  # drop CLS
         b, n, w = x.shape
-        grid = int(n ** 0.5)
+        grid = int(n**0.5)
         x = self.conv(x.view(b, grid, grid, w).permute(0, 3, 1, 2))  # 2x2 patches -> one token
         x = self.linear_proj(x.flatten(2).transpose(1, 2))
         x = torch.cat([self.boi.expand(b, -1, -1).to(x.device), x, self.eoi.expand(b, -1, -1).to(x.device)], dim=1)
         return x / self.scaling_factor
 
 
-def splice_images(embeds: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                  attention_mask: torch.Tensor | None, labels: torch.Tensor | None, features: torch.Tensor,
-                  image_rows: torch.Tensor, boi_id: int, eoi_id: int, pad_left: bool = False,
-                  seq_ids: torch.Tensor | None = None):
+def splice_images(
+    embeds: torch.Tensor,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    features: torch.Tensor,
+    image_rows: torch.Tensor,
+    boi_id: int,
+    eoi_id: int,
+    pad_left: bool = False,
+    seq_ids: torch.Tensor | None = None,
+):
     """Replace `boi <|endoftext|> eoi` in rows `image_rows` with the tower's boi + N patches + eoi.
 
     As the official ChatGLMModel.forward: all N patches share the position id after boi (eoi and the rest
@@ -167,21 +177,22 @@ def splice_images(embeds: torch.Tensor, input_ids: torch.Tensor, position_ids: t
         lab = labels[row] if labels is not None else None
         sid = seq_ids[row] if seq_ids is not None else None
         mine = features_of.get(row, [])
-        bois = (input_ids[row] == boi_id).nonzero().flatten().tolist()[:len(mine)]
+        bois = (input_ids[row] == boi_id).nonzero().flatten().tolist()[: len(mine)]
         eois = (input_ids[row] == eoi_id).nonzero().flatten().tolist()
         for boi, feature in reversed(list(zip(bois, mine))):  # from the right: earlier offsets stay valid
             eoi = next((x for x in eois if x > boi), -1)
             if eoi - boi != 2:
-                raise ValueError(f"row {row}: expected <|begin_of_image|> X <|end_of_image|>, found eoi {eoi - boi} "
-                                 "tokens after boi")
+                raise ValueError(
+                    f"row {row}: expected <|begin_of_image|> X <|end_of_image|>, found eoi {eoi - boi} tokens after boi"
+                )
             # .to(): the tower may sit on another GPU than the embeddings (GLM-4 issues #75, #295).
-            e = torch.cat([e[:boi], features[feature].to(e.device, e.dtype), e[eoi + 1:]])
-            p = torch.cat([p[:boi + 1], p[boi + 1].repeat(n), p[eoi:]])
-            m = torch.cat([m[:boi + 1], m.new_ones(n), m[eoi:]])
+            e = torch.cat([e[:boi], features[feature].to(e.device, e.dtype), e[eoi + 1 :]])
+            p = torch.cat([p[: boi + 1], p[boi + 1].repeat(n), p[eoi:]])
+            m = torch.cat([m[: boi + 1], m.new_ones(n), m[eoi:]])
             if lab is not None:
-                lab = torch.cat([lab[:boi + 1], lab.new_full((n,), IGNORE_INDEX), lab[eoi:]])
+                lab = torch.cat([lab[: boi + 1], lab.new_full((n,), IGNORE_INDEX), lab[eoi:]])
             if sid is not None:
-                sid = torch.cat([sid[:boi + 1], sid[boi].repeat(n), sid[eoi:]])
+                sid = torch.cat([sid[: boi + 1], sid[boi].repeat(n), sid[eoi:]])
         if len(bois) < len(mine):
             raise ValueError(f"row {row}: {len(mine)} image(s) but {len(bois)} <|begin_of_image|> placeholder(s)")
         rows.append((e, p, m, lab, sid))
@@ -204,9 +215,13 @@ def splice_images(embeds: torch.Tensor, input_ids: torch.Tensor, position_ids: t
         out_e.append(e), out_p.append(p), out_m.append(m), out_l.append(lab), out_s.append(sid)
     padded = any(r[0].shape[0] < width for r in rows)
     new_mask = torch.stack(out_m) if attention_mask is not None or padded else None
-    return (torch.stack(out_e), torch.stack(out_p), new_mask,
-            torch.stack(out_l) if labels is not None else None,
-            torch.stack(out_s) if seq_ids is not None else None)
+    return (
+        torch.stack(out_e),
+        torch.stack(out_p),
+        new_mask,
+        torch.stack(out_l) if labels is not None else None,
+        torch.stack(out_s) if seq_ids is not None else None,
+    )
 
 
 # CLIP's normalisation constants (the official tokenizer's transforms.Normalize).

@@ -22,6 +22,7 @@ loss head run is models/kernels', shared with the ChatGLM family: packing with p
 the tiled MLP, checkpoint offload, the chunked loss, the KV-cache buffer. tests/models/test_glm4_0414_reference.py holds it
 against transformers' own class.
 """
+
 from __future__ import annotations
 
 import torch
@@ -137,8 +138,16 @@ class Glm4Model(Glm4PreTrainedModel):
         set_sequence_group(self, sp, self.config.num_attention_heads, self.config.num_key_value_heads)
         self.sequence_group = sp
 
-    def forward(self, input_ids=None, position_ids=None, attention_mask=None, past_key_values=None,
-                inputs_embeds=None, use_cache=False, seq_ids=None):
+    def forward(
+        self,
+        input_ids=None,
+        position_ids=None,
+        attention_mask=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        use_cache=False,
+        seq_ids=None,
+    ):
         """seq_ids [B, S]: packed rows (data/packing.py), which example each position belongs to (-1 = pad)."""
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
@@ -181,30 +190,59 @@ class Glm4ForCausalLM(Glm4PreTrainedModel):
     def set_sequence_group(self, sp: SequenceGroup | None) -> None:
         self.model.set_sequence_group(sp)
 
-    def forward(self, input_ids=None, position_ids=None, attention_mask=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, output_attentions=None, output_hidden_states=None,
-                return_dict=None, return_last_logit=False, seq_ids=None, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        position_ids=None,
+        attention_mask=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        output_attentions=None,
+        output_hidden_states=None,
+        return_dict=None,
+        return_last_logit=False,
+        seq_ids=None,
+        **kwargs,
+    ):
         if use_cache is None:  # a cache is only useful for generation; in training it would hold K/V of every layer
             use_cache = self.config.use_cache and not self.training
-        hidden, presents = self.model(input_ids, position_ids, attention_mask, past_key_values, inputs_embeds,
-                                      use_cache, seq_ids=seq_ids)
+        hidden, presents = self.model(
+            input_ids, position_ids, attention_mask, past_key_values, inputs_embeds, use_cache, seq_ids=seq_ids
+        )
         if return_last_logit:
             hidden = hidden[:, -1:]
         # Under sequence parallelism the caller shifted the labels on the whole row (train/sequence.py).
-        loss, logits = lm_loss(hidden, labels, self.lm_head, self.model.sequence_group is None,
-                               self.loss_chunk_tokens, self.loss_reduction, self.model._gradient_checkpointing_func)
-        return CausalLMOutputWithPast(loss=loss, logits=logits,
-                                      past_key_values=tuple(presents) if presents is not None else None)
+        loss, logits = lm_loss(
+            hidden,
+            labels,
+            self.lm_head,
+            self.model.sequence_group is None,
+            self.loss_chunk_tokens,
+            self.loss_reduction,
+            self.model._gradient_checkpointing_func,
+        )
+        return CausalLMOutputWithPast(
+            loss=loss, logits=logits, past_key_values=tuple(presents) if presents is not None else None
+        )
 
-    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
-                                      position_ids=None, use_cache=True, **kwargs):
+    def prepare_inputs_for_generation(
+        self, input_ids, past_key_values=None, attention_mask=None, position_ids=None, use_cache=True, **kwargs
+    ):
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         position_ids = step_positions(input_ids, attention_mask, position_ids, past_key_values is not None)
         if past_key_values is not None:
             input_ids = input_ids[:, -1:]
-        return {"input_ids": input_ids, "past_key_values": past_key_values, "position_ids": position_ids,
-                "attention_mask": attention_mask, "use_cache": use_cache, "return_last_logit": True}
+        return {
+            "input_ids": input_ids,
+            "past_key_values": past_key_values,
+            "position_ids": position_ids,
+            "attention_mask": attention_mask,
+            "use_cache": use_cache,
+            "return_last_logit": True,
+        }
 
     @staticmethod
     def _reorder_cache(past_key_values, beam_idx):

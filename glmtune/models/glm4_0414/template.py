@@ -25,6 +25,7 @@ Which tokens are trained (data.pipeline's loss mask):
 Earlier turns must render as a prefix of later ones (every GLM-4-0414 template does); a template that rewrites
 the history otherwise is refused with a ValueError naming the turn.
 """
+
 from __future__ import annotations
 
 import copy
@@ -45,6 +46,7 @@ def compile_template(source: str):
 
     class Generation(Extension):
         """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask marker): its body, unmarked."""
+
         tags = {"generation"}
 
         def parse(self, parser):
@@ -88,8 +90,13 @@ class ChatTemplate:
         self.compiled = compile_template(source)
 
     def render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
-        return self.compiled.render(messages=messages, tools=tools, documents=None,
-                                    add_generation_prompt=add_generation_prompt, **self.variables)
+        return self.compiled.render(
+            messages=messages,
+            tools=tools,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **self.variables,
+        )
 
     def prompt(self, messages: list[dict[str, Any]]) -> str:
         """The text an engine puts before the reply to GLM `messages` (ending on the turn to answer)."""
@@ -100,12 +107,15 @@ class ChatTemplate:
         """(history, what add_generation_prompt appends to it) for template messages `msgs`."""
         history, prompt = self.render(msgs, False, tools), self.render(msgs, True, tools)
         if not prompt.startswith(history):
-            raise ValueError("the chat template's generation prompt rewrites the history before it: glmtune cannot "
-                             "tell the prompt from the reply")
-        return history, prompt[len(history):]
+            raise ValueError(
+                "the chat template's generation prompt rewrites the history before it: glmtune cannot "
+                "tell the prompt from the reply"
+            )
+        return history, prompt[len(history) :]
 
-    def training(self, messages: list[dict[str, Any]], thinking: str = "keep"
-                 ) -> tuple[str, list[tuple[int, int]], str]:
+    def training(
+        self, messages: list[dict[str, Any]], thinking: str = "keep"
+    ) -> tuple[str, list[tuple[int, int]], str]:
         """(prompt text, character spans of the earlier assistant turns trained inside it, the last assistant turn's
         trained text), as the module docstring says."""
         if thinking not in THINKING:
@@ -120,11 +130,13 @@ class ChatTemplate:
         spans = []
         for i in turns[:-1]:
             before, turn_gen = self.generation_prompt(msgs[:i], tools)
-            after = self.render(msgs[:i + 1], False, tools)
+            after = self.render(msgs[: i + 1], False, tools)
             if not (after.startswith(before) and prompt.startswith(after)):
-                raise ValueError(f"the chat template renders message {i} (an earlier assistant turn) differently "
-                                 "once later messages follow: glmtune cannot find its span in the prompt")
-            block = after[len(before):]
+                raise ValueError(
+                    f"the chat template renders message {i} (an earlier assistant turn) differently "
+                    "once later messages follow: glmtune cannot find its span in the prompt"
+                )
+            block = after[len(before) :]
             # The role token stays context; so does what the generation prompt would give, up to an opened
             # <think>, which the history form of a GLM-Z1 turn does not have.
             given = turn_gen.split(THINK_OPEN, 1)[0]
@@ -135,17 +147,19 @@ class ChatTemplate:
         """The text the model writes after the prompt for message `last`."""
         message = msgs[last]
         if THINK_OPEN not in gen:
-            block = self.render(msgs[:last + 1], False, tools)[len(history):]
+            block = self.render(msgs[: last + 1], False, tools)[len(history) :]
         else:  # the template strips reasoning from what it renders: render a stand-in, then put the content back
             stand_in = "\x00glmtune-reply\x00"
-            block = self.render(msgs[:last] + [{**message, "content": stand_in}], False, tools)[len(history):]
+            block = self.render(msgs[:last] + [{**message, "content": stand_in}], False, tools)[len(history) :]
             if block.count(stand_in) != 1:
                 raise ValueError("the chat template does not render an assistant message's content once")
             block = block.replace(stand_in, _with_thinking(str(message.get("content") or ""), thinking))
         if not block.startswith(gen):
-            raise ValueError(f"the chat template renders the assistant turn as {block[:40]!r}..., which does not "
-                             f"follow its generation prompt {gen!r}")
-        return block[len(gen):]
+            raise ValueError(
+                f"the chat template renders the assistant turn as {block[:40]!r}..., which does not "
+                f"follow its generation prompt {gen!r}"
+            )
+        return block[len(gen) :]
 
 
 def _with_thinking(content: str, thinking: str) -> str:

@@ -10,6 +10,7 @@ strings before 0.19 reads them; the file itself is never changed, and exports co
 The tokenizer encodes what data/pipeline.py and generation.py ask of a tokenizer: a conversation with its labels
 (`encode_conversation`, by template.py's rules) and a prompt (`encode_prompt`), both from the rendered template.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -33,8 +34,10 @@ def tokenizer_json(path: Path) -> str:
         data = json.loads(path.read_text(encoding="utf-8"))
         merges = data["model"].get("merges")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise ValueError(f"{path}: not a readable tokenizer.json ({str(err).splitlines()[0][:120]}) — copy it again "
-                         "from the checkpoint") from None
+        raise ValueError(
+            f"{path}: not a readable tokenizer.json ({str(err).splitlines()[0][:120]}) — copy it again "
+            "from the checkpoint"
+        ) from None
     if merges and isinstance(merges[0], list):
         if any(" " in part for pair in merges for part in pair):
             raise ValueError(f"{path}: a merge holds a space, which tokenizers 0.19 (transformers 4.40.2) cannot read")
@@ -80,10 +83,15 @@ class Glm4Tokenizer:
         self.stop_token_ids = [self.specials[s] for s in STOPS if s in self.specials]
         template = read_chat_template(self.folder, config)
         if template is None:
-            raise ValueError(f"{config_file}: no chat_template — a GLM-4-0414 checkpoint renders its prompts with the "
-                             "template of its tokenizer_config.json; copy that file again")
-        variables = {key: _content(config.get(key)) for key in ("bos_token", "eos_token", "pad_token", "unk_token")
-                     if config.get(key) is not None}
+            raise ValueError(
+                f"{config_file}: no chat_template — a GLM-4-0414 checkpoint renders its prompts with the "
+                "template of its tokenizer_config.json; copy that file again"
+            )
+        variables = {
+            key: _content(config.get(key))
+            for key in ("bos_token", "eos_token", "pad_token", "unk_token")
+            if config.get(key) is not None
+        }
         self.chat_template = template
         self.template = ChatTemplate(template, variables)
         digest = hashlib.sha256()
@@ -97,8 +105,9 @@ class Glm4Tokenizer:
     def _id(self, token, default: str) -> int:
         name = _content(token) or default
         if name not in self.specials:
-            raise ValueError(f"{self.folder / 'tokenizer_config.json'}: {name!r} is not a special token of "
-                             "tokenizer.json")
+            raise ValueError(
+                f"{self.folder / 'tokenizer_config.json'}: {name!r} is not a special token of tokenizer.json"
+            )
         return self.specials[name]
 
     @property
@@ -127,8 +136,9 @@ class Glm4Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self.fast.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
-                            tokenize: bool = True):
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = False, tokenize: bool = True
+    ):
         if add_generation_prompt:
             text = self.template.prompt(messages)
         else:

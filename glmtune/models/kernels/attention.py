@@ -9,6 +9,7 @@ is then the same for every family, and so is what the plan counts for it. The wh
 frame for torch.compile: per-document attention breaks the compiled block's graph there (segment_attention is
 kept out of it), and a break one call deeper would cut the block into 6 graphs instead of 4.
 """
+
 from __future__ import annotations
 
 import torch
@@ -76,8 +77,9 @@ class GroupedAttention(nn.Module):
             out = segment_attention(q, k, v, mask, self.dropout_p if self.training else 0.0)
         else:
             causal = mask is None and length > 1 and kv_cache is None
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                                 dropout_p=self.dropout_p if self.training else 0.0)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.dropout_p if self.training else 0.0
+            )
         if sp is not None:
             out = heads_to_sequence(out, sp)
         return self.output(out.transpose(1, 2).reshape(b, s, self.heads * hd)), new_cache
@@ -88,8 +90,11 @@ class GroupedAttention(nn.Module):
         not the front of this layer's buffer (or a full buffer) falls back to concatenation."""
         buffer = self._kv_buffer
         past = 0 if cache is None else cache[0].shape[2]
-        mine = (cache is None or (buffer is not None and cache[0].data_ptr() == buffer[0].data_ptr()
-                                  and cache[0].shape[0] == buffer[0].shape[0]))
+        mine = cache is None or (
+            buffer is not None
+            and cache[0].data_ptr() == buffer[0].data_ptr()
+            and cache[0].shape[0] == buffer[0].shape[0]
+        )
         if cache is None:
             shape = (k.shape[0], k.shape[1], k.shape[2] + self.kv_reserve, k.shape[3])
             buffer = self._kv_buffer = (k.new_empty(shape), v.new_empty(shape))

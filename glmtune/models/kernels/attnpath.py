@@ -4,6 +4,7 @@
 It imports nothing, so `mode=plan` reads the rule without the attention code: docattention.py needs
 torch.compiler, whose first use imports torch._dynamo (~1 s of a ~3.5 s plan on 2 cores, bench/plan_import.py).
 """
+
 from __future__ import annotations
 
 # Longest row (positions, the whole row under sequence parallelism) that `auto` gives the dense mask, from the H200

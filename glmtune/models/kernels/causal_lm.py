@@ -6,6 +6,7 @@ of a decoding step.
 target tokens, the reference; or "sum", which the trainer divides by the whole optimizer step's target tokens so
 that how a global batch is split never changes the gradient) are attributes the trainer sets on the model.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -17,8 +18,15 @@ from torch.utils.checkpoint import checkpoint
 from .layers import no_early_stop
 
 
-def lm_loss(hidden: torch.Tensor, labels: torch.Tensor | None, head: torch.nn.Module, shift: bool,
-            chunk_tokens: int, reduction: str, ckpt) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def lm_loss(
+    hidden: torch.Tensor,
+    labels: torch.Tensor | None,
+    head: torch.nn.Module,
+    shift: bool,
+    chunk_tokens: int,
+    reduction: str,
+    ckpt,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(loss, logits) of the LM head over `hidden`. With labels and a chunk size the logits are never built
     whole (returned None). shift=False: labels are already each position's target (a sequence-parallel shard:
     train/sequence.py shifted them on the whole row before cutting it). A sum stays fp32: a bf16 sum of a whole
@@ -33,13 +41,24 @@ def lm_loss(hidden: torch.Tensor, labels: torch.Tensor | None, head: torch.nn.Mo
     logits = logits.to(torch.float32)
     shifted = logits[..., :-1, :].contiguous() if shift else logits
     targets = labels[..., 1:] if shift else labels
-    loss = F.cross_entropy(shifted.view(-1, shifted.size(-1)), targets.reshape(-1).to(shifted.device),
-                           ignore_index=-100, reduction=reduction)
+    loss = F.cross_entropy(
+        shifted.view(-1, shifted.size(-1)),
+        targets.reshape(-1).to(shifted.device),
+        ignore_index=-100,
+        reduction=reduction,
+    )
     return (loss if reduction == "sum" else loss.to(hidden.dtype)), logits.to(hidden.dtype)
 
 
-def chunked_loss(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Module, shift: bool, chunk_tokens: int,
-                 reduction: str, ckpt) -> torch.Tensor:
+def chunked_loss(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    head: torch.nn.Module,
+    shift: bool,
+    chunk_tokens: int,
+    reduction: str,
+    ckpt,
+) -> torch.Tensor:
     """Same value as the reference loss, but fp32 logits exist for one chunk of tokens at a time: each chunk's
     logits are recomputed in backward instead of being kept (peak ~chunk x vocab x 4 B x 3)."""
     h = (hidden[:, :-1] if shift else hidden).reshape(-1, hidden.size(-1))
@@ -53,14 +72,15 @@ def chunked_loss(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Modu
     total = hidden.new_zeros((), dtype=torch.float32)
     with no_early_stop():  # layers.no_early_stop says why
         for start in range(0, h.size(0), chunk_tokens):
-            hs, ys = h[start:start + chunk_tokens], y[start:start + chunk_tokens]
+            hs, ys = h[start : start + chunk_tokens], y[start : start + chunk_tokens]
             if bool((ys != -100).any()):
                 total = total + (ckpt(chunk_sum, hs, ys) if torch.is_grad_enabled() else chunk_sum(hs, ys))
     return total if reduction == "sum" else total / (y != -100).sum().clamp(min=1)
 
 
-def step_positions(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None,
-                   past: bool) -> torch.Tensor:
+def step_positions(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None, past: bool
+) -> torch.Tensor:
     """Position ids of a generate() step. The prompt (no cache yet): left padding, real tokens count from 0, as
     the official tokenizer's position_ids do. A decoding step: caller position_ids (the official tokenizer returns
     them) cover the prompt only and generate() passes them unchanged each step, so the last one is advanced by the
@@ -74,5 +94,6 @@ def step_positions(input_ids: torch.Tensor, attention_mask: torch.Tensor, positi
 
 def reorder_cache(past_key_values, beam_idx):
     """The tuple KV cache reordered for beam search."""
-    return tuple((k.index_select(0, beam_idx.to(k.device)), v.index_select(0, beam_idx.to(v.device)))
-                 for k, v in past_key_values)
+    return tuple(
+        (k.index_select(0, beam_idx.to(k.device)), v.index_select(0, beam_idx.to(v.device))) for k, v in past_key_values
+    )

@@ -16,6 +16,7 @@ of the gathered seq ids are the spans it needs.
 where it costs little and is one kernel call a layer, and goes per document above; `packed_path` is that rule
 (models/kernels/attnpath.py), read by the model on every forward and by the planner (plan/packrows.py) to name the path.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from .attnpath import DENSE_MASK_MAX, PATHS, packed_path  # noqa: F401
 @dataclass(frozen=True)
 class DocumentSpans:
     """Each row's documents as (start, end) position spans that tile the row, pad tail included."""
+
     rows: tuple[tuple[tuple[int, int], ...], ...]
     length: int  # positions per row
 
@@ -53,8 +55,10 @@ def document_spans(seq_ids: torch.Tensor) -> DocumentSpans:
         spans = tuple(zip(cuts[:-1], cuts[1:]))
         docs = [int(row_ids[start]) for start, _ in spans if row_ids[start] >= 0]
         if len(docs) != len(set(docs)):
-            raise ValueError(f"packed row {len(rows)}: a seq id occurs in two separate spans ({docs}); "
-                             "each document must be contiguous (data/packing.py)")
+            raise ValueError(
+                f"packed row {len(rows)}: a seq id occurs in two separate spans ({docs}); "
+                "each document must be contiguous (data/packing.py)"
+            )
         rows.append(spans)
     return DocumentSpans(tuple(rows), s)
 
@@ -63,21 +67,27 @@ def document_spans(seq_ids: torch.Tensor) -> DocumentSpans:
 # of documents compiled the block again (6 layouts, 6 graphs, tiny GLM-4 with compiled blocks); left out, the
 # block compiles around this call once (10 layouts, 4 graphs).
 @torch.compiler.disable
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: DocumentSpans,
-                      dropout_p: float = 0.0) -> torch.Tensor:
+def segment_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: DocumentSpans, dropout_p: float = 0.0
+) -> torch.Tensor:
     """Causal SDPA per document span. q, k, v [B, heads, S, head_dim] (k, v already expanded to the query heads,
     as the dense path does, so both run the same kernels on the same numbers); returns [B, heads, S, head_dim].
     Pad spans attend among themselves, as under the dense mask; their outputs feed no real token."""
     if spans.length != q.shape[2] or len(spans.rows) != q.shape[0]:
-        raise ValueError(f"document spans of {len(spans.rows)} rows x {spans.length} positions for attention over "
-                         f"{q.shape[0]} rows x {q.shape[2]} positions")
+        raise ValueError(
+            f"document spans of {len(spans.rows)} rows x {spans.length} positions for attention over "
+            f"{q.shape[0]} rows x {q.shape[2]} positions"
+        )
     out = []
     # split, not slicing: a slice's backward writes its gradient into a zero tensor of the whole input, once per
     # document (k documents: k row-sized tensors per layer and q/k/v); split's backward is one cat of them all.
     for row, q_row, k_row, v_row in zip(spans.rows, q.split(1), k.split(1), v.split(1)):
         sizes = [end - start for start, end in row]
-        parts = [F.scaled_dot_product_attention(q_doc, k_doc, v_doc, is_causal=True, dropout_p=dropout_p)
-                 for q_doc, k_doc, v_doc in zip(q_row.split(sizes, dim=2), k_row.split(sizes, dim=2),
-                                                v_row.split(sizes, dim=2))]
+        parts = [
+            F.scaled_dot_product_attention(q_doc, k_doc, v_doc, is_causal=True, dropout_p=dropout_p)
+            for q_doc, k_doc, v_doc in zip(
+                q_row.split(sizes, dim=2), k_row.split(sizes, dim=2), v_row.split(sizes, dim=2)
+            )
+        ]
         out.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
     return out[0] if len(out) == 1 else torch.cat(out, dim=0)

@@ -7,6 +7,7 @@ base^(-2i/dim): ChatGLM's `rotary_pos_emb` (dim = kv_channels / 2, base 10000 * 
 GLM `apply_rotary_pos_emb` ("interleave them": cos[..., :d/2].repeat_interleave(2); dim = head_dim x
 partial_rotary_factor, base rope_theta) are the same map.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,7 +54,7 @@ class RotaryEmbedding(nn.Module):
 
     def _theta(self, device: torch.device | None) -> torch.Tensor:
         exponent = torch.arange(0, self.dim, 2, dtype=torch.float32, device=device) / self.dim
-        return 1.0 / (self.base ** exponent)
+        return 1.0 / (self.base**exponent)
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """position_ids [B, S] -> [B, S, dim/2, 2] with (cos, sin) in the last axis."""
@@ -70,8 +71,10 @@ def apply_rotary(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     pairs = x_rot.reshape(b, h, s, rot // 2, 2)
     rope = rope.view(rope.shape[0], 1, s, rot // 2, 2)
     out = torch.stack(
-        [pairs[..., 0] * rope[..., 0] - pairs[..., 1] * rope[..., 1],
-         pairs[..., 1] * rope[..., 0] + pairs[..., 0] * rope[..., 1]],
+        [
+            pairs[..., 0] * rope[..., 0] - pairs[..., 1] * rope[..., 1],
+            pairs[..., 1] * rope[..., 0] + pairs[..., 0] * rope[..., 1],
+        ],
         dim=-1,
     ).flatten(3)
     return torch.cat([out, x_pass], dim=-1)
@@ -88,8 +91,11 @@ class TiledMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if 0 < self.mlp_tile_tokens < x.numel() // x.shape[-1]:
-            zero3 = ([p for p in self.parameters() if p.requires_grad and hasattr(p, "ds_id")]
-                     if self.mlp_tile_zero3 else None)
+            zero3 = (
+                [p for p in self.parameters() if p.requires_grad and hasattr(p, "ds_id")]
+                if self.mlp_tile_zero3
+                else None
+            )
             return tiled(self.swiglu, x, self.mlp_tile_tokens, zero3)
         return self.swiglu(x)
 
@@ -122,14 +128,18 @@ def run_layers(stack: nn.Module, layers, hidden, mask, rope, kv_caches, use_cach
     until backward). Each layer takes (hidden, mask, rope, cache, use_cache) and returns (hidden, cache)."""
     presents = [] if use_cache else None
     ckpt = stack.gradient_checkpointing and stack.training
-    offload = (torch.autograd.graph.save_on_cpu(pin_memory=hidden.is_cuda)
-               if ckpt and stack.offload_checkpoints and torch.is_grad_enabled() else contextlib.nullcontext())
+    offload = (
+        torch.autograd.graph.save_on_cpu(pin_memory=hidden.is_cuda)
+        if ckpt and stack.offload_checkpoints and torch.is_grad_enabled()
+        else contextlib.nullcontext()
+    )
     with offload, no_early_stop():
         for i, layer in enumerate(layers):
             cache = kv_caches[i] if kv_caches is not None else None
             if ckpt:
-                hidden, present = stack._gradient_checkpointing_func(layer.__call__, hidden, mask, rope, cache,
-                                                                     use_cache)
+                hidden, present = stack._gradient_checkpointing_func(
+                    layer.__call__, hidden, mask, rope, cache, use_cache
+                )
             else:
                 hidden, present = layer(hidden, mask, rope, cache, use_cache)
             if use_cache:

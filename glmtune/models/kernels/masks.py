@@ -1,6 +1,7 @@
 """Attention masks of the GLM models: the padding/causal SDPA mask, and the dense or FlexAttention mask of packed
 rows (data/packing.py) that keeps each example's attention inside the example (docattention.py is the
 per-document path that needs neither)."""
+
 from __future__ import annotations
 
 import torch
@@ -17,7 +18,9 @@ def build_attention_mask(attention_mask: torch.Tensor | None, q_len: int, past_l
     if attention_mask is None or bool(attention_mask.all()):
         if past_len == 0 or q_len == 1:
             return None
-        keys = torch.ones(1, total, dtype=torch.bool, device=attention_mask.device if attention_mask is not None else None)
+        keys = torch.ones(
+            1, total, dtype=torch.bool, device=attention_mask.device if attention_mask is not None else None
+        )
     else:
         keys = attention_mask.bool()
         right_padded = bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all())
@@ -68,8 +71,13 @@ def layer_mask(seq_ids, attention_mask, packed_attention: str, length: int, past
         raise ValueError("seq_ids (packed rows) are for training and scoring, not generation with a cache")
     seq_ids = seq_ids.to(device)
     path = packed_path(packed_attention, length)  # auto: by the (gathered) row length
-    return (document_block_mask(seq_ids) if path == "flex" else
-            document_spans(seq_ids) if path == "segments" else document_mask(seq_ids))
+    return (
+        document_block_mask(seq_ids)
+        if path == "flex"
+        else document_spans(seq_ids)
+        if path == "segments"
+        else document_mask(seq_ids)
+    )
 
 
 def default_positions(batch: int, length: int, past_len: int, sp, device) -> torch.Tensor:

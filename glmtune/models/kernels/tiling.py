@@ -24,6 +24,7 @@ non-reentrant checkpointing, with peft LoRA on both projections):
   twice in a bucket), so all but the last tile's backward clear DeepSpeed's `ds_grad_is_ready` flag, which
   stage 3 reads before bucketing a gradient.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Sequence
@@ -32,8 +33,12 @@ import torch
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 
-def tiled(mlp: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile_tokens: int,
-          zero3_params: Sequence[torch.nn.Parameter] | None = None) -> torch.Tensor:
+def tiled(
+    mlp: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    tile_tokens: int,
+    zero3_params: Sequence[torch.nn.Parameter] | None = None,
+) -> torch.Tensor:
     """mlp(x) for x [..., hidden], computed `tile_tokens` tokens at a time (the leading dims flattened).
     zero3_params: None = non-reentrant tiles; else reentrant ones, and the MLP's trainable ZeRO-3 parameters
     whose gradient DeepSpeed must take only after the last tile's backward."""
@@ -65,6 +70,7 @@ def _last_tile_ready(mlp, params: Sequence[torch.nn.Parameter], tiles: int):
             for p in params:
                 p.ds_grad_is_ready = left[0] == 0
         return mlp(tile)
+
     return run
 
 

@@ -18,6 +18,7 @@ Both exchanges are `all_to_all_single` of one contiguous buffer; each one's back
 so gradients travel back along the same routes. gloo has all_to_all on CPU tensors (torch 2.13): the suite
 runs this under torchrun on CPU.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ import torch.distributed as dist
 @dataclass(frozen=True)
 class SequenceGroup:
     """The processes that share one sequence: `size` ranks, this one at `rank` (its shard's index)."""
+
     group: dist.ProcessGroup | None
     size: int
     rank: int
@@ -74,6 +76,7 @@ def _to_sequence(x: torch.Tensor, sp: SequenceGroup) -> torch.Tensor:
 
 class _Exchange(torch.autograd.Function):
     """One of the two exchanges; its backward is the other one, along the same routes."""
+
     @staticmethod
     def forward(ctx, x, sp, to_heads: bool):
         ctx.sp, ctx.to_heads = sp, to_heads
@@ -109,8 +112,14 @@ def gather_sequence(x: torch.Tensor, sp: SequenceGroup) -> torch.Tensor:
 NO_TARGET = -100  # the label of a position the loss skips (data.pipeline.IGNORE_INDEX; models sit below data)
 # What a position added to make a row a multiple of N holds, per [B, S(, ...)] input: no target, no attention
 # (mask 0), no document (data/packing.py's pad seq id -1), position 0 and token 0 as the collator pads.
-PAD_FILL = {"labels": NO_TARGET, "input_ids": 0, "inputs_embeds": 0, "attention_mask": 0, "position_ids": 0,
-            "seq_ids": -1}
+PAD_FILL = {
+    "labels": NO_TARGET,
+    "input_ids": 0,
+    "inputs_embeds": 0,
+    "attention_mask": 0,
+    "position_ids": 0,
+    "seq_ids": -1,
+}
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
