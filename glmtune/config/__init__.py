@@ -10,14 +10,12 @@ them from here.
 """
 
 from .samples import SAMPLE_SETS, register_resolvers  # noqa: F401
-from .validate import (
+from .schema import (
     CONF_DIR,
     EVAL_METRICS,
     GROUPS,
     LORA_TARGETS,
     MODES,
-    TRACKERS,
-    ConfigError,  # noqa: F401
     DataConfig,
     DistConfig,
     EvalConfig,
@@ -29,9 +27,8 @@ from .validate import (
     RunConfig,
     ServeConfig,
     TrainConfig,
-    check_override_keys,
-    parse_config,
-    train_files,
 )
+from .validate import ConfigError, check_override_keys, parse_config
+from .values import TRACKERS, train_files
 
 register_resolvers()

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from .. import __version__
 from ..launch.exits import EXIT_CODES
-from .validate import CONF_DIR, MODES, ConfigError
+from .schema import CONF_DIR, MODES
+from .validate import ConfigError
 
 # Groups chosen in conf/config.yaml's defaults list (`model=x`), and groups appended to it (`+hw=x`).
 DEFAULT_GROUPS = ("model", "data", "lora", "dist", "train")

@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .validate import ConfigError, RunConfig
+from .schema import RunConfig
+from .validate import ConfigError
 
 # Keys whose number must equal a glmtune setting (or be "auto"): key -> (config key, attribute of TrainConfig).
 _SAME = {

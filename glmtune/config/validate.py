@@ -1,5 +1,5 @@
 """Typed run configuration, validated once: `parse_config` turns the composed Hydra config into the dataclasses
-of schema.py (re-exported here), checked key by key for type here and value by value in values.py.
+of schema.py, checked key by key for type here and value by value in values.py.
 
 `python -m glmtune` composes `conf/` with Hydra and hands the plain dict to `parse_config`. Every unknown key,
 wrong type and bad value is collected into one `ConfigError`, so a user fixes a config in one pass instead of
@@ -13,25 +13,8 @@ import types
 import typing
 from typing import Any
 
-from .schema import (
-    CONF_DIR,
-    EVAL_METRICS,
-    GROUPS,
-    LORA_TARGETS,
-    MODES,
-    DataConfig,  # noqa: F401 (re-exported)
-    DistConfig,
-    EvalConfig,
-    HwConfig,
-    InferConfig,
-    LoraConfig,
-    ModelConfig,
-    ProbeConfig,
-    RunConfig,
-    ServeConfig,
-    TrainConfig,
-)
-from .values import TRACKERS, check_values, train_files  # noqa: F401 (re-exported)
+from .schema import GROUPS, RunConfig
+from .values import check_values
 
 
 class ConfigError(ValueError):
