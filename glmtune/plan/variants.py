@@ -18,25 +18,13 @@ from __future__ import annotations
 
 import math
 
+from ..config import LORA_TARGETS
 from ..models import GLMConfig
 
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes' min_8bit_size default: smaller tensors get 32-bit states
 BNB_BLOCK = 256  # elements per absmax block of the blockwise 8-bit states
 BNB_QMAPS = 2 * 256 * 4  # the dynamic code tables for m and v, one copy per optimizer
-# As a GLM block runs them: the ChatGLM names, then GLM-4-0414's (HF) names.
-_ORDER = (
-    "query_key_value",
-    "dense",
-    "dense_h_to_4h",
-    "dense_4h_to_h",
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_up_proj",
-    "down_proj",
-)
 # GLM-4-0414's Linears by the ChatGLM layer whose place they take (q/k/v_proj split query_key_value).
 ROLE = {
     "q_proj": "query_key_value",
@@ -48,6 +36,8 @@ ROLE = {
     "lm_head": "output_layer",
 }
 HEADS = ("output_layer", "lm_head")  # the one LM head, not one per layer
+# As a GLM block runs them (config.LORA_TARGETS lists them in that order): the ChatGLM names, then GLM-4-0414's.
+_ORDER = tuple(t for t in LORA_TARGETS if t not in HEADS)
 
 
 def linear_shapes(arch: GLMConfig) -> dict[str, tuple[int, int]]:
