@@ -28,7 +28,7 @@ from .schema import (
     ServeConfig,
     TrainConfig,
 )
-from .validate import ConfigError, check_override_keys, parse_config
+from .validate import ConfigError, check_override_keys, parse_config, read_json_object
 from .values import TRACKERS, train_files
 
 register_resolvers()

@@ -15,13 +15,12 @@ dist.strategy=auto takes the file's stage (`with_strategy`): ZeRO-3 for stage 3,
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from .schema import RunConfig
-from .validate import ConfigError
+from .validate import ConfigError, read_json_object
 
 # Keys whose number must equal a glmtune setting (or be "auto"): key -> (config key, attribute of TrainConfig).
 _SAME = {
@@ -54,20 +53,7 @@ def read(path: str) -> dict[str, Any]:
             f"{shown}: DeepSpeed config not found — fix dist.deepspeed_config (relative to the launch "
             f"directory {Path.cwd()})"
         )
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ConfigError(
-            f"{shown}:{err.lineno}: invalid JSON: {err.msg} (column {err.colno}) — fix the file "
-            "given as dist.deepspeed_config"
-        ) from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{shown}: cannot read ({err}) — check dist.deepspeed_config") from None
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"{shown}: holds a JSON {type(data).__name__}, not an object — a DeepSpeed config is one JSON object"
-        )
-    return data
+    return read_json_object(file, shown, "fix the file given as dist.deepspeed_config")
 
 
 def zero(data: dict[str, Any]) -> tuple[int, bool, bool]:

@@ -9,8 +9,10 @@ one error per run. Only `glmtune/__main__.py` imports Hydra; everything below it
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
+from pathlib import Path
 from typing import Any
 
 from .schema import GROUPS, RunConfig
@@ -19,6 +21,20 @@ from .values import check_values
 
 class ConfigError(ValueError):
     """Bad configuration or input: reported as one line, exit code 2, no traceback."""
+
+
+def read_json_object(file: Path, shown: str, fix: str) -> dict[str, Any]:
+    """The JSON object a file the config names holds (the user's DeepSpeed config, a checkpoint's config.json);
+    a file that cannot be read, is not JSON or holds no object is one ConfigError line: `shown`, what, then `fix`."""
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{shown}:{err.lineno}: invalid JSON: {err.msg} (column {err.colno}) — {fix}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{shown}: cannot read ({err}) — {fix}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{shown}: holds a JSON {type(data).__name__}, not an object — {fix}")
+    return data
 
 
 def parse_config(raw: dict[str, Any]) -> RunConfig:

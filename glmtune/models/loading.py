@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError
+from ..config import ConfigError, read_json_object
 from .chatglm.configuration import GLMConfig
 from .weightfiles import load_error, reading_error
 
@@ -41,17 +41,7 @@ def load_config(path: str | os.PathLike) -> GLMConfig:
         raise FileNotFoundError(
             f"{config_file}: no config.json — point model.path at a GLM-4/ChatGLM3 checkpoint folder"
         )
-    try:
-        data = json.loads(config_file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ConfigError(
-            f"{config_file}:{err.lineno}: invalid JSON ({err.msg}, column {err.colno}) — restore the "
-            "checkpoint's config.json (re-download it)"
-        ) from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{config_file}: not UTF-8 text — restore the checkpoint's config.json") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{config_file}: not a JSON object — restore the checkpoint's config.json")
+    data = read_json_object(config_file, str(config_file), "restore the checkpoint's config.json (re-download it)")
     if data.get("model_type") != "glm4":
         return GLMConfig(**data)
     from .glm4_0414.configuration import Glm4Config
