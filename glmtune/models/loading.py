@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, read_json_object
-from .chatglm.configuration import GLMConfig
+from .chatglm.configuration import GLM4V_VISION, GLMConfig
 from .weightfiles import load_error, reading_error
 
 # The model code (and transformers' modeling, accelerate) is imported where a model is built: reading a
@@ -168,25 +168,20 @@ TINY_ARCH = dict(
 _FAMILY = {
     "glm4": dict(rope_ratio=500.0, layernorm_epsilon=1.5625e-07, seq_length=8192),
     "chatglm3": dict(rope_ratio=1.0, layernorm_epsilon=1e-05, seq_length=8192),
-    # glm-4v-9b has no rope_ratio (default 1). The tower keeps the real structure (post-norm ViT, conv 2x2,
-    # GLU) at 56 px: 4x4 patches of 14 px -> conv -> 2x2 = 4 image tokens, 6 embeddings with boi/eoi.
+    # glm-4v-9b has no rope_ratio (default 1). The tower keeps the real structure (GLM4V_VISION: post-norm ViT,
+    # conv 2x2, GLU) at 56 px: 4x4 patches of 14 px -> conv -> 2x2 = 4 image tokens, 6 embeddings with boi/eoi.
     "glm4v": dict(
         rope_ratio=1.0,
         layernorm_epsilon=1.5625e-07,
         seq_length=8192,
         vision_config=dict(
-            dropout_prob=0.0,
-            hidden_act="gelu",
-            in_channels=3,
+            GLM4V_VISION,
             num_hidden_layers=2,
             hidden_size=32,
-            patch_size=14,
             num_heads=4,
             intermediate_size=64,
-            layer_norm_eps=1e-06,
             num_positions=17,
             image_size=56,
-            scaling_factor=8,
         ),
     ),
 }

@@ -104,14 +104,13 @@ class GLMConfig(PretrainedConfig):
         return tuple(names)
 
 
-_GLM4_COMMON = dict(
-    num_layers=40,
-    padded_vocab_size=151552,
+# The decoder block all three released checkpoints share (facts §1-§2); what differs is depth, vocabulary, context,
+# RoPE base, eps and dtype.
+_BLOCK = dict(
     hidden_size=4096,
     ffn_hidden_size=13696,
     kv_channels=128,
     num_attention_heads=32,
-    layernorm_epsilon=1.5625e-07,
     rmsnorm=True,
     post_layer_norm=True,
     add_bias_linear=False,
@@ -120,6 +119,12 @@ _GLM4_COMMON = dict(
     multi_query_group_num=2,
     apply_residual_connection_post_layernorm=False,
     tie_word_embeddings=False,
+)
+_GLM4_COMMON = dict(
+    _BLOCK,
+    num_layers=40,
+    padded_vocab_size=151552,
+    layernorm_epsilon=1.5625e-07,
     torch_dtype="bfloat16",
     eos_token_id=[151329, 151336, 151338],
     pad_token_id=151329,
@@ -149,22 +154,11 @@ RELEASED: dict[str, dict] = {
         _GLM4_COMMON, seq_length=2048, vision_config=GLM4V_VISION, boi_token_id=151339, eoi_token_id=151340
     ),
     "chatglm3_6b": dict(
+        _BLOCK,
         num_layers=28,
         padded_vocab_size=65024,
-        hidden_size=4096,
-        ffn_hidden_size=13696,
-        kv_channels=128,
-        num_attention_heads=32,
         seq_length=8192,
         layernorm_epsilon=1e-05,
-        rmsnorm=True,
-        post_layer_norm=True,
-        add_bias_linear=False,
-        add_qkv_bias=True,
-        multi_query_attention=True,
-        multi_query_group_num=2,
-        apply_residual_connection_post_layernorm=False,
-        tie_word_embeddings=False,
         torch_dtype="float16",
         eos_token_id=2,
         pad_token_id=0,
