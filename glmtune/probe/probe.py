@@ -24,6 +24,7 @@ import random
 import time
 from contextlib import nullcontext
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -164,21 +165,9 @@ def run_probe(
     image = probe_image(arch.vision_config["image_size"], run_dir / "probe") if arch.vision_config else None
     world = rehearse.rehearsal_world(world_size, max(1, world_size // run.dist.nnodes)) if rehearsed else nullcontext()
     with world:
+        attempt = partial(_attempt, run, model_dir=model_dir, collator=collator, scratch=run_dir, user_ds=user_ds)
         attempts, choices = _ladder(
-            run,
-            plan,
-            arch,
-            model_dir,
-            longest,
-            tokenizer,
-            collator,
-            run_dir,
-            world_size,
-            evaluates,
-            packed,
-            image,
-            rehearsed,
-            user_ds,
+            run, plan, arch, longest, tokenizer, world_size, evaluates, packed, image, rehearsed, attempt
         )
     _restore_rng(rng)
     last = attempts[-1]
@@ -208,19 +197,17 @@ def _ladder(
     run: RunConfig,
     plan: Plan,
     arch,
-    model_dir: Path,
     longest: int,
     tokenizer,
-    collator,
-    run_dir: Path,
     world_size: int,
     evaluates: bool,
     packed,
     image,
     rehearsed: int,
-    user_ds: userds.UserDeepSpeed | None,
+    attempt,
 ) -> tuple[list[Attempt], Choices]:
-    """The probe's attempts, one rung down the ladder after each that does not fit."""
+    """The probe's attempts, one rung down the ladder after each that does not fit. `attempt`: _attempt bound to
+    this run's model folder, collator, scratch folder and DeepSpeed file, which no rung changes."""
     choices, attempts = plan.choices, []
     while True:
         length = min(choices.max_length, longest)
@@ -249,7 +236,7 @@ def _ladder(
         t0 = time.perf_counter()
         if rehearsed and choices.zero_stage == 3:
             rehearse.deepspeed_on_rehearsal_group()
-        peaks, detail = _attempt(run, choices, model_dir, examples, eval_examples, collator, run_dir, packer, user_ds)
+        peaks, detail = attempt(choices, examples=examples, eval_examples=eval_examples, packer=packer)
         detail["host_rss_bytes"] = _host_rss()
         if rehearsed:  # rank 0 is the one rank here: its peaks, plus what no rehearsal allocates
             peaks, detail = rehearse.with_added(
