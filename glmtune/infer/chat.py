@@ -23,13 +23,10 @@ from typing import Callable, TextIO
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from ..config import ConfigError, InferConfig, ModelConfig
-from ..models import load_config
+from ..config import ConfigError, InferConfig, RunConfig
 from ..models.generation import encode_prompt, generation_kwargs, prompt_batch
-from ..models.identity import check_adapter_base
 from ..models.kvcache import preallocated_kv_cache
-from .generate import inference_dtype, load_merged, place
-from .sampling import check_context
+from .generate import check_model, inference_dtype, load_merged, place
 
 PROMPT = "you> "
 REPLY = "glm> "
@@ -114,20 +111,18 @@ HELP = (
 
 
 def run_chat(
-    cfg: InferConfig,
-    model_cfg: ModelConfig,
-    memory_gib: float | None,
+    run: RunConfig,
     model_dir: Path,
     tokenizer,
     run_dir: Path,
     read: Callable[[str], str] = input,
     out: TextIO = sys.stdout,
 ) -> int:
-    """The chat loop; returns the number of replies."""
+    """The chat loop (infer.*, over the model in `model_dir`, with model.* and hw.memory_gib); returns the number of
+    replies."""
+    cfg, model_cfg, memory_gib = run.infer, run.model, run.hw.memory_gib
     start = start_messages(cfg)
-    check_context(cfg, load_config(model_dir))
-    if cfg.adapter:
-        check_adapter_base(cfg.adapter, model_dir, load_config(model_dir))
+    check_model(cfg, model_dir)
     model, _ = place(load_merged(model_dir, cfg.adapter, model_cfg, inference_dtype()), cfg.gpus, memory_gib)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     transcript = Path(run_dir) / "chat.jsonl"

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from ..config import ConfigError, InferConfig, ModelConfig
+from ..config import ConfigError, InferConfig, ModelConfig, RunConfig
 from ..config.units import GIB
 from ..data.validate import Conversation, read_conversations
 from ..models import load_config, load_model
@@ -105,20 +105,21 @@ def read_prompts(cfg: InferConfig) -> list[Conversation]:
     return []
 
 
-def run_infer(
-    cfg: InferConfig,
-    model_cfg: ModelConfig,
-    memory_gib: float | None,
-    model_dir: Path,
-    tokenizer,
-    run_dir: Path,
-    config_sha: str | None = None,
-) -> dict:
+def check_model(cfg: InferConfig, model_dir: Path) -> None:
+    """What stops mode=infer or chat before the weights load: a context the model cannot hold, an adapter trained
+    on another base."""
+    config = load_config(model_dir)
+    check_context(cfg, config)
+    if cfg.adapter:
+        check_adapter_base(cfg.adapter, model_dir, config)
+
+
+def run_infer(run: RunConfig, model_dir: Path, tokenizer, run_dir: Path, config_sha: str | None = None) -> dict:
+    """mode=infer: infer.* over the model in `model_dir`, with model.* (quantization) and hw.memory_gib."""
+    cfg, model_cfg, memory_gib = run.infer, run.model, run.hw.memory_gib
     out = check_outputs(cfg, model_dir, run_dir)  # before any weights load: never overwrite an input
     prompts = read_prompts(cfg)  # bad prompts and a mismatched adapter stop the run before the weights load
-    check_context(cfg, load_config(model_dir))
-    if cfg.adapter:
-        check_adapter_base(cfg.adapter, model_dir, load_config(model_dir))
+    check_model(cfg, model_dir)
     unmerged = cfg.adapter_for != "none"  # the base is exported alone, the adapter converted beside it
     if unmerged and not (cfg.merge_to and cfg.adapter):
         raise ConfigError(

@@ -68,7 +68,7 @@ def infer_mode(prep: Prepared, run_dir: Path) -> None:
 
     run = prep.run
     config_sha = hashlib.sha256(OmegaConf.to_yaml(prep.cfg).encode()).hexdigest()[:16]  # as versions.json
-    result = run_infer(run.infer, run.model, run.hw.memory_gib, prep.model_dir, prep.tokenizer, run_dir, config_sha)
+    result = run_infer(run, prep.model_dir, prep.tokenizer, run_dir, config_sha)
     if run.infer.prompt and "predictions" in result:  # one-shot: the answer on the console too
         console.print(json.loads(Path(result["predictions"]).read_text().splitlines()[0])["output"], markup=False)
     if "merged" in result:
@@ -85,7 +85,7 @@ def chat_mode(prep: Prepared, run_dir: Path) -> None:
     from ..infer.chat import run_chat
 
     try:
-        run_chat(prep.run.infer, prep.run.model, prep.run.hw.memory_gib, prep.model_dir, prep.tokenizer, run_dir)
+        run_chat(prep.run, prep.model_dir, prep.tokenizer, run_dir)
     except Interrupted:  # Ctrl-C in a chat is how people leave it: not an error, nothing to save
         console.print(f"\nchat ended (Ctrl-C); the transcript is in {run_dir / 'chat.jsonl'}", markup=False)
 

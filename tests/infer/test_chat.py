@@ -75,7 +75,7 @@ TOOLS = [
 def test_chat_tools_observation_and_one_shot(tmp_path):
     import io
 
-    from glmtune.config import ModelConfig
+    from glmtune.config import RunConfig
     from glmtune.infer.chat import run_chat
 
     tools = tmp_path / "tools.json"
@@ -85,7 +85,7 @@ def test_chat_tools_observation_and_one_shot(tmp_path):
     lines = iter(["北京天气？", '/observation {"temp": 20}', "/exit"])
     out = io.StringIO()
     cfg = InferConfig(max_new_tokens=4, tools_file=str(tools))
-    assert run_chat(cfg, ModelConfig(), None, folder, tok, tmp_path / "a", read=lambda _: next(lines), out=out) == 2
+    assert run_chat(RunConfig(infer=cfg), folder, tok, tmp_path / "a", read=lambda _: next(lines), out=out) == 2
     first, second = [json.loads(x) for x in (tmp_path / "a" / "chat.jsonl").read_text(encoding="utf-8").splitlines()]
     assert first["messages"][0] == {"role": "system", "content": "", "tools": TOOLS}
     assert second["messages"][-1] == {"role": "observation", "content": '{"temp": 20}'}
@@ -96,9 +96,7 @@ def test_chat_tools_observation_and_one_shot(tmp_path):
     one = io.StringIO()
     assert (
         run_chat(
-            InferConfig(max_new_tokens=3, prompt="hi"),
-            ModelConfig(),
-            None,
+            RunConfig(infer=InferConfig(max_new_tokens=3, prompt="hi")),
             folder,
             tok,
             tmp_path / "b",
@@ -113,4 +111,4 @@ def test_chat_tools_observation_and_one_shot(tmp_path):
     from glmtune.config import ConfigError
 
     with pytest.raises(ConfigError, match="tools_file"):
-        run_chat(InferConfig(tools_file=str(bad)), ModelConfig(), None, folder, tok, tmp_path / "c")
+        run_chat(RunConfig(infer=InferConfig(tools_file=str(bad))), folder, tok, tmp_path / "c")

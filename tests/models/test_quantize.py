@@ -173,9 +173,8 @@ def test_infer_with_a_quantized_base_and_merge_into_the_full_weights(tmp_path, r
     )
     run_dir = tmp_path / "run"  # an export never lies inside the run dir (infer/targets.py)
     run_dir.mkdir()
-    result = run_infer(
-        cfg, ModelConfig(name="glm4_tiny", quantize="nf4"), None, base_dir, load_tokenizer(base_dir), run_dir
-    )
+    run = RunConfig(infer=cfg, model=ModelConfig(name="glm4_tiny", quantize="nf4"))
+    result = run_infer(run, base_dir, load_tokenizer(base_dir), run_dir)
     rows = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
     assert result["count"] == 3 and [r["line"] for r in rows] == [1, 2, 3]
     assert list(result["placement"]) == ["cpu"]
