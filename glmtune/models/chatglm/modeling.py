@@ -19,11 +19,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..kernels.attention import set_sequence_group
-from ..kernels.causal_lm import lm_loss, reorder_cache, step_positions
-from ..kernels.masks import build_attention_mask, default_positions, layer_mask  # noqa: F401 (re-exported)
+from ..kernels.causal_lm import generation_inputs, lm_output, reorder_cache
+from ..kernels.masks import build_attention_mask, default_positions, layer_mask, positions_and_mask  # noqa: F401 (re-exported)
 from ..kernels.ulysses import PAD_FILL, SequenceGroup, pad_and_shard, shift_labels
 from .configuration import GLMConfig
 from .layers import Embedding, GLMBlock, GLMTransformer, RMSNorm, RotaryEmbedding
@@ -147,19 +146,16 @@ class ChatGLMModel(GLMPreTrainedModel):
     ):
         """seq_ids [B, S]: packed rows (data/packing.py), which example each position belongs to (-1 = pad);
         attention then stays inside each example and attention_mask is not needed."""
-        sp = self.sequence_group
         if images is not None and self.vision is not None and not past_key_values and len(images):
             inputs_embeds, position_ids, attention_mask, _, seq_ids = self.merge_images(
                 input_ids, inputs_embeds, position_ids, attention_mask, None, images, image_rows, seq_ids
             )
         if inputs_embeds is None:
             inputs_embeds = self.embedding(input_ids)
-        b, s = inputs_embeds.shape[:2]
-        past_len = past_key_values[0][0].shape[2] if past_key_values else 0
-        if position_ids is None:
-            position_ids = default_positions(b, s, past_len, sp, inputs_embeds.device)
+        position_ids, mask = positions_and_mask(
+            self, inputs_embeds, position_ids, attention_mask, past_key_values, seq_ids
+        )
         rope = self.rotary_pos_emb(position_ids, inputs_embeds.dtype)
-        mask = layer_mask(seq_ids, attention_mask, self.packed_attention, s, past_len, sp, inputs_embeds.device)
         return self.encoder(inputs_embeds, mask, rope, past_key_values, use_cache)
 
 
@@ -222,22 +218,8 @@ class ChatGLMForConditionalGeneration(GLMPreTrainedModel):
         hidden, presents = self.transformer(
             input_ids, position_ids, attention_mask, past_key_values, inputs_embeds, use_cache, seq_ids=seq_ids
         )
-        if return_last_logit:
-            hidden = hidden[:, -1:]
-        # Under sequence parallelism each rank holds a shard of the row: the caller shifted the labels on the whole
-        # row before cutting it (train/sequence.py; merge_images for rows with images), so position t's label is
-        # already its target.
-        loss, logits = lm_loss(
-            hidden,
-            labels,
-            self.transformer.output_layer,
-            self.transformer.sequence_group is None,
-            self.loss_chunk_tokens,
-            self.loss_reduction,
-            self.transformer.encoder._gradient_checkpointing_func,
-        )
-        return CausalLMOutputWithPast(
-            loss=loss, logits=logits, past_key_values=tuple(presents) if presents is not None else None
+        return lm_output(
+            self, hidden, presents, labels, return_last_logit, self.transformer.encoder._gradient_checkpointing_func
         )
 
     def prepare_inputs_for_generation(
@@ -251,28 +233,18 @@ class ChatGLMForConditionalGeneration(GLMPreTrainedModel):
         image_rows=None,
         **kwargs,
     ):
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
         # Image patches share one position, so text positions never count them.
-        position_ids = step_positions(input_ids, attention_mask, position_ids, past_key_values is not None)
-        inputs = {"use_cache": use_cache, "return_last_logit": True}
+        inputs = generation_inputs(input_ids, past_key_values, attention_mask, position_ids, use_cache)
         if past_key_values is None:
             self._image_layout = None
             if images is not None and len(images):
                 rows = image_rows if image_rows is not None else torch.arange(input_ids.shape[0])
                 self._image_layout = (input_ids.shape[1], rows.tolist(), input_ids)
                 inputs.update(images=images, image_rows=image_rows)
-        else:
-            input_ids = input_ids[:, -1:]
-            if self._image_layout is not None:  # the cache holds the spliced prompt: widen the mask to match
-                attention_mask = self._spliced_mask(attention_mask, past_key_values[0][0].shape[2] + 1)
-        return {
-            **inputs,
-            "input_ids": input_ids,
-            "past_key_values": past_key_values,
-            "position_ids": position_ids,
-            "attention_mask": attention_mask,
-        }
+        elif self._image_layout is not None:  # the cache holds the spliced prompt: widen the mask to match
+            mask = inputs["attention_mask"]
+            inputs["attention_mask"] = self._spliced_mask(mask, past_key_values[0][0].shape[2] + 1)
+        return inputs
 
     def _spliced_mask(self, mask: torch.Tensor, width: int) -> torch.Tensor:
         """The text mask laid out as vision.splice_images laid out the left-padded prompt: N-1 more ones

@@ -29,12 +29,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..kernels.attention import GroupedAttention, set_sequence_group
-from ..kernels.causal_lm import lm_loss, reorder_cache, step_positions
+from ..kernels.causal_lm import generation_inputs, lm_output, reorder_cache
 from ..kernels.layers import RMSNorm, RotaryEmbedding, TiledMLP, run_layers
-from ..kernels.masks import default_positions, layer_mask
+from ..kernels.masks import positions_and_mask
 from ..kernels.ulysses import SequenceGroup
 from .configuration import Glm4Config
 
@@ -151,13 +150,10 @@ class Glm4Model(Glm4PreTrainedModel):
         """seq_ids [B, S]: packed rows (data/packing.py), which example each position belongs to (-1 = pad)."""
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        b, s = inputs_embeds.shape[:2]
-        past_len = past_key_values[0][0].shape[2] if past_key_values else 0
-        sp = self.sequence_group
-        if position_ids is None:
-            position_ids = default_positions(b, s, past_len, sp, inputs_embeds.device)
+        position_ids, mask = positions_and_mask(
+            self, inputs_embeds, position_ids, attention_mask, past_key_values, seq_ids
+        )
         rope = self.rotary_emb(position_ids, inputs_embeds.dtype)
-        mask = layer_mask(seq_ids, attention_mask, self.packed_attention, s, past_len, sp, inputs_embeds.device)
         hidden, presents = run_layers(self, self.layers, inputs_embeds, mask, rope, past_key_values, use_cache)
         return self.norm(hidden), presents
 
@@ -211,38 +207,12 @@ class Glm4ForCausalLM(Glm4PreTrainedModel):
         hidden, presents = self.model(
             input_ids, position_ids, attention_mask, past_key_values, inputs_embeds, use_cache, seq_ids=seq_ids
         )
-        if return_last_logit:
-            hidden = hidden[:, -1:]
-        # Under sequence parallelism the caller shifted the labels on the whole row (train/sequence.py).
-        loss, logits = lm_loss(
-            hidden,
-            labels,
-            self.lm_head,
-            self.model.sequence_group is None,
-            self.loss_chunk_tokens,
-            self.loss_reduction,
-            self.model._gradient_checkpointing_func,
-        )
-        return CausalLMOutputWithPast(
-            loss=loss, logits=logits, past_key_values=tuple(presents) if presents is not None else None
-        )
+        return lm_output(self, hidden, presents, labels, return_last_logit, self.model._gradient_checkpointing_func)
 
     def prepare_inputs_for_generation(
         self, input_ids, past_key_values=None, attention_mask=None, position_ids=None, use_cache=True, **kwargs
     ):
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        position_ids = step_positions(input_ids, attention_mask, position_ids, past_key_values is not None)
-        if past_key_values is not None:
-            input_ids = input_ids[:, -1:]
-        return {
-            "input_ids": input_ids,
-            "past_key_values": past_key_values,
-            "position_ids": position_ids,
-            "attention_mask": attention_mask,
-            "use_cache": use_cache,
-            "return_last_logit": True,
-        }
+        return generation_inputs(input_ids, past_key_values, attention_mask, position_ids, use_cache)
 
     @staticmethod
     def _reorder_cache(past_key_values, beam_idx):

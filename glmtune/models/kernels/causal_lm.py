@@ -14,6 +14,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .layers import no_early_stop
 
@@ -76,6 +77,41 @@ def chunked_loss(
             if bool((ys != -100).any()):
                 total = total + (ckpt(chunk_sum, hs, ys) if torch.is_grad_enabled() else chunk_sum(hs, ys))
     return total if reduction == "sum" else total / (y != -100).sum().clamp(min=1)
+
+
+def lm_output(lm, hidden: torch.Tensor, presents, labels, last_only: bool, ckpt) -> CausalLMOutputWithPast:
+    """What a causal LM's forward returns for its decoder's hidden states: the loss against `labels` and the logits
+    (of the last position only for a generate() step: `last_only`), through `lm`'s output embeddings with its
+    loss_chunk_tokens and loss_reduction, and the KV cache. Under sequence parallelism each rank holds a shard of
+    the row: the caller shifted the labels on the whole row before cutting it (train/sequence.py), so position t's
+    label is already its target. `ckpt`: the decoder's checkpoint function."""
+    if last_only:
+        hidden = hidden[:, -1:]
+    shift = lm.base_model.sequence_group is None
+    loss, logits = lm_loss(
+        hidden, labels, lm.get_output_embeddings(), shift, lm.loss_chunk_tokens, lm.loss_reduction, ckpt
+    )
+    return CausalLMOutputWithPast(
+        loss=loss, logits=logits, past_key_values=tuple(presents) if presents is not None else None
+    )
+
+
+def generation_inputs(input_ids, past_key_values, attention_mask, position_ids, use_cache: bool) -> dict:
+    """prepare_inputs_for_generation's answer for a text step: the prompt whole (no cache yet), then the newest
+    token only; an all-ones mask when generate() gave none; positions from step_positions."""
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    position_ids = step_positions(input_ids, attention_mask, position_ids, past_key_values is not None)
+    if past_key_values is not None:
+        input_ids = input_ids[:, -1:]
+    return {
+        "input_ids": input_ids,
+        "past_key_values": past_key_values,
+        "position_ids": position_ids,
+        "attention_mask": attention_mask,
+        "use_cache": use_cache,
+        "return_last_logit": True,
+    }
 
 
 def step_positions(

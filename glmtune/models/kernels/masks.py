@@ -85,3 +85,14 @@ def default_positions(batch: int, length: int, past_len: int, sp, device) -> tor
     tokens are the rank-th 1/N of the row."""
     start = past_len + (sp.rank * length if sp is not None else 0)
     return torch.arange(start, start + length, device=device).expand(batch, length)
+
+
+def positions_and_mask(decoder, inputs_embeds, position_ids, attention_mask, past_key_values, seq_ids):
+    """A decoder step's position ids (default_positions where the caller gave none) and the mask every layer gets
+    (layer_mask), from the decoder's packed_attention and sequence_group and the cache's length."""
+    b, s = inputs_embeds.shape[:2]
+    past_len = past_key_values[0][0].shape[2] if past_key_values else 0
+    sp, device = decoder.sequence_group, inputs_embeds.device
+    if position_ids is None:
+        position_ids = default_positions(b, s, past_len, sp, device)
+    return position_ids, layer_mask(seq_ids, attention_mask, decoder.packed_attention, s, past_len, sp, device)
