@@ -29,7 +29,7 @@ from openai import OpenAI
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
-from engines_env import engines_python  # noqa: E402 - tests/ holds the engines venv lookup
+from helpers.engines import engines_python  # noqa: E402 - tests/helpers holds the engines venv lookup
 from serve_load import PROMPTS, start  # noqa: E402
 
 
@@ -57,7 +57,7 @@ def vllm_server(command: str, port: int, log: Path) -> tuple[subprocess.Popen, f
     env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
     began = time.perf_counter()
     proc = subprocess.Popen(
-        [str(engines_python()), str(REPO / "tests" / "vllm_cli.py"), *args[1:], "--port", str(port)],
+        [str(engines_python()), str(REPO / "tests" / "infer" / "vllm_cli.py"), *args[1:], "--port", str(port)],
         env=env,
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,

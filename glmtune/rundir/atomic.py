@@ -26,6 +26,10 @@ from ..config.units import MIB
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 # torch.save and safetensors report a failed write as RuntimeError / SafetensorError with the OS text inside.
 _DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded", "File too large", "file write failed")
+# torch.save's zip writer (caffe2 inline_container.cc) names no errno: a short fwrite is "unexpected pos N vs M".
+# On a local or network disk a short write is ENOSPC, EDQUOT or EFBIG, so it counts as full even when the failed
+# file's removal has freed space again by the time the crash is reported (disk_nearly_full then misses it).
+_SHORT_WRITE_TEXT = ("inline_container", "unexpected pos")
 
 
 def _umask() -> int:
@@ -151,7 +155,7 @@ def is_disk_full(err: BaseException) -> bool:
         seen.add(id(err))
         if isinstance(err, OSError) and err.errno in DISK_FULL_ERRNOS:
             return True
-        if any(text in str(err) for text in _DISK_FULL_TEXT):
+        if any(text in str(err) for text in _DISK_FULL_TEXT) or all(text in str(err) for text in _SHORT_WRITE_TEXT):
             return True
         err = err.__cause__ or err.__context__
     return False

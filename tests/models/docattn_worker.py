@@ -13,6 +13,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
+
+# tests/ as conftest.py puts it for pytest: test_docattention (imported below) takes REPO from helpers/
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 import sp_worker  # this folder is the script's: first on sys.path
 import torch
