@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from .config import CONF_DIR, ConfigError, check_override_keys
 from .config.cli import check_command_line, chosen_mode, emits, is_multirun, wants_info
 from .config.compose import run_once
-from .launch import export_slurm_env, rank, run_name
+from .launch import close_process_group, export_slurm_env, rank, run_name
 from .launch.console import console, fail
 from .launch.exits import EXIT_INTERRUPTED, EXIT_NO_TRIAL, STOP_PREFIX
 from .launch.signals import STOP, Interrupted
@@ -195,6 +195,9 @@ def cli() -> None:
             shutil.rmtree(PLAN_SCRATCH, ignore_errors=True)
         if multirun:
             sweepstop.reset()  # the process's signal handlers as before the sweep, however it ended
+    # Only after a run that ended normally: a rank that failed exits at once, and on NCCL a teardown could wait on
+    # peers still inside a collective.
+    close_process_group()
     if multirun and rank() == 0 and final_line():
         console.print(final_line(), markup=False)
     if multirun and none_succeeded():

@@ -8,4 +8,12 @@ transformers).
 Imports nothing else of glmtune, so every stage may ask it who this process is.
 """
 
-from .ranks import export_slurm_env, rank, run_name, single_process_env, unique_run_name, world_size  # noqa: F401
+from .ranks import (  # noqa: F401
+    close_process_group,
+    export_slurm_env,
+    rank,
+    run_name,
+    single_process_env,
+    unique_run_name,
+    world_size,
+)

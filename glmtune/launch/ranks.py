@@ -109,3 +109,19 @@ def single_process_env() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def close_process_group() -> None:
+    """Tear down the default process group before the interpreter exits (the Trainer opens it and never closes it).
+    Left to interpreter exit, gloo's background threads are destroyed while still joinable and a rank that has
+    printed its result can abort ("terminate called without an active exception"); torchrun then waits out its
+    exit barrier (300 s) and reports the launch failed. Never imports torch: mode=plan stays light, and a torch
+    that was never imported has no group to close. A failed teardown after the run's result changes nothing."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the run's outcome is already decided and reported
+        pass
