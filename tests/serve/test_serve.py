@@ -11,8 +11,10 @@ flat; /health answers while a 50 MB body is refused; SIGTERM mid-stream ends the
 
 import hashlib
 import json
+import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -305,10 +307,54 @@ def test_two_servers_started_at_once_one_serves_the_other_exits_2_before_loading
     assert loser.proc.wait(60) == 2 and not loser.lines
     (line,) = [line for line in loser.err if line.strip()]
     assert f"serve.port={winner.url.rsplit(':', 1)[1].split('/')[0]}" in line and "is in use" in line
-    # It gave up at the port: nothing on stdout (a server that loaded would have printed its start line). When it
-    # gave up is not compared with the winner's start: with a tiny model the winner loads in well under the time
-    # a loaded machine may take to schedule the loser's imports.
+    # It gave up at the port: nothing on stdout. When it gave up is not compared with the winner's start (a tiny
+    # model loads in well under the time a loaded machine may take to schedule the loser's imports); that the port
+    # comes before the weights: test_a_port_in_use_is_found_before_the_weights_are_read.
     assert httpx.get(winner.url.replace("/v1", "/health")).json()["status"] == "ok"
+
+
+def _weights_that_fail_only_when_loaded(folder: Path) -> Path:
+    """A copy of the tiny GLM-4 whose first 2-D tensor has its shape transposed in the safetensors header: the same
+    bytes, so every check of the files passes, and only loading that tensor fails."""
+    shutil.copytree(ensure_tiny("glm4"), folder)
+    file = folder / "model.safetensors"
+    data = bytearray(file.read_bytes())
+    length = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + length])
+    name = next(k for k, v in header.items() if k != "__metadata__" and len(set(v["shape"])) == 2)
+    header[name]["shape"] = header[name]["shape"][::-1]
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    data[8 : 8 + length] = raw + b" " * (length - len(raw))
+    file.write_bytes(bytes(data))
+    return folder
+
+
+def test_a_port_in_use_is_found_before_the_weights_are_read(race, tmp_path):
+    """'Before loading' without a clock: on a free port these weights fail to load (exit 2, the weights' line); on
+    the serving port the same command is the port's line, so it never got to the weights."""
+    broken = _weights_that_fail_only_when_loaded(tmp_path / "model")
+    port = race[0].url.rsplit(":", 1)[1].split("/")[0]
+    lines = {}
+    for name, chosen in (("free", "0"), ("taken", port)):
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "glmtune",
+                "mode=serve",
+                f"model.path={broken}",
+                f"serve.port={chosen}",
+                f"hydra.run.dir={tmp_path / name}",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 2 and not proc.stdout.strip(), proc.stdout[-2000:] + proc.stderr[-2000:]
+        (lines[name],) = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert "weights cannot be read" in lines["free"]
+    assert f"serve.port={port}" in lines["taken"] and "is in use" in lines["taken"], lines
 
 
 def test_a_path_valued_image_is_a_400_that_touches_no_file(server, tmp_path):
