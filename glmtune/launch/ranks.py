@@ -18,6 +18,7 @@ import os
 import re
 import secrets
 import socket
+import sys
 from datetime import datetime
 
 # A launch's own name for the run, first found wins: glmtune's, a Kubeflow TrainJob's name where the runtime exposes
@@ -117,8 +118,6 @@ def close_process_group() -> None:
     printed its result can abort ("terminate called without an active exception"); torchrun then waits out its
     exit barrier (300 s) and reports the launch failed. Never imports torch: mode=plan stays light, and a torch
     that was never imported has no group to close. A failed teardown after the run's result changes nothing."""
-    import sys
-
     dist = sys.modules.get("torch.distributed")
     try:
         if dist is not None and dist.is_available() and dist.is_initialized():

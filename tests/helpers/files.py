@@ -31,6 +31,16 @@ PROMPTS = [
 ]
 
 
+def metrics_rows(run_dir) -> list[dict]:
+    """RUN_DIR/metrics.jsonl, one dict a line: the run's logged steps, evaluations and its closing record."""
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def logged_losses(run_dir) -> list[float]:
+    """The training loss of every logged step, in order."""
+    return [row["loss"] for row in metrics_rows(run_dir) if "loss" in row]
+
+
 def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     return path

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("bitsandbytes")
 
-from helpers.files import write_fixed  # noqa: E402
+from helpers.files import logged_losses, metrics_rows, write_fixed  # noqa: E402
 from peft import PeftModel  # noqa: E402
 
 from glmtune.config import ConfigError, DataConfig, LoraConfig, ModelConfig, RunConfig, TrainConfig, parse_config  # noqa: E402
@@ -74,11 +74,7 @@ def test_qlora_finetune_loss_falls_and_adapter_loads_on_the_unquantized_base(tmp
     metrics, model = train(
         run, choices, tmp_path / "run", model_dir, train_set, None, DataCollator(tokenizer.pad_token_id)
     )
-    losses = [
-        json.loads(line)["loss"]
-        for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-        if "loss" in json.loads(line)
-    ]
+    losses = logged_losses(tmp_path / "run")
     # Near ln(1280) = 7.15 at the start; the adapters memorise four replies on top of the quantized base.
     assert losses[0] > 0.8 * math.log(1280)
     assert losses[-1] < 0.5 * losses[0], losses
@@ -242,7 +238,7 @@ def test_quantized_cli_run_trains_evaluates_generates_and_saves(tmp_path, quanti
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert (run / "adapter" / "adapter_model.safetensors").is_file()
-    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    lines = metrics_rows(run)
     losses = [e["eval_loss"] for e in lines if "eval_loss" in e]
     rouge = [e["step"] for e in lines if "eval_rouge-l" in e]
     assert len(losses) >= 2 and all(map(math.isfinite, losses)) and rouge[:2] == [2, 4], lines

@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import BIN
 from helpers.cli import glmtune_in_process
+from helpers.files import metrics_rows
 from helpers.launch import ranks_env
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -199,7 +200,7 @@ def test_training_through_the_cli_with_tiled_mlp_on(tmp_path):
     plan = json.loads((out / "plan.json").read_text())
     assert plan["choices"]["mlp_tile_tokens"] == 2 * TINY.hidden_size == 128
     assert plan["reasons"]["mlp_tile_tokens"] == "train.tiled_mlp=on"
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(out)
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == 2 and all(loss == loss for loss in losses)
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
@@ -248,7 +249,7 @@ def test_two_ranks_train_the_same_adapter_tiled_or_not(tmp_path, repo, dist):
         plan = json.loads((out / "plan.json").read_text())["choices"]
         assert plan["zero_stage"] == (3 if dist == "zero3" else 0)
         assert plan["mlp_tile_tokens"] == (128 if tiled == "on" else 0)
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        rows = metrics_rows(out)
         losses[tiled] = [r["loss"] for r in rows if "loss" in r]
         adapters[tiled] = load_file(str(out / "adapter" / "adapter_model.safetensors"))
     assert len(losses["on"]) == 3 and losses["on"] == pytest.approx(losses["off"], rel=1e-5)

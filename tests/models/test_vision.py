@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 from helpers import REPO
+from helpers.files import logged_losses
 from peft import PeftModel
 
 from glmtune.config import DataConfig, HwConfig, LoraConfig, RunConfig, TrainConfig
@@ -183,11 +184,7 @@ def test_image_and_text_samples_train_together_and_adapter_reloads(tiny, tmp_pat
     assert batch["image_rows"].tolist() == [0, 3] and n_emb == num_image_tokens(config.vision_config) + 2
     choices = make_plan(run, config, 1, user_set_max_length=False).choices
     metrics, model = train(run, choices, tmp_path / "run", model_dir, train_set, None, collator)
-    losses = [
-        json.loads(line)["loss"]
-        for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-        if "loss" in json.loads(line)
-    ]
+    losses = logged_losses(tmp_path / "run")
     assert losses[0] > 0.8 * math.log(1280) and losses[-1] < 0.5 * losses[0], losses
     assert not any(".vision." in n for n, p in model.named_parameters() if p.requires_grad)
     model.eval()

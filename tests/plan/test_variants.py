@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.files import metrics_rows
 
 from glmtune.config import ConfigError, LoraConfig, parse_config
 from glmtune.models import ChatGLMForConditionalGeneration, GLMConfig
@@ -107,7 +108,7 @@ def test_cli_trains_with_cosine_warmup_8bit_adamw_and_dora(tmp_path):
         f"hydra.run.dir={run}",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    logged = metrics_rows(run)
     rates = {row["step"]: row["learning_rate"] for row in logged if "learning_rate" in row}
     schedule = get_cosine_schedule_with_warmup(torch.optim.SGD([torch.zeros(1)], lr=1e-3), 1, 10)
     expected = {}

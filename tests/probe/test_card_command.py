@@ -14,6 +14,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from helpers import REPO
 from helpers.cli import glmtune_in_process
+from helpers.files import metrics_rows
 
 from glmtune.config import DataConfig, RunConfig, TrainConfig
 from glmtune.data.packing import decide_packing
@@ -79,7 +80,7 @@ def test_packed_rows_with_a_chunked_loss_train_and_evaluate(tmp_path, packed_dat
     )
     assert metrics["steps"] == 2 and metrics["eval_loss"] > 0
     assert set(metrics["phase_peak_bytes"]) == {"train", "eval", "save"}
-    evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evals = metrics_rows(tmp_path)
     assert sum("eval_loss" in e for e in evals) == 2  # after step 1 and after step 2
 
 

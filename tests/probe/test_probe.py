@@ -7,6 +7,7 @@ import pytest
 import torch
 from helpers import REPO
 from helpers.cli import glmtune_in_process
+from helpers.files import metrics_rows
 from safetensors.torch import load_file
 
 from glmtune.config import DataConfig, RunConfig, TrainConfig
@@ -103,7 +104,7 @@ def test_budget_below_any_rung_exits_3_with_advice(tmp_path, repo):
 
 
 def _losses(run_dir):
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(run_dir)
     return [r["loss"] for r in rows if "loss" in r]
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from helpers import REPO
+from helpers.files import metrics_rows
 
 from glmtune.models.presets import ensure_tiny
 from glmtune.train.checkpoints import is_complete
@@ -57,7 +58,7 @@ def run(*args, **kw):
 
 
 def losses(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(run_dir)
     steps = [r["step"] for r in rows if "loss" in r]
     assert len(steps) == len(set(steps)), "a step was logged twice"
     return {r["step"]: r["loss"] for r in rows if "loss" in r}

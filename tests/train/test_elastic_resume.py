@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from helpers import BIN, REPO
+from helpers.files import metrics_rows
 from helpers.launch import ranks_env
 from safetensors.torch import load_file
 from test_same_math import assert_same_adapter
@@ -87,7 +88,7 @@ def finish(out: Path, nproc: int, *extra: str, log: Path) -> str:
 
 
 def step_losses(out: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(out)
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 from helpers.cli import glmtune_in_process, glmtune_inspected
+from helpers.files import metrics_rows
 from transformers import TrainerControl
 
 from glmtune.config import ConfigError, EvalConfig, parse_config
@@ -61,7 +62,7 @@ def test_eval_generate_writes_metrics_keeps_best_and_stops_early(tmp_path, repo)
         assert metrics[f"eval_{key}"] == pytest.approx(value)
     assert (run / "eval" / "eval_predictions_step2.jsonl").is_file()
 
-    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    logged = metrics_rows(run)
     assert [r["step"] for r in logged if "eval_rouge-l" in r] == [2, 4]
     assert "rouge-l" in proc.stdout.splitlines()[-1] or "rouge-l" in proc.stdout  # the final line
 

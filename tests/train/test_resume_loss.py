@@ -8,11 +8,11 @@ in this process (helpers/cli.py glmtune_in_process): the guard's save, exit 7, a
 import json
 import os
 import signal
-from pathlib import Path
 
 import pytest
 from helpers import REPO
 from helpers.cli import glmtune_in_process
+from helpers.files import metrics_rows
 
 STEPS, LOG_EVERY, STOP_AT = 24, 5, 17  # 17: two steps after the log at 15, three before the one at 20
 ARGS = [
@@ -24,10 +24,6 @@ ARGS = [
     f"data.train_file={REPO / 'data/samples/train.jsonl'}",
     "data.val_file=null",
 ]
-
-
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def sigterm_at_step(monkeypatch, step: int) -> None:
@@ -54,7 +50,7 @@ def test_train_loss_after_a_stop_between_logging_steps_equals_the_uninterrupted_
     monkeypatch.undo()
     assert stopped.returncode == 7, stopped.stderr[-3000:]
     assert f"stopped by SIGTERM at step {STOP_AT}:" in stopped.stderr
-    closing = [r for r in rows(run_dir) if "train_runtime" in r]
+    closing = [r for r in metrics_rows(run_dir) if "train_runtime" in r]
     assert len(closing) == 1 and closing[0].get("interrupted") is True  # the cut-short launch's figures, marked
 
     resumed = glmtune_in_process(*ARGS, f"hydra.run.dir={run_dir}")
@@ -66,9 +62,9 @@ def test_train_loss_after_a_stop_between_logging_steps_equals_the_uninterrupted_
     assert got["train_loss"] == pytest.approx(ref["train_loss"], abs=1e-4)
     # The Trainer's own figures too: the loss logged at step 20 is the mean over steps 16-20, and the resumed
     # launch's closing line (not marked) carries the whole run's train_loss.
-    logged = {r["step"]: r["loss"] for r in rows(run_dir) if "loss" in r}
-    assert logged == {r["step"]: r["loss"] for r in rows(tmp_path / "reference") if "loss" in r}
-    final = [r for r in rows(run_dir) if "train_runtime" in r and not r.get("interrupted")]
+    logged = {r["step"]: r["loss"] for r in metrics_rows(run_dir) if "loss" in r}
+    assert logged == {r["step"]: r["loss"] for r in metrics_rows(tmp_path / "reference") if "loss" in r}
+    final = [r for r in metrics_rows(run_dir) if "train_runtime" in r and not r.get("interrupted")]
     assert len(final) == 1 and final[0]["train_loss"] == pytest.approx(ref["train_loss"], abs=1e-4)
     state = json.loads((run_dir / "checkpoints" / f"checkpoint-{STOP_AT}" / "loss_state.json").read_text())
     assert state["step"] == STOP_AT and state["last_logged_step"] == 15 and len(state["unlogged_loss_sums"]) == 1

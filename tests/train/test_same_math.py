@@ -7,7 +7,6 @@ the same adapter, up to floating-point order. LoRA dropout is 0: a split draws i
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import BIN, REPO
+from helpers.files import metrics_rows
 from helpers.launch import ranks_env
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -167,7 +167,7 @@ def cli(out: Path, *args: str, nproc: int = 1, timeout=900) -> subprocess.Comple
 
 
 def step_losses(run_dir: Path, key: str = "loss") -> list[float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(run_dir)
     return [r[key] for r in rows if "loss" in r]
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import REPO
+from helpers.files import metrics_rows
 from helpers.launch import ranks_env
 from safetensors.torch import load_file
 
@@ -53,7 +54,7 @@ def launch(out: Path, nproc: int, *args: str, wait: bool = True):
 
 
 def logged(out: Path, key: str = "loss") -> list[float]:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(out)
     return [r[key] for r in rows if key in r and "train_runtime" not in r]
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import REPO
+from helpers.files import metrics_rows
 from helpers.launch import ranks_env
 from test_sequence_parallel import adapter, assert_same_adapter, ids_per_rank, logged, steps_of
 
@@ -142,7 +143,7 @@ def test_the_eval_loss_under_sp_is_the_one_without(tmp_path):
 
 
 def train_loss(out: Path) -> float:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(out)
     return next(r["train_loss"] for r in rows if "train_runtime" in r)
 
 

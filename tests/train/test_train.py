@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import torch
 from helpers.cli import glmtune_in_process
-from helpers.files import write_fixed
+from helpers.files import logged_losses, write_fixed
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from peft import PeftModel
@@ -34,11 +34,7 @@ def test_finetune_drives_loss_far_down_and_adapter_reproduces_logits(tmp_path):
     metrics, model = train(
         run, choices, tmp_path / "run", model_dir, train_set, None, DataCollator(tokenizer.pad_token_id)
     )
-    losses = [
-        json.loads(line)["loss"]
-        for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-        if "loss" in json.loads(line)
-    ]
+    losses = logged_losses(tmp_path / "run")
     # A random model starts near-uniform over the 1,280-token vocabulary: ln(1280) = 7.15 nats. Memorising four
     # short replies with all-linear adapters reaches ~1.8 in 80 steps; a pipeline that does not learn (labels
     # masked wrong, no gradient reaching the adapters, optimizer over the wrong parameters) stays above 5.
