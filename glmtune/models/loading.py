@@ -149,22 +149,13 @@ def enable_checkpointing(model: torch.nn.Module, use_reentrant: bool = True) -> 
 # Small enough to train for the demo on 2 CPU cores in seconds, with the real model's structure:
 # GQA with 2 KV groups, partial rotary, fused QKV with bias, SwiGLU, untied output layer.
 TINY_ARCH = dict(
-    num_layers=2,
-    hidden_size=64,
-    ffn_hidden_size=172,
-    kv_channels=16,
-    num_attention_heads=4,
-    multi_query_attention=True,
-    multi_query_group_num=2,
-    add_qkv_bias=True,
-    add_bias_linear=False,
-    rmsnorm=True,
-    post_layer_norm=True,
-    apply_residual_connection_post_layernorm=False,
+    num_layers=2, hidden_size=64, ffn_hidden_size=172, kv_channels=16, num_attention_heads=4,
+    multi_query_attention=True, multi_query_group_num=2, add_qkv_bias=True, add_bias_linear=False,
+    rmsnorm=True, post_layer_norm=True, apply_residual_connection_post_layernorm=False,
     # Wider than the usual 0.02: at hidden 64 that would cap logits near +-1.3, so no fine-tune
     # could move the loss far from ln(vocab); 0.1 gives a trained model's logit range.
     initializer_range=0.1,
-)
+)  # fmt: skip
 _FAMILY = {
     "glm4": dict(rope_ratio=500.0, layernorm_epsilon=1.5625e-07, seq_length=8192),
     "chatglm3": dict(rope_ratio=1.0, layernorm_epsilon=1e-05, seq_length=8192),
@@ -175,16 +166,11 @@ _FAMILY = {
         layernorm_epsilon=1.5625e-07,
         seq_length=8192,
         vision_config=dict(
-            GLM4V_VISION,
-            num_hidden_layers=2,
-            hidden_size=32,
-            num_heads=4,
-            intermediate_size=64,
-            num_positions=17,
+            GLM4V_VISION, num_hidden_layers=2, hidden_size=32, num_heads=4, intermediate_size=64, num_positions=17,
             image_size=56,
         ),
     ),
-}
+}  # fmt: skip
 
 
 # The GLM-4-0414 family's tiny checkpoints (models/glm4_0414/tiny.py): its template, or GLM-Z1's.

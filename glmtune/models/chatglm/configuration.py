@@ -21,36 +21,18 @@ class GLMConfig(PretrainedConfig):
     model_type = "chatglm"
     attribute_map = {"num_hidden_layers": "num_layers", "vocab_size": "padded_vocab_size"}
 
+    # The official config.json's keys, defaults glm-4-9b-chat's (RELEASED below), in its order; rows by hand.
     def __init__(
-        self,
-        num_layers: int = 40,
-        padded_vocab_size: int = 151552,
-        hidden_size: int = 4096,
-        ffn_hidden_size: int = 13696,
-        kv_channels: int = 128,
-        num_attention_heads: int = 32,
-        seq_length: int = 131072,
-        hidden_dropout: float = 0.0,
-        attention_dropout: float = 0.0,
-        layernorm_epsilon: float = 1.5625e-07,
-        rmsnorm: bool = True,
-        apply_residual_connection_post_layernorm: bool = False,
-        post_layer_norm: bool = True,
-        add_bias_linear: bool = False,
-        add_qkv_bias: bool = True,
-        multi_query_attention: bool = True,
-        multi_query_group_num: int = 2,
-        rope_ratio: float = 1.0,
-        apply_query_key_layer_scaling: bool = True,
-        attention_softmax_in_fp32: bool = True,
-        fp32_residual_connection: bool = False,
-        original_rope: bool = True,
-        vision_config: dict | None = None,
-        boi_token_id: int | None = None,
-        eoi_token_id: int | None = None,
-        use_cache: bool = True,
-        **kwargs,
-    ):
+        self, num_layers: int = 40, padded_vocab_size: int = 151552, hidden_size: int = 4096,
+        ffn_hidden_size: int = 13696, kv_channels: int = 128, num_attention_heads: int = 32, seq_length: int = 131072,
+        hidden_dropout: float = 0.0, attention_dropout: float = 0.0, layernorm_epsilon: float = 1.5625e-07,
+        rmsnorm: bool = True, apply_residual_connection_post_layernorm: bool = False, post_layer_norm: bool = True,
+        add_bias_linear: bool = False, add_qkv_bias: bool = True, multi_query_attention: bool = True,
+        multi_query_group_num: int = 2, rope_ratio: float = 1.0, apply_query_key_layer_scaling: bool = True,
+        attention_softmax_in_fp32: bool = True, fp32_residual_connection: bool = False, original_rope: bool = True,
+        vision_config: dict | None = None, boi_token_id: int | None = None, eoi_token_id: int | None = None,
+        use_cache: bool = True, **kwargs,
+    ):  # fmt: skip
         self.num_layers = num_layers
         self.padded_vocab_size = padded_vocab_size
         self.hidden_size = hidden_size
@@ -107,44 +89,21 @@ class GLMConfig(PretrainedConfig):
 # The decoder block all three released checkpoints share (facts §1-§2); what differs is depth, vocabulary, context,
 # RoPE base, eps and dtype.
 _BLOCK = dict(
-    hidden_size=4096,
-    ffn_hidden_size=13696,
-    kv_channels=128,
-    num_attention_heads=32,
-    rmsnorm=True,
-    post_layer_norm=True,
-    add_bias_linear=False,
-    add_qkv_bias=True,
-    multi_query_attention=True,
-    multi_query_group_num=2,
-    apply_residual_connection_post_layernorm=False,
-    tie_word_embeddings=False,
-)
+    hidden_size=4096, ffn_hidden_size=13696, kv_channels=128, num_attention_heads=32,
+    multi_query_attention=True, multi_query_group_num=2, add_qkv_bias=True, add_bias_linear=False,
+    rmsnorm=True, post_layer_norm=True, apply_residual_connection_post_layernorm=False, tie_word_embeddings=False,
+)  # fmt: skip
 _GLM4_COMMON = dict(
-    _BLOCK,
-    num_layers=40,
-    padded_vocab_size=151552,
-    layernorm_epsilon=1.5625e-07,
-    torch_dtype="bfloat16",
-    eos_token_id=[151329, 151336, 151338],
-    pad_token_id=151329,
-)
+    _BLOCK, num_layers=40, padded_vocab_size=151552, layernorm_epsilon=1.5625e-07, torch_dtype="bfloat16",
+    eos_token_id=[151329, 151336, 151338], pad_token_id=151329,
+)  # fmt: skip
 
-# glm-4v-9b's vision_config, from its config.json (facts §1).
+# glm-4v-9b's vision_config, from its config.json (facts §1): depth and widths, then the image and its patches.
 GLM4V_VISION = dict(
-    dropout_prob=0.0,
-    hidden_act="gelu",
-    in_channels=3,
-    num_hidden_layers=63,
-    hidden_size=1792,
-    patch_size=14,
-    num_heads=16,
-    intermediate_size=15360,
-    layer_norm_eps=1e-06,
-    num_positions=6401,
-    image_size=1120,
-    scaling_factor=8,
-)
+    num_hidden_layers=63, hidden_size=1792, num_heads=16, intermediate_size=15360, hidden_act="gelu",
+    image_size=1120, patch_size=14, in_channels=3, num_positions=6401, scaling_factor=8,
+    dropout_prob=0.0, layer_norm_eps=1e-06,
+)  # fmt: skip
 
 RELEASED: dict[str, dict] = {
     "glm4_9b_chat": dict(_GLM4_COMMON, seq_length=131072, rope_ratio=500),
@@ -154,16 +113,10 @@ RELEASED: dict[str, dict] = {
         _GLM4_COMMON, seq_length=2048, vision_config=GLM4V_VISION, boi_token_id=151339, eoi_token_id=151340
     ),
     "chatglm3_6b": dict(
-        _BLOCK,
-        num_layers=28,
-        padded_vocab_size=65024,
-        seq_length=8192,
-        layernorm_epsilon=1e-05,
-        torch_dtype="float16",
-        eos_token_id=2,
-        pad_token_id=0,
+        _BLOCK, num_layers=28, padded_vocab_size=65024, seq_length=8192, layernorm_epsilon=1e-05,
+        torch_dtype="float16", eos_token_id=2, pad_token_id=0,
     ),
-}
+}  # fmt: skip
 
 
 def released_config(name: str) -> GLMConfig:

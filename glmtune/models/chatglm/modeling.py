@@ -21,7 +21,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..kernels.attention import set_sequence_group
-from ..kernels.causal_lm import generation_inputs, lm_output, reorder_cache
+from ..kernels.causal_lm import CausalLMForward, generation_inputs
 from ..kernels.masks import build_attention_mask, default_positions, layer_mask, positions_and_mask  # noqa: F401 (re-exported)
 from ..kernels.ulysses import PAD_FILL, SequenceGroup, pad_and_shard, shift_labels
 from .configuration import GLMConfig
@@ -132,18 +132,11 @@ class ChatGLMModel(GLMPreTrainedModel):
             )
         )
 
+    # The decoder's inputs in the order the causal LM passes them (kernels/causal_lm.py), in rows (fmt: skip).
     def forward(
-        self,
-        input_ids=None,
-        position_ids=None,
-        attention_mask=None,
-        past_key_values=None,
-        inputs_embeds=None,
-        use_cache=False,
-        images=None,
-        image_rows=None,
-        seq_ids=None,
-    ):
+        self, input_ids=None, position_ids=None, attention_mask=None, past_key_values=None, inputs_embeds=None,
+        use_cache=False, images=None, image_rows=None, seq_ids=None,
+    ) -> tuple[torch.Tensor, tuple | None]:  # fmt: skip
         """seq_ids [B, S]: packed rows (data/packing.py), which example each position belongs to (-1 = pad);
         attention then stays inside each example and attention_mask is not needed."""
         if images is not None and self.vision is not None and not past_key_values and len(images):
@@ -159,7 +152,7 @@ class ChatGLMModel(GLMPreTrainedModel):
         return self.encoder(inputs_embeds, mask, rope, past_key_values, use_cache)
 
 
-class ChatGLMForConditionalGeneration(GLMPreTrainedModel):
+class ChatGLMForConditionalGeneration(CausalLMForward, GLMPreTrainedModel):
     # The decoder blocks (quantize.py: their Linears take NF4/int8 weights; the vision tower's do not).
     block_prefix = "transformer.encoder."
 
@@ -189,38 +182,19 @@ class ChatGLMForConditionalGeneration(GLMPreTrainedModel):
     def set_output_embeddings(self, value):
         self.transformer.output_layer = value
 
-    def forward(
-        self,
-        input_ids=None,
-        position_ids=None,
-        attention_mask=None,
-        past_key_values=None,
-        inputs_embeds=None,
-        labels=None,
-        use_cache=None,
-        output_attentions=None,
-        output_hidden_states=None,
-        return_dict=None,
-        return_last_logit=False,
-        images=None,
-        image_rows=None,
-        seq_ids=None,
-    ):
-        # A cache is only useful for generation; in training it would just hold K/V of every layer.
-        if use_cache is None:
-            use_cache = self.config.use_cache and not self.training
-        if images is not None and self.transformer.vision is not None and not past_key_values and len(images):
+    @property
+    def checkpointed(self) -> nn.Module:
+        return self.transformer.encoder
+
+    def decode(self, ids, positions, mask, past, embeds, seq_ids, labels, use_cache, images=None, image_rows=None):
+        """CausalLMForward's decoder step: GLM-4V's images are merged here, where the labels are at hand."""
+        if images is not None and self.transformer.vision is not None and not past and len(images):
             # GLM-4V: 3 placeholder ids become boi + N patches + eoi; labels grow with -100 over the patches.
-            inputs_embeds, position_ids, attention_mask, labels, seq_ids = self.transformer.merge_images(
-                input_ids, inputs_embeds, position_ids, attention_mask, labels, images, image_rows, seq_ids
+            embeds, positions, mask, labels, seq_ids = self.transformer.merge_images(
+                ids, embeds, positions, mask, labels, images, image_rows, seq_ids
             )
-            images = None
-        hidden, presents = self.transformer(
-            input_ids, position_ids, attention_mask, past_key_values, inputs_embeds, use_cache, seq_ids=seq_ids
-        )
-        return lm_output(
-            self, hidden, presents, labels, return_last_logit, self.transformer.encoder._gradient_checkpointing_func
-        )
+        hidden, presents = self.transformer(ids, positions, mask, past, embeds, use_cache, seq_ids=seq_ids)
+        return hidden, presents, labels
 
     def prepare_inputs_for_generation(
         self,
@@ -261,10 +235,6 @@ class ChatGLMForConditionalGeneration(GLMPreTrainedModel):
             else:
                 out.append(torch.cat([m.new_zeros(grow), m]))
         return torch.stack(out)
-
-    @staticmethod
-    def _reorder_cache(past_key_values, beam_idx):
-        return reorder_cache(past_key_values, beam_idx)
 
 
 __all__ = ["ChatGLMForConditionalGeneration", "ChatGLMModel", "GLMBlock", "GLMPreTrainedModel"]

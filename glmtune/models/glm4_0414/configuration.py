@@ -35,32 +35,17 @@ class Glm4Config(PretrainedConfig):
         "layernorm_epsilon": "rms_norm_eps",
     }
 
+    # transformers' Glm4Config keys, defaults GLM-4-9B-0414's, in transformers' order; rows by hand.
     def __init__(
-        self,
-        vocab_size: int = 151552,
-        hidden_size: int = 4096,
-        intermediate_size: int = 13696,
-        num_hidden_layers: int = 40,
-        num_attention_heads: int = 32,
-        num_key_value_heads: int = 2,
-        head_dim: int = 128,
-        hidden_act: str = "silu",
-        attention_dropout: float = 0.0,
-        max_position_embeddings: int = 131072,
-        initializer_range: float = 0.02,
-        rms_norm_eps: float = 1.5625e-07,
-        use_cache: bool = True,
-        tie_word_embeddings: bool = False,
-        rope_theta: float | None = None,
-        partial_rotary_factor: float | None = None,
-        rope_parameters: dict | None = None,
-        rope_scaling: dict | None = None,
-        attention_bias: bool = True,
-        pad_token_id: int | None = 151329,
-        eos_token_id=None,
-        bos_token_id: int | None = None,
-        **kwargs,
-    ):
+        self, vocab_size: int = 151552, hidden_size: int = 4096, intermediate_size: int = 13696,
+        num_hidden_layers: int = 40, num_attention_heads: int = 32, num_key_value_heads: int = 2, head_dim: int = 128,
+        hidden_act: str = "silu", attention_dropout: float = 0.0, max_position_embeddings: int = 131072,
+        initializer_range: float = 0.02, rms_norm_eps: float = 1.5625e-07, use_cache: bool = True,
+        tie_word_embeddings: bool = False, rope_theta: float | None = None,
+        partial_rotary_factor: float | None = None, rope_parameters: dict | None = None,
+        rope_scaling: dict | None = None, attention_bias: bool = True, pad_token_id: int | None = 151329,
+        eos_token_id=None, bos_token_id: int | None = None, **kwargs,
+    ):  # fmt: skip
         self.vocab_size, self.hidden_size, self.intermediate_size = vocab_size, hidden_size, intermediate_size
         self.num_hidden_layers, self.num_attention_heads = num_hidden_layers, num_attention_heads
         self.num_key_value_heads, self.head_dim, self.hidden_act = num_key_value_heads, head_dim, hidden_act

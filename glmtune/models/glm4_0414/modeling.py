@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from ..kernels.attention import GroupedAttention, set_sequence_group
-from ..kernels.causal_lm import generation_inputs, lm_output, reorder_cache
+from ..kernels.causal_lm import CausalLMForward, generation_inputs
 from ..kernels.layers import RMSNorm, RotaryEmbedding, TiledMLP, run_layers
 from ..kernels.masks import positions_and_mask
 from ..kernels.ulysses import SequenceGroup
@@ -137,16 +137,11 @@ class Glm4Model(Glm4PreTrainedModel):
         set_sequence_group(self, sp, self.config.num_attention_heads, self.config.num_key_value_heads)
         self.sequence_group = sp
 
+    # The decoder's inputs in the order the causal LM passes them (kernels/causal_lm.py), in rows (fmt: skip).
     def forward(
-        self,
-        input_ids=None,
-        position_ids=None,
-        attention_mask=None,
-        past_key_values=None,
-        inputs_embeds=None,
-        use_cache=False,
-        seq_ids=None,
-    ):
+        self, input_ids=None, position_ids=None, attention_mask=None, past_key_values=None, inputs_embeds=None,
+        use_cache=False, seq_ids=None,
+    ) -> tuple[torch.Tensor, tuple | None]:  # fmt: skip
         """seq_ids [B, S]: packed rows (data/packing.py), which example each position belongs to (-1 = pad)."""
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
@@ -158,7 +153,7 @@ class Glm4Model(Glm4PreTrainedModel):
         return self.norm(hidden), presents
 
 
-class Glm4ForCausalLM(Glm4PreTrainedModel):
+class Glm4ForCausalLM(CausalLMForward, Glm4PreTrainedModel):
     # The planner's and quantizer's handle on the decoder blocks (quantize.py: their Linears take NF4/int8).
     block_prefix = "model.layers."
 
@@ -186,37 +181,19 @@ class Glm4ForCausalLM(Glm4PreTrainedModel):
     def set_sequence_group(self, sp: SequenceGroup | None) -> None:
         self.model.set_sequence_group(sp)
 
-    def forward(
-        self,
-        input_ids=None,
-        position_ids=None,
-        attention_mask=None,
-        past_key_values=None,
-        inputs_embeds=None,
-        labels=None,
-        use_cache=None,
-        output_attentions=None,
-        output_hidden_states=None,
-        return_dict=None,
-        return_last_logit=False,
-        seq_ids=None,
-        **kwargs,
-    ):
-        if use_cache is None:  # a cache is only useful for generation; in training it would hold K/V of every layer
-            use_cache = self.config.use_cache and not self.training
-        hidden, presents = self.model(
-            input_ids, position_ids, attention_mask, past_key_values, inputs_embeds, use_cache, seq_ids=seq_ids
-        )
-        return lm_output(self, hidden, presents, labels, return_last_logit, self.model._gradient_checkpointing_func)
+    @property
+    def checkpointed(self) -> nn.Module:
+        return self.model
+
+    def decode(self, ids, positions, mask, past, embeds, seq_ids, labels, use_cache, **kwargs):
+        """CausalLMForward's decoder step (keyword inputs of other models' generate() are accepted and ignored)."""
+        hidden, presents = self.model(ids, positions, mask, past, embeds, use_cache, seq_ids=seq_ids)
+        return hidden, presents, labels
 
     def prepare_inputs_for_generation(
         self, input_ids, past_key_values=None, attention_mask=None, position_ids=None, use_cache=True, **kwargs
     ):
         return generation_inputs(input_ids, past_key_values, attention_mask, position_ids, use_cache)
-
-    @staticmethod
-    def _reorder_cache(past_key_values, beam_idx):
-        return reorder_cache(past_key_values, beam_idx)
 
 
 __all__ = ["Glm4ForCausalLM", "Glm4Model", "Glm4DecoderLayer", "Glm4PreTrainedModel"]

@@ -20,20 +20,12 @@ from .export import hf_config
 
 # Same structure as GLM-4-9B-0414 (2 KV heads over 4 query heads, partial rotary, q/k/v bias, sandwich norms).
 TINY_ARCH = dict(
-    hidden_size=128,
-    intermediate_size=224,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    attention_bias=True,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=8192,
-    rope_theta=10000.0,
-    partial_rotary_factor=0.5,
+    hidden_size=128, intermediate_size=224, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=32, attention_bias=True, rms_norm_eps=1e-5,
+    max_position_embeddings=8192, rope_theta=10000.0, partial_rotary_factor=0.5,
     # Wider than 0.02, for the same reason as the ChatGLM tiny model (loading.TINY_ARCH).
     initializer_range=0.1,
-)
+)  # fmt: skip
 
 _TOOLS = (
     "{%- if tools -%}<|system|>{{ '\\n# 可用工具' }}{%- for tool in tools -%}"

@@ -79,6 +79,37 @@ def chunked_loss(
     return total if reduction == "sum" else total / (y != -100).sum().clamp(min=1)
 
 
+class CausalLMForward:
+    """The forward both families' causal LMs share, mixed in before their PreTrainedModel: transformers' argument
+    list (output_attentions, output_hidden_states and return_dict are accepted and ignored: the output is always a
+    CausalLMOutputWithPast without them), the family's `decode` for the decoder's hidden states, then lm_output.
+
+    A family defines `decode(ids, positions, mask, past, embeds, seq_ids, labels, use_cache, **extra)`, which
+    returns (hidden, presents, labels) for the decoder's inputs (`extra`: what only that family takes, GLM-4V's
+    images), and `checkpointed`: the module that holds the decoder's checkpoint function (set by
+    gradient_checkpointing_enable)."""
+
+    # Rows: the decoder's inputs; the loss's labels and transformers' flags; glmtune's own (packing, generate()'s
+    # last logit) and a family's extra inputs. Kept in rows by hand (fmt: skip), as transformers' own order.
+    def forward(
+        self, input_ids=None, position_ids=None, attention_mask=None, past_key_values=None, inputs_embeds=None,
+        labels=None, use_cache=None, output_attentions=None, output_hidden_states=None, return_dict=None,
+        return_last_logit=False, seq_ids=None, **extra,
+    ) -> CausalLMOutputWithPast:  # fmt: skip
+        # A cache is only useful for generation; in training it would just hold K/V of every layer.
+        if use_cache is None:
+            use_cache = self.config.use_cache and not self.training
+        hidden, presents, labels = self.decode(
+            input_ids, position_ids, attention_mask, past_key_values, inputs_embeds, seq_ids, labels, use_cache, **extra
+        )
+        ckpt = self.checkpointed._gradient_checkpointing_func
+        return lm_output(self, hidden, presents, labels, return_last_logit, ckpt)
+
+    @staticmethod
+    def _reorder_cache(past_key_values, beam_idx):
+        return reorder_cache(past_key_values, beam_idx)
+
+
 def lm_output(lm, hidden: torch.Tensor, presents, labels, last_only: bool, ckpt) -> CausalLMOutputWithPast:
     """What a causal LM's forward returns for its decoder's hidden states: the loss against `labels` and the logits
     (of the last position only for a generate() step: `last_only`), through `lm`'s output embeddings with its
