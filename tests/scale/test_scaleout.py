@@ -311,7 +311,8 @@ def session_processes(sid: int) -> list[int]:
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[3]) == sid:  # field 6 of stat: the session
+                    fields = f.read().rsplit(")", 1)[1].split()
+                    if int(fields[3]) == sid and fields[0] != "Z":  # field 6 of stat: the session; 3: state
                         found.append(int(entry))
             except (OSError, ValueError, IndexError):
                 continue
@@ -362,6 +363,7 @@ def ray_cluster(tmp_path_factory):
                 pass
         end = time.monotonic() + wait
         while session_processes(head.pid) and time.monotonic() < end:
+            head.poll()  # reap `ray start` itself: a zombie would count as alive until the wait ran out
             time.sleep(0.2)
 
 
