@@ -8,9 +8,10 @@ JOB: {"vllm": [{"name", "model", "lora" (folder or null), "max_lora_rank", "conv
       "transformers": [{"name", "model", "adapter" (folder or null), "conversations", "ids"}]}
 Every vLLM engine of the job runs in this one process, one after the other, its engine core in-process (a start
 costs ~2 s on 2 cores; ~17 s with the core in a process of its own, vLLM's default, which test_engines.py's
-`vllm serve` test keeps), with greedy decoding, fp32 and a 1 GiB KV cache; prompts are rendered by the engine from the export's chat template
-(or a request's `chat_template` file, as `vllm serve --chat-template` does). A spec's `requests` run on its engine
-after its own conversations, each with its own LoRA: more adapters of one base for the price of one engine start.
+`vllm serve` test keeps), with greedy decoding, fp32 and a 1 GiB KV cache; prompts are rendered by the engine
+from the export's chat template (or a request's `chat_template` file, as `vllm serve --chat-template` does). A
+spec's `requests` run on its engine after its own conversations, each with its own LoRA: more adapters of one
+base for the price of one engine start.
 The result names the model class vLLM chose for each engine (its native one, or the Transformers backend).
 """
 
