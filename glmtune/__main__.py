@@ -11,7 +11,6 @@ import gc
 import logging
 import os
 import shutil
-import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -37,7 +36,7 @@ from .launch import close_process_group, export_slurm_env, rank, run_name
 from .launch.console import console, fail
 from .launch.exits import EXIT_INTERRUPTED, EXIT_NO_TRIAL, STOP_PREFIX
 from .launch.signals import STOP, Interrupted
-from .launch.supervise import descendants
+from .launch.supervise import stop_descendants
 from .modes import sweepstop
 from .modes.prepare import prepare
 from .modes.report import disk_full_line
@@ -99,7 +98,8 @@ def execute(cfg: DictConfig) -> float | None:
         discard_unused(run_dir, own_logs)  # a run that never started leaves no folder (an earlier run's files stay)
         fail(str(err))
     except Interrupted as sig:
-        stop_children()
+        STOP.settle()  # stopping now: a repeat of the signal (launch/signals.py _watch, a second Ctrl-C) is ignored
+        stop_descendants()  # what a library was starting when the signal came (datasets' manager, pool workers)
         STOP.requeue()  # submitit's pre-emption signal: resubmitted (rank 0 exits in it); nothing was saved
         mode = cfg.get("mode", "train")
         before = "training began" if mode in ("train", "probe") else f"mode={mode} was ready"
@@ -122,18 +122,6 @@ def execute(cfg: DictConfig) -> float | None:
         gc.unfreeze()  # modes/run.settle_process froze the heap for the run; the exit's own collection sees it again
         STOP.uninstall()
         STOP.received, STOP.deferred = None, False  # a sweep runs the next trial in this process
-
-
-def stop_children() -> None:
-    """SIGTERM every process this one forked and that still runs. A signal that lands while a library starts
-    a helper process (datasets' multi-process map starts a Manager server, then waits for its address) leaves
-    that child running and unknown to its library; Python's exit would then wait for it forever. The children
-    die on SIGTERM: launch/signals.py resets their handler at the fork."""
-    for pid in descendants(os.getpid()):
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
 
 
 def _execute(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | None:

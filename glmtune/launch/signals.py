@@ -58,6 +58,7 @@ class StopSignals:
         self.deferred = False
         self._previous: dict[int, object] = {}
         self._fork_hook = False
+        self._blocked: set[int] = set()  # the stop signals _block blocked for a fork, until _unblock
 
     def install(self) -> "StopSignals":
         if threading.current_thread() is not threading.main_thread():
@@ -65,24 +66,42 @@ class StopSignals:
         for sig in (*STOP_SIGNALS, *filter(None, [preempt_signal()])):
             self._previous[sig] = signal.signal(sig, self._handle)
         if not self._fork_hook:  # once per process
-            os.register_at_fork(after_in_child=self._in_child)
+            os.register_at_fork(before=self._block, after_in_parent=self._unblock, after_in_child=self._in_child)
             self._fork_hook = True
         if sys.unraisablehook is not _quiet_unraisable:
             _quiet_unraisable.default = sys.unraisablehook
             sys.unraisablehook = _quiet_unraisable
         return self
 
+    def _block(self) -> None:
+        """Before a fork: the stop signals wait (blocked in the forking thread, so in the child too) until the
+        child has dropped the handler (_in_child). Unblocked, a SIGTERM landing between the fork and that reset ran
+        this handler in the child, inside an at-fork hook where Python drops the exception: the child lived on,
+        and a manager process that outlives its SIGTERM keeps the parent's exit waiting for it (multiprocessing
+        joins its non-daemon children at exit)."""
+        self._blocked = set(self._previous)  # recorded first: a signal raising right after the call still gets undone
+        if self._blocked:
+            signal.pthread_sigmask(signal.SIG_BLOCK, self._blocked)
+
+    def _unblock(self) -> None:
+        """After a fork (in the parent, and last in the child): a stop signal that came meanwhile is delivered now."""
+        if self._blocked:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, self._blocked)
+            self._blocked = set()
+
     def _in_child(self) -> None:
         """A forked child (a data-build worker, datasets' manager, a DataLoader worker) does not inherit the
         handler: raising Interrupted there would print a traceback per child, and a child that swallowed it would
         keep its parent waiting at exit. SIGTERM kills it (what a pool's terminate() sends); SIGINT, which Ctrl-C
-        sends to the whole foreground group, and SIGUSR1 are the parent's to act on."""
+        sends to the whole foreground group, and SIGUSR1 are the parent's to act on. A SIGTERM sent during the
+        fork was held (_block) and kills the child when the mask is restored, after the reset."""
         if self._previous:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             for sig in self._previous:
                 if sig != signal.SIGTERM:
-                    signal.signal(sig, signal.SIG_IGN)
+                    signal.signal(sig, signal.SIG_IGN)  # a SIGINT held since the fork is discarded with it
             self._previous.clear()
+        self._unblock()
 
     def settle(self) -> None:
         """The stop's checkpoint is complete: a later stop signal changes nothing and is ignored. torchrun sends

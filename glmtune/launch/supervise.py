@@ -39,6 +39,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 from .exits import ERROR_PREFIX, EXIT_BAD_INPUT, EXIT_INTERRUPTED
 from .signals import STOP_SIGNALS
@@ -73,6 +74,36 @@ def descendants(root: int) -> list[int]:
             found.append(child)
             todo.append(child)
     return found
+
+
+def running(pid: int) -> bool:
+    """Whether the process exists and is not a zombie (an exited child its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def stop_descendants(grace_s: float = 2.0) -> None:
+    """SIGTERM every process below this one, then SIGKILL what still runs `grace_s` later. Looked up again until
+    none runs: a pool's helper thread may fork a replacement for a worker just stopped. SIGKILL, because a child
+    can outlive a SIGTERM (one that lands before it has dropped its parent's handler) and Python's exit then
+    waits for it: multiprocessing joins its non-daemon children, datasets' manager process among them."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        alive = [pid for pid in descendants(os.getpid()) if running(pid)]
+        if not alive:
+            return
+        late = time.monotonic() >= deadline
+        for pid in alive:
+            try:
+                os.kill(pid, signal.SIGKILL if late else signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        if late:
+            return
+        time.sleep(0.05)  # s: a stopped Python process usually exits within a few ms
 
 
 def is_rank(pid: int) -> bool:

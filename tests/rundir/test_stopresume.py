@@ -28,7 +28,14 @@ ARGS = [
     f"data.train_file={REPO / 'data/samples/train.jsonl'}",
     "data.val_file=null",
 ]
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+# PYTHONFAULTHANDLER: a process that hangs prints every thread's stack on SIGABRT (stopped_or_stacks).
+ENV = {
+    **os.environ,
+    "PYTHONUNBUFFERED": "1",
+    "OMP_NUM_THREADS": "1",
+    "PYTHONPATH": str(REPO),
+    "PYTHONFAULTHANDLER": "1",
+}
 
 
 def start(cmd, cwd) -> subprocess.Popen:
@@ -301,6 +308,25 @@ def wait_for_workers(proc: subprocess.Popen, cache: Path, count: int = 2) -> lis
         time.sleep(0.05)
 
 
+def stopped_or_stacks(proc: subprocess.Popen, timeout: float) -> str:
+    """The stderr of a process that exits within `timeout` s; else fail with where each of its threads waits
+    (faulthandler's dump on SIGABRT: PYTHONFAULTHANDLER is set in ENV) and which of its children still run."""
+    try:
+        return proc.communicate(timeout=timeout)[1]
+    except subprocess.TimeoutExpired:
+        from glmtune.launch.supervise import running
+
+        left = []
+        for pid in filter(running, children(proc.pid)):
+            try:
+                left.append(f"{pid} {Path(f'/proc/{pid}/cmdline').read_bytes()[:120]!r}")
+            except OSError:
+                pass  # exited meanwhile
+        proc.send_signal(signal.SIGABRT)
+        err = proc.communicate(timeout=30)[1]
+        pytest.fail(f"no exit {timeout:.0f} s after the signal; children: {left}; stderr: {err[-6000:]}")
+
+
 def gone(pids: list[int], timeout: float = 10) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -333,7 +359,7 @@ def test_a_signal_during_a_multi_process_cache_build_stops_within_seconds(tmp_pa
         workers = wait_for_workers(proc, cache)
         sent = time.monotonic()
         proc.send_signal(sig)
-        _, err = proc.communicate(timeout=60)
+        err = stopped_or_stacks(proc, 60)
         assert time.monotonic() - sent < 10, f"try {attempt}: {time.monotonic() - sent:.1f} s"
         assert proc.returncode == 7, f"try {attempt}: {err[-3000:]}"
         assert f"stopped by {sig.name} before training began" in stop_line(err)  # one line, no traceback
@@ -364,3 +390,50 @@ def test_kill_9_during_a_multi_process_cache_build_leaves_no_orphan_and_the_same
     done = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "waiting for another process" not in done.stdout + done.stderr
+
+
+FORK_WINDOW = """
+import os, signal, time
+# Registered before the stop handler's own hook, so it runs first in the child: a SIGTERM that lands between the
+# fork and the child's reset of the handler (a parent stopping its children at that moment).
+os.register_at_fork(after_in_child=lambda: os.kill(os.getpid(), signal.SIGTERM))
+from glmtune.launch.signals import STOP
+STOP.install()
+pid = os.fork()
+if pid == 0:
+    time.sleep(5)
+    os._exit(0)
+print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+def test_a_child_signalled_while_it_forks_dies_of_it():
+    """The child of a process with the stop handler installed must die of a SIGTERM it gets at any moment: one
+    that outlived it kept the parent's exit waiting (CI, stop 46: datasets' manager process, joined at exit)."""
+    out = subprocess.run(
+        [sys.executable, "-c", FORK_WINDOW], env=ENV, capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.split() == [str(-signal.SIGTERM)], out.stdout + out.stderr
+
+
+STRAGGLER = """
+import subprocess, sys, time
+from glmtune.launch.supervise import stop_descendants
+deaf = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(60)"
+plain = "import time; print(1, flush=True); time.sleep(60)"
+children = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE) for code in (deaf, plain)]
+for child in children:
+    child.stdout.readline()  # started, and SIGTERM ignored by the first
+start = time.monotonic()
+stop_descendants(grace_s=1.0)
+print([child.wait(timeout=10) for child in children], round(time.monotonic() - start, 1))
+"""
+
+
+def test_stopping_the_children_kills_one_that_ignores_sigterm():
+    out = subprocess.run(
+        [sys.executable, "-c", STRAGGLER], env=ENV, capture_output=True, text=True, timeout=60, check=True
+    )
+    codes, seconds = out.stdout.rsplit(" ", 1)
+    assert codes == f"[{-signal.SIGKILL}, {-signal.SIGTERM}]", out.stdout + out.stderr
+    assert 0.9 < float(seconds) < 5, out.stdout  # SIGKILL after the grace, not before
