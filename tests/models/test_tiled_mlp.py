@@ -206,53 +206,63 @@ def test_training_through_the_cli_with_tiled_mlp_on(tmp_path):
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
 
 
+def two_ranks(out, repo, data, dist: str, tiled: str) -> tuple[list[float], dict]:
+    """A 3-step torchrun run on 2 ranks: its logged losses and its adapter."""
+    from safetensors.torch import load_file
+
+    proc = subprocess.run(
+        [
+            str(BIN / "torchrun"),
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "glmtune",
+            f"dist={dist}",
+            "lora=all_linear",
+            "lora.dropout=0",
+            f"data.train_file={data}",
+            "data.val_file=null",
+            "train.max_steps=3",
+            "train.gradient_checkpointing=on",
+            "train.logging_steps=1",
+            "probe.enabled=false",
+            f"train.tiled_mlp={tiled}",
+            f"hydra.run.dir={out}",
+        ],
+        cwd=repo,
+        env=ranks_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    plan = json.loads((out / "plan.json").read_text())["choices"]
+    assert plan["zero_stage"] == (3 if dist == "zero3" else 0)
+    assert plan["mlp_tile_tokens"] == (128 if tiled == "on" else 0)
+    return [r["loss"] for r in metrics_rows(out) if "loss" in r], load_file(
+        str(out / "adapter" / "adapter_model.safetensors")
+    )
+
+
+@pytest.fixture(scope="module")
+def untiled(tmp_path_factory, repo):
+    """The untiled run both layouts are compared with: DDP (ZeRO-3 takes the same steps: tests/train/test_same_math.py)."""
+    folder = tmp_path_factory.mktemp("untiled")
+    data = write_long(folder / "long.jsonl", rows=8)
+    return data, two_ranks(folder / "off", repo, data, "ddp", "off")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dist", ["zero3", "ddp"])
-def test_two_ranks_train_the_same_adapter_tiled_or_not(tmp_path, repo, dist):
+def test_two_ranks_train_the_same_adapter_tiled_or_not(tmp_path, repo, untiled, dist):
     """ZeRO-3 (reentrant tiles: its parameter gathering, and one gradient reduction per step though every tile adds
     to it) and DDP (non-reentrant tiles: its reducer takes each parameter's gradient once) on two ranks, block
     checkpointing on: the same losses and, after 3 steps, the same adapter as untiled (lora.dropout=0: the masks
     would be drawn per tile)."""
-    from safetensors.torch import load_file
-
-    data = write_long(tmp_path / "long.jsonl", rows=8)
-    losses, adapters = {}, {}
-    for tiled in ("on", "off"):
-        out = tmp_path / tiled
-        proc = subprocess.run(
-            [
-                str(BIN / "torchrun"),
-                "--standalone",
-                "--nproc_per_node",
-                "2",
-                "-m",
-                "glmtune",
-                f"dist={dist}",
-                "lora=all_linear",
-                "lora.dropout=0",
-                f"data.train_file={data}",
-                "data.val_file=null",
-                "train.max_steps=3",
-                "train.gradient_checkpointing=on",
-                "train.logging_steps=1",
-                "probe.enabled=false",
-                f"train.tiled_mlp={tiled}",
-                f"hydra.run.dir={out}",
-            ],
-            cwd=repo,
-            env=ranks_env(),
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        plan = json.loads((out / "plan.json").read_text())["choices"]
-        assert plan["zero_stage"] == (3 if dist == "zero3" else 0)
-        assert plan["mlp_tile_tokens"] == (128 if tiled == "on" else 0)
-        rows = metrics_rows(out)
-        losses[tiled] = [r["loss"] for r in rows if "loss" in r]
-        adapters[tiled] = load_file(str(out / "adapter" / "adapter_model.safetensors"))
-    assert len(losses["on"]) == 3 and losses["on"] == pytest.approx(losses["off"], rel=1e-5)
-    assert adapters["on"].keys() == adapters["off"].keys() and len(adapters["on"]) == 16
-    for name, ref in adapters["off"].items():
-        assert (adapters["on"][name] - ref).norm() <= 1e-5 * ref.norm(), name
+    data, (losses_off, adapter_off) = untiled
+    losses_on, adapter_on = two_ranks(tmp_path / "on", repo, data, dist, "on")
+    assert len(losses_on) == 3 and losses_on == pytest.approx(losses_off, rel=1e-5)
+    assert adapter_on.keys() == adapter_off.keys() and len(adapter_on) == 16
+    for name, ref in adapter_off.items():
+        assert (adapter_on[name] - ref).norm() <= 1e-5 * ref.norm(), name
