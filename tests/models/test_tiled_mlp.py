@@ -210,39 +210,17 @@ def two_ranks(out, repo, data, dist: str, tiled: str) -> tuple[list[float], dict
     """A 3-step torchrun run on 2 ranks: its logged losses and its adapter."""
     from safetensors.torch import load_file
 
-    proc = subprocess.run(
-        [
-            str(BIN / "torchrun"),
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            "-m",
-            "glmtune",
-            f"dist={dist}",
-            "lora=all_linear",
-            "lora.dropout=0",
-            f"data.train_file={data}",
-            "data.val_file=null",
-            "train.max_steps=3",
-            "train.gradient_checkpointing=on",
-            "train.logging_steps=1",
-            "probe.enabled=false",
-            f"train.tiled_mlp={tiled}",
-            f"hydra.run.dir={out}",
-        ],
-        cwd=repo,
-        env=ranks_env(),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    launcher = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "glmtune"]
+    layout = [f"dist={dist}", f"train.tiled_mlp={tiled}", "train.gradient_checkpointing=on", "lora=all_linear"]
+    quiet = ["lora.dropout=0", "data.val_file=null", "probe.enabled=false", "train.logging_steps=1"]
+    cmd = [*launcher, *layout, *quiet, f"data.train_file={data}", "train.max_steps=3", f"hydra.run.dir={out}"]
+    proc = subprocess.run(cmd, cwd=repo, env=ranks_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     plan = json.loads((out / "plan.json").read_text())["choices"]
     assert plan["zero_stage"] == (3 if dist == "zero3" else 0)
     assert plan["mlp_tile_tokens"] == (128 if tiled == "on" else 0)
-    return [r["loss"] for r in metrics_rows(out) if "loss" in r], load_file(
-        str(out / "adapter" / "adapter_model.safetensors")
-    )
+    adapter = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    return [r["loss"] for r in metrics_rows(out) if "loss" in r], adapter
 
 
 @pytest.fixture(scope="module")
