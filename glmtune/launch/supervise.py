@@ -88,8 +88,8 @@ def running(pid: int) -> bool:
 def stop_descendants(grace_s: float = 2.0) -> None:
     """SIGTERM every process below this one, then SIGKILL what still runs `grace_s` later. Looked up again until
     none runs: a pool's helper thread may fork a replacement for a worker just stopped. SIGKILL, because a child
-    can outlive a SIGTERM (one that lands before it has dropped its parent's handler) and Python's exit then
-    waits for it: multiprocessing joins its non-daemon children, datasets' manager process among them."""
+    that outlives its SIGTERM (one that ignores or handles it; launch/signals.py covers the fork itself) keeps
+    Python's exit waiting: multiprocessing joins its non-daemon children, datasets' manager process among them."""
     deadline = time.monotonic() + grace_s
     while True:
         alive = [pid for pid in descendants(os.getpid()) if running(pid)]
