@@ -109,7 +109,9 @@ def deepspeed_on_rehearsal_group() -> None:
     import deepspeed
 
     from ..train.rehearsal import BACKEND
+    from ..train.zero3 import skip_shm_build
 
+    skip_shm_build()
     deepspeed.init_distributed(dist_backend=BACKEND, auto_mpi_discovery=False, verbose=False)
 
 

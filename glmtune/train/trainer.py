@@ -36,7 +36,7 @@ from .phases import format_peaks, gathered_peaks
 from .saving import CompleteMarker, save_adapter
 from .timeline import MemoryTimeline
 from .tracking import TrackerRuns, launch_params, run_label
-from .zero3 import adapter_fingerprint, deepspeed_config
+from .zero3 import adapter_fingerprint, deepspeed_config, skip_shm_build
 
 
 def training_args(
@@ -56,6 +56,7 @@ def training_args(
     eval_every = 1 if probe_steps else cfg.eval_steps
     if choices.zero_stage == 3 or user_ds is not None:
         single_process_env()
+        skip_shm_build()
     quiet = probe_steps > 0
     max_steps = probe_steps or (cfg.max_steps if cfg.max_steps > 0 else -1)
     return TrainingArguments(

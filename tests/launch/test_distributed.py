@@ -62,6 +62,9 @@ def test_deepspeed_config_is_zero3_from_the_plan():
 def test_zero3_two_ranks_train_agree_and_the_saved_adapter_is_the_trained_one(tmp_path, repo):
     data = write_fixed(tmp_path / "fixed.jsonl")
     out = tmp_path / "run"
+    # Where torch keeps JIT-built extensions: DeepSpeed's CPU shared-memory all-reduce would be compiled here
+    # (~60 s), and glmtune tells it not to (train/zero3.skip_shm_build).
+    extensions = tmp_path / "torch_extensions"
     proc = subprocess.run(
         [
             str(BIN / "torchrun"),
@@ -83,13 +86,14 @@ def test_zero3_two_ranks_train_agree_and_the_saved_adapter_is_the_trained_one(tm
             f"hydra.run.dir={out}",
         ],
         cwd=repo,
-        env=ranks_env(),
+        env=ranks_env(TORCH_EXTENSIONS_DIR=str(extensions)),
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert json.loads((out / "plan.json").read_text())["choices"]["zero_stage"] == 3
+    assert not extensions.exists() or not any(extensions.iterdir()), "a C++ extension was built for the run"
 
     # Rank 0 alone wrote metrics: one line per step, not one per rank.
     logged = metrics_rows(out)
