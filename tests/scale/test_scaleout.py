@@ -6,7 +6,7 @@
 - SIGTERM to both nodes mid-run (Kueue's pre-emption): exit 7 within the TrainJob's grace period; the same two
   commands again resume to the same adapter, while the progress endpoint is dead the whole time.
 - A local Ray cluster (2 CPUs, a 100 MB object store, no dashboard): `python -m glmtune.ray --workers 2` trains the
-  same adapter; with one worker process killed mid-run, Ray restarts the group and glmtune resumes to it; a bad
+  same adapter, with one worker process killed mid-run (Ray restarts the group and glmtune resumes to it); a bad
   input ends in the rank's line and exit 2.
 """
 
@@ -384,18 +384,6 @@ def own_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("glmtune: ")]
 
 
-@pytest.mark.slow
-def test_ray_two_workers_train_torchruns_adapter(tmp_path, ray_cluster, reference):
-    env, _ = ray_cluster
-    proc = ray_run(env, tmp_path, "--name", "whole", *ARGS)
-    out, err = proc.communicate(timeout=900)
-    assert proc.returncode == 0, (out[-2000:], err[-3000:])
-    run_dir = tmp_path / "whole" / "glmtune"
-    assert f"glmtune on Ray: done; run dir {run_dir}" in out
-    assert json.loads((run_dir / "plan.json").read_text())["choices"]["world_size"] == 2  # Ray's world
-    assert_same_adapter(run_dir, reference)
-
-
 def rank_process(run_dir: Path, rank: int) -> int | None:
     """The glmtune rank `rank` training into `run_dir` (a child of its Ray worker), found by its env and argv."""
     for entry in filter(str.isdigit, os.listdir("/proc")):
@@ -410,7 +398,11 @@ def rank_process(run_dir: Path, rank: int) -> int | None:
 
 
 @pytest.mark.slow
-def test_ray_restarts_the_group_after_a_worker_process_is_killed_and_glmtune_resumes(tmp_path, ray_cluster, reference):
+def test_ray_two_workers_train_torchruns_adapter_and_resume_it_after_a_worker_process_is_killed(
+    tmp_path, ray_cluster, reference
+):
+    """The group trains to a first complete checkpoint, loses a worker process, and Ray's restarted group resumes
+    the run to torchrun's adapter (a run that loses nothing takes the same path without the restart)."""
     env, _ = ray_cluster
     run_dir = tmp_path.resolve() / "killed" / "glmtune"  # as the driver names it
     proc = ray_run(env, tmp_path, "--name", "killed", "--max-failures", "1", *ARGS)
@@ -427,6 +419,8 @@ def test_ray_restarts_the_group_after_a_worker_process_is_killed_and_glmtune_res
     out, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, (out[-2000:], err[-3000:])
     assert "resuming from" in out  # the restarted group continued the run from its last complete checkpoint
+    assert f"glmtune on Ray: done; run dir {run_dir}" in out
+    assert json.loads((run_dir / "plan.json").read_text())["choices"]["world_size"] == 2  # Ray's world
     assert_same_adapter(run_dir, reference)
 
 

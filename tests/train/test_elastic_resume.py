@@ -1,5 +1,8 @@
 """A run stopped on one machine continues on another: other process counts and engines, the same result.
 
+The uninterrupted 2-process run (1 example a micro-batch x 2 accumulated x 2 processes) is first checked against
+the same global batch split otherwise: 4 x 1 x 1 process, 2 x 1 x 2 processes and ZeRO-3 1 x 2 x 2 log the same
+loss and gradient norm at every step and end, after 14 steps (one epoch boundary crossed), with its adapter.
 Each interrupted run is stopped by SIGTERM (to its ranks, as a scheduler does) after its first checkpoint, then
 resumed with another number of processes or engine. It must end with the uninterrupted 2-process run's adapter
 (rtol 1e-4), log the same loss at every step, and train every example exactly once per epoch — checked by the
@@ -87,9 +90,9 @@ def finish(out: Path, nproc: int, *extra: str, log: Path) -> str:
     return stdout
 
 
-def step_losses(out: Path) -> dict[int, float]:
+def step_losses(out: Path, key: str = "loss") -> dict[int, float]:
     rows = metrics_rows(out)
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    return {r["step"]: r[key] for r in rows if "loss" in r}
 
 
 def trained_ids(log: Path) -> dict[int, list[int]]:
@@ -113,6 +116,23 @@ def reference(tmp_path_factory):
         load_file(str(out / "adapter" / "adapter_model.safetensors")),
         trained_ids(root / "reference-ids"),
     )
+
+
+def test_fourteen_steps_agree_across_processes_and_zero3(reference, tmp_path):
+    """The plan's memory levers never change the result (test_same_math.py), here across processes and engines."""
+    ref_dir, ref_losses, ref_adapter, _ = reference
+    assert len(ref_losses) == STEPS
+    for name, nproc, split in [
+        ("4x1x1", 1, ["train.per_device_batch_size=4", "train.grad_accum=1"]),
+        ("2x1x2", 2, ["train.per_device_batch_size=2", "train.grad_accum=1"]),
+        ("zero3-1x2x2", 2, ["train.per_device_batch_size=1", "train.grad_accum=2", "dist=zero3"]),
+    ]:
+        out = tmp_path / name
+        finish(out, nproc, *split, log=tmp_path / f"{name}-ids")
+        assert step_losses(out) == pytest.approx(ref_losses, rel=1e-5), name
+        # the whole LoRA gradient's norm, every step
+        assert step_losses(out, "grad_norm") == pytest.approx(step_losses(ref_dir, "grad_norm"), rel=1e-5), name
+        assert_same_adapter(load_file(str(out / "adapter" / "adapter_model.safetensors")), ref_adapter, name)
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_same_math import BIN, COMMON, REPO, StepGradients, adapter, assert_same_adapter, compose_run, step_losses
+from helpers import BIN
+from test_same_math import COMMON, REPO, StepGradients, adapter, assert_same_adapter, compose_run, step_losses
 from transformers import TrainerCallback
 
 from glmtune.data.packing import RowPacker, decide_packing, first_fit

@@ -1,23 +1,21 @@
 """The plan's memory levers never change the result (train.loss_normalization=tokens, the default).
 
-The same global batch split as micro-batch × accumulation × processes, with checkpointing and the chunked loss on
-or off, under DDP or ZeRO-3, must give the same step losses, the same LoRA gradients and (after 14 steps)
-the same adapter, up to floating-point order. LoRA dropout is 0: a split draws its dropout masks differently.
+The same global batch split as micro-batch × accumulation, with checkpointing and the chunked loss on or off, must
+give the same step losses and the same LoRA gradients, up to floating-point order. LoRA dropout is 0: a split draws
+its dropout masks differently. Split across processes and under ZeRO-3, 14 steps of the command: in
+test_elastic_resume.py, against the 2-process run its resumed runs must end at.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import BIN, REPO
+from helpers import REPO
 from helpers.files import metrics_rows
-from helpers.launch import ranks_env
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
@@ -38,7 +36,6 @@ COMMON = [
     "probe.enabled=false",
     "data.val_file=null",
 ]
-ENV = ranks_env()
 
 
 def compose_run(*overrides: str):
@@ -150,22 +147,6 @@ def test_the_demo_normalization_weighs_micro_batches_and_differs_when_split():
     assert not torch.allclose(split_demo[0][name], whole_demo[0][name], rtol=1e-3)
 
 
-def cli(out: Path, *args: str, nproc: int = 1, timeout=900) -> subprocess.CompletedProcess:
-    launcher = (
-        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(nproc), "-m", "glmtune"]
-        if nproc > 1
-        else [sys.executable, "-m", "glmtune"]
-    )
-    return subprocess.run(
-        [*launcher, *COMMON, *args, f"hydra.run.dir={out}"],
-        cwd=REPO,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
 def step_losses(run_dir: Path, key: str = "loss") -> list[float]:
     rows = metrics_rows(run_dir)
     return [r[key] for r in rows if "loss" in r]
@@ -173,33 +154,6 @@ def step_losses(run_dir: Path, key: str = "loss") -> list[float]:
 
 def adapter(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
-
-
-@pytest.mark.slow
-def test_ten_steps_agree_across_processes_and_zero3(tmp_path):
-    """micro-batch × accumulation × processes ∈ {4×1×1, 1×2×2, 2×1×2} and ZeRO-3 on 2 processes: the same logged
-    losses at every step, and after 14 steps (one epoch boundary crossed: 51 examples, 4 a step) the same adapter."""
-    runs = {"4x1x1": ([], 1), "1x2x2": ([], 2), "2x1x2": ([], 2), "zero3 1x2x2": (["dist=zero3"], 2)}
-    results = {}
-    for name, (extra, nproc) in runs.items():
-        micro, accum = name.split()[-1].split("x")[:2]
-        out = tmp_path / name.replace(" ", "-")
-        proc = cli(
-            out,
-            "train.max_steps=14",
-            f"train.per_device_batch_size={micro}",
-            f"train.grad_accum={accum}",
-            *extra,
-            nproc=nproc,
-        )
-        assert proc.returncode == 0, (name, proc.stderr[-3000:])
-        results[name] = (step_losses(out), adapter(out), step_losses(out, "grad_norm"))
-    ref_losses, ref_adapter, ref_norms = results["4x1x1"]
-    assert len(ref_losses) == 14
-    for name, (losses, weights, norms) in results.items():
-        assert losses == pytest.approx(ref_losses, rel=1e-5), name
-        assert norms == pytest.approx(ref_norms, rel=1e-5), name  # the whole LoRA gradient's norm, every step
-        assert_same_adapter(weights, ref_adapter, name)
 
 
 def test_step_token_counts_come_from_the_cache_and_match_the_labels():

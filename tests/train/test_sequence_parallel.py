@@ -3,8 +3,9 @@
 Each layout is one real launch of the command (torchrun on gloo, CPU, the tiny GLM-4 in fp32, LoRA dropout 0)
 with a global batch of 4 examples, against one single-process run of the same global batch: the same example
 ids in every step (each sequence-parallel group's ranks alike, the groups together = the reference's), the step
-losses and gradient norms within rtol 1e-5, the adapter within 1e-4 of each tensor's largest value. Then a run
-stopped under SP 2 resumes in one process with the uninterrupted run's adapter.
+losses and gradient norms within rtol 1e-5, the adapter within 1e-4 of each tensor's largest value; DP 2 x SP 2
+also evaluates, to a 2-process data-parallel run's eval loss. Then a run stopped under SP 2 resumes in one process
+with the uninterrupted run's adapter.
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ COMMON = [
     "lora.dropout=0",
     "train.logging_steps=1",
     "probe.enabled=false",
-    "data.val_file=null",
     "train.report_to=[]",
     f"data.train_file={REPO / 'data/samples/train.jsonl'}",
 ]
+NO_EVAL = ["data.val_file=null"]
+# Evaluations at steps 2 and 4, the 8 val examples in batches of 3, 3 and 2: a short last batch on each group.
+EVAL = [f"data.val_file={REPO / 'data/samples/val.jsonl'}", "train.eval_steps=2", "train.eval_batch_size=3"]
 
 
 def launch(out: Path, nproc: int, *args: str, wait: bool = True):
@@ -105,26 +108,35 @@ def assert_same_adapter(mine: dict, ref: dict, name: str) -> None:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("sp") / "reference"
-    launch(out, 1, f"train.max_steps={STEPS}", "train.per_device_batch_size=4")
+    launch(out, 1, f"train.max_steps={STEPS}", "train.per_device_batch_size=4", *NO_EVAL)
     return out
 
 
+@pytest.fixture(scope="module")
+def data_parallel(tmp_path_factory):
+    """2 processes, no SP, evaluating: what DP 2 x SP 2 must evaluate to (data parallel shards the eval batches,
+    so its eval loss is not one process's)."""
+    out = tmp_path_factory.mktemp("sp") / "dp2"
+    launch(out, 2, f"train.max_steps={STEPS}", "train.per_device_batch_size=2", *EVAL)
+    return out
+
+
+# Packed rows under SP 2 and 4, with evaluation, are each family's case in test_sequence_parallel_models.py.
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name, nproc, args",
     [
-        ("sp2", 2, ["dist.sequence_parallel=2", "train.per_device_batch_size=4"]),
-        ("dp2 x sp2", 4, ["dist.sequence_parallel=2", "train.per_device_batch_size=2"]),
-        ("sp4, KV groups replicated", 4, ["dist.sequence_parallel=4", "train.per_device_batch_size=4"]),
+        ("sp2", 2, ["dist.sequence_parallel=2", "train.per_device_batch_size=4", *NO_EVAL]),
+        ("dp2 x sp2", 4, ["dist.sequence_parallel=2", "train.per_device_batch_size=2", *EVAL]),
+        ("sp4, KV groups replicated", 4, ["dist.sequence_parallel=4", "train.per_device_batch_size=4", *NO_EVAL]),
         (
             "zero3 + sp2",
             2,
-            ["dist.sequence_parallel=2", "dist=zero3", "train.per_device_batch_size=2", "train.grad_accum=2"],
+            ["dist.sequence_parallel=2", "dist=zero3", "train.per_device_batch_size=2", "train.grad_accum=2", *NO_EVAL],
         ),
-        ("packed sp2", 2, ["dist.sequence_parallel=2", "data.packing=on", "train.per_device_batch_size=4"]),
     ],
 )
-def test_a_layout_trains_what_one_process_trains(reference, tmp_path, name, nproc, args):
+def test_a_layout_trains_what_one_process_trains(reference, request, tmp_path, name, nproc, args):
     out = tmp_path / name.split(",")[0].replace(" ", "-")
     launch(out, nproc, f"train.max_steps={STEPS}", *args)
     sp = int(next(a for a in args if a.startswith("dist.sequence_parallel=")).split("=")[1])
@@ -133,12 +145,15 @@ def test_a_layout_trains_what_one_process_trains(reference, tmp_path, name, npro
     assert logged(out) == pytest.approx(logged(reference), rel=1e-5), name
     assert logged(out, "grad_norm") == pytest.approx(logged(reference, "grad_norm"), rel=1e-5), name
     assert_same_adapter(adapter(out), adapter(reference), name)
+    if EVAL[0] in args:  # the eval loss of each SP group's shards is the data-parallel run's, at steps 2 and 4
+        want = logged(request.getfixturevalue("data_parallel"), "eval_loss")
+        assert len(want) == 2 and logged(out, "eval_loss") == pytest.approx(want, rel=1e-5), name
 
 
 @pytest.mark.slow
 def test_a_run_stopped_under_sp2_resumes_in_one_process(tmp_path):
     steps = 8
-    args = [f"train.max_steps={steps}", "train.per_device_batch_size=4", "train.save_steps=1"]
+    args = [f"train.max_steps={steps}", "train.per_device_batch_size=4", "train.save_steps=1", *NO_EVAL]
     whole = tmp_path / "whole"
     launch(whole, 1, *args)
     out = tmp_path / "stopped"
