@@ -7,7 +7,7 @@ from pathlib import Path
 
 import datasets
 import pytest
-from helpers.cli import glmtune
+from helpers.cli import glmtune_in_process
 
 from glmtune.config import DataConfig
 from glmtune.data.formats import detect
@@ -201,11 +201,11 @@ def test_cli_trains_from_each_file_type_and_refuses_a_bad_row(fmt, kind, tmp_pat
         "train.max_steps=2",
         "probe.enabled=false",
     ]
-    proc = glmtune(*args, f"hydra.run.dir={tmp_path / 'run'}")
+    proc = glmtune_in_process(*args, f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
     bad = write([*records, BAD[fmt]], tmp_path, kind, name="bad")
-    proc = glmtune(*args[1:], f"data.train_file={bad}", f"hydra.run.dir={tmp_path / 'bad_run'}")
+    proc = glmtune_in_process(*args[1:], f"data.train_file={bad}", f"hydra.run.dir={tmp_path / 'bad_run'}")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].split("error: ")[-1].startswith(f"{bad}:row {len(records)}: ")
     assert not (tmp_path / "bad_run" / ".hydra").exists() and not (tmp_path / "bad_run" / "adapter").exists()
