@@ -108,7 +108,7 @@ def skip_shm_build() -> None:
     """Before DeepSpeed starts its communication layer: tell it not to build its shared-memory all-reduce.
 
     On its CPU accelerator DeepSpeed 0.19 JIT-compiles that op (deepspeed_shm_comm: C++ with g++ and ninja,
-    ~60 s of one core on this 2-core VM, once per venv, cached in ~/.cache/torch_extensions) whenever its
+    ~60 s of one core on a 2-core VM, once per venv, cached in ~/.cache/torch_extensions) whenever its
     communication layer starts, and every other rank waits on the build's lock meanwhile. Only its
     inference_all_reduce (tensor-parallel inference) calls the op; ZeRO-3 training's collectives go through
     torch.distributed. Marked incompatible, DeepSpeed skips the build: a first CPU ZeRO-3 run needs no compiler
