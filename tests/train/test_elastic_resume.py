@@ -23,8 +23,7 @@ import pytest
 from helpers import BIN, REPO
 from helpers.files import metrics_rows
 from helpers.launch import ranks_env
-from safetensors.torch import load_file
-from test_same_math import assert_same_adapter
+from test_same_math import adapter, assert_same_adapter
 
 from glmtune.models.presets import ensure_tiny
 from glmtune.train.checkpoints import all_checkpoints, is_complete
@@ -113,7 +112,7 @@ def reference(tmp_path_factory):
     return (
         out,
         step_losses(out),
-        load_file(str(out / "adapter" / "adapter_model.safetensors")),
+        adapter(out),
         trained_ids(root / "reference-ids"),
     )
 
@@ -132,7 +131,7 @@ def test_fourteen_steps_agree_across_processes_and_zero3(reference, tmp_path):
         assert step_losses(out) == pytest.approx(ref_losses, rel=1e-5), name
         # the whole LoRA gradient's norm, every step
         assert step_losses(out, "grad_norm") == pytest.approx(step_losses(ref_dir, "grad_norm"), rel=1e-5), name
-        assert_same_adapter(load_file(str(out / "adapter" / "adapter_model.safetensors")), ref_adapter, name)
+        assert_same_adapter(adapter(out), ref_adapter, name)
 
 
 @pytest.mark.parametrize(
@@ -154,8 +153,7 @@ def test_a_stopped_run_resumes_on_other_hardware_to_the_same_adapter(reference, 
     assert "keeps the global batch of 4" in stdout
 
     assert step_losses(out) == pytest.approx(ref_losses, rel=1e-5)
-    adapter = load_file(str(out / "adapter" / "adapter_model.safetensors"))
-    assert_same_adapter(adapter, ref_adapter)
+    assert_same_adapter(adapter(out), ref_adapter)
     ids = trained_ids(log)
     assert ids == ref_ids  # the same examples in every step: none skipped, none repeated
     first_epoch = [i for step in range(1, 14) for i in ids[step]]
